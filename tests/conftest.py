@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny Minari datasets written by the tests themselves (no network, no ../shared/datasets).
+
+    make_dataset(dataset_id, episodes, env, eval_env=None, **metadata) -> dataset_id
+        episodes: list of dicts with observations (T+1, ...) array or dict of arrays, actions (T, act), rewards (T,),
+        terminations (T,), truncations (T,). Written under a temporary MINARI_DATASETS_PATH (set for the session).
+    tiny_hopper -> 'test/hopper/tiny-v0': 12 random-policy Hopper-v5 episodes, no reference scores in the metadata
+    tiny_maze   -> 'test/pointmaze/tiny-dense-v0': 8 PointMaze_UMazeDense-v3 episodes (dict observations), eval
+                   horizon 40
+"""
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # belt and braces: nothing in the suite may reach the network
+
+
+@pytest.fixture(scope="session")
+def minari_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("minari_datasets")
+    old = os.environ.get("MINARI_DATASETS_PATH")
+    os.environ["MINARI_DATASETS_PATH"] = str(path)
+    yield path
+    if old is None:
+        del os.environ["MINARI_DATASETS_PATH"]
+    else:
+        os.environ["MINARI_DATASETS_PATH"] = old
+
+
+@pytest.fixture(scope="session")
+def make_dataset(minari_path):
+    import minari
+    from minari.data_collector import EpisodeBuffer
+
+    def make(dataset_id, episodes, env, eval_env=None, **metadata):
+        buffers = [EpisodeBuffer(id=i, observations=e["observations"], actions=np.asarray(e["actions"], np.float32),
+                                 rewards=list(map(float, e["rewards"])), terminations=list(map(bool, e["terminations"])),
+                                 truncations=list(map(bool, e["truncations"])), infos={})
+                   for i, e in enumerate(episodes)]
+        minari.create_dataset_from_buffers(dataset_id, buffers, env=env, eval_env=eval_env, algorithm_name="test",
+                                           author="tests", author_email="tests@example.org",
+                                           description="written by the test suite", **metadata)
+        return dataset_id
+    return make
+
+
+def rollout(env, n_episodes, max_steps, seed):
+    """Episodes of a smooth random policy (an Ornstein-Uhlenbeck-ish walk), recorded in Minari's T+1 layout."""
+    rng = np.random.default_rng(seed)
+    episodes = []
+    for ep in range(n_episodes):
+        obs, _ = env.reset(seed=seed + ep)
+        obs_list, acts, rews, terms, truncs = [obs], [], [], [], []
+        a = np.zeros(env.action_space.shape, np.float32)
+        for t in range(max_steps):
+            a = np.clip(0.8 * a + 0.5 * rng.standard_normal(a.shape), -1, 1).astype(np.float32)
+            obs, r, term, trunc, _ = env.step(a)
+            trunc = trunc or t == max_steps - 1
+            obs_list.append(obs), acts.append(a), rews.append(r), terms.append(term), truncs.append(trunc)
+            if term or trunc:
+                break
+        if isinstance(obs_list[0], dict):
+            obs_arr = {k: np.stack([o[k] for o in obs_list]) for k in obs_list[0]}
+        else:
+            obs_arr = np.stack(obs_list)
+        episodes.append(dict(observations=obs_arr, actions=np.stack(acts), rewards=np.array(rews),
+                             terminations=np.array(terms), truncations=np.array(truncs)))
+    return episodes
+
+
+@pytest.fixture(scope="session")
+def tiny_hopper(make_dataset):
+    import gymnasium as gym
+    env = gym.make("Hopper-v5")
+    return make_dataset("test/hopper/tiny-v0", rollout(env, 12, 200, seed=0), env=env)
+
+
+@pytest.fixture(scope="session")
+def tiny_maze(make_dataset):
+    import gymnasium as gym
+    import gymnasium_robotics
+    gym.register_envs(gymnasium_robotics)
+    env = gym.make("PointMaze_UMazeDense-v3", continuing_task=True, max_episode_steps=40)
+    eps = rollout(env, 8, 40, seed=1)
+    return make_dataset("test/pointmaze/tiny-dense-v0", eps, env=env, eval_env=env.spec,
+                        ref_min_score=0.0, ref_max_score=40.0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("filterwarnings", "ignore::UserWarning:minari.*")  # metadata advice for test datasets

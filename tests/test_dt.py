@@ -1,0 +1,136 @@
+"""dt.py: causality by perturbation, padding, overfitting, resume equality, the CLI on tiny Minari datasets."""
+import csv
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import dt
+
+
+def tiny_model(K=5, obs=4, act=2, **kw):
+    cfg = dt.Config(n_embd=32, n_layer=2, n_head=2, dropout=0.0, context=K, **kw)
+    torch.manual_seed(0)
+    return dt.DecisionTransformer(cfg, obs, act, max_ep_len=50).eval()
+
+
+def random_batch(B=3, K=5, obs=4, act=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(states=torch.randn(B, K, obs, generator=g), actions=torch.rand(B, K, act, generator=g) * 2 - 1,
+                rtg=torch.randn(B, K, 1, generator=g), timesteps=torch.arange(K).repeat(B, 1) + 3,
+                mask=torch.ones(B, K))
+
+
+def predict(model, b):
+    return model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])
+
+
+def test_causal_future_does_not_change_the_past():
+    model, b = tiny_model(), random_batch()
+    base = predict(model, b)
+    for t in range(5):
+        p = {k: v.clone() for k, v in b.items()}
+        p["states"][:, t + 1:] += 5.0
+        p["rtg"][:, t + 1:] -= 3.0
+        p["actions"][:, t:] = -p["actions"][:, t:]       # a_t itself must not influence the prediction of a_t
+        p["timesteps"][:, t + 1:] += 7
+        out = predict(model, p)
+        assert torch.allclose(out[:, :t + 1], base[:, :t + 1], atol=1e-6)
+        if t < 4:
+            assert not torch.allclose(out[:, t + 1:], base[:, t + 1:], atol=1e-4)  # ...and the future does move
+
+
+def test_left_padding_is_ignored():
+    model, b = tiny_model(), random_batch()
+    b["mask"][:, :2] = 0
+    base = predict(model, b)
+    p = {k: v.clone() for k, v in b.items()}
+    p["states"][:, :2] = 100.0
+    p["rtg"][:, :2] = -50.0
+    p["timesteps"][:, :2] = 40
+    assert torch.allclose(predict(model, p)[:, 2:], base[:, 2:], atol=1e-6)
+    assert torch.isfinite(base).all()
+
+
+def test_overfits_one_batch():
+    model, b = tiny_model(), random_batch(B=4, seed=1)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        loss = dt.loss_fn(model, b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 2e-3, loss.item()
+
+
+def test_paper_size_parameter_count():
+    cfg = dt.Config()
+    n = sum(p.numel() for p in dt.DecisionTransformer(cfg, 11, 3, 1000).parameters())
+    # kzl's gym DT on hopper has 727,695; we drop its vocab-1 wte (128) and the unused state (128*11+11) and
+    # return (128+1) heads: 727,695 - 128 - 1,419 - 129 = 726,019
+    assert n == 726_019
+
+
+def test_preset_then_explicit_flags():
+    cfg = dt.parse_args(["--preset", "cpu", "--n-embd", "48", "--resume"])
+    assert cfg.n_embd == 48 and cfg.n_layer == dt.PRESETS["cpu"]["n_layer"] and cfg.resume is True
+    assert dt.parse_args([]).n_embd == 128 and dt.parse_args([]).steps == 100_000
+
+
+def run_cli(args, out):
+    dt.main(["--n-embd", "16", "--n-layer", "1", "--context", "4", "--batch-size", "8", "--eval-episodes", "2",
+             "--log-every", "5", "--warmup-steps", "5", "--out", str(out), *args])
+
+
+def final_line(capsys):
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("final:")]
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_cli_run_writes_outputs(tiny_hopper, tmp_path, capsys):
+    run_cli(["--dataset", tiny_hopper, "--steps", "10", "--eval-every", "5"], tmp_path)
+    line = final_line(capsys)
+    assert line.startswith("final: normalized_score=") and line.endswith("episodes=2")
+    for f in ("config.json", "log.csv", "ckpt.pt", "curve.png"):
+        assert os.path.getsize(tmp_path / f) > 0
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ck["step"] == 10 and ck["dataset_id"] == tiny_hopper and ck["state_mean"].shape == (11,)
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    evals = [r for r in rows if r["target"]]
+    assert sorted({float(r["target"]) for r in evals}) == [1800.0, 3600.0] and len(evals) == 4
+    assert json.load(open(tmp_path / "config.json"))["steps"] == 10
+
+
+def test_cli_maze_reports_success(tiny_maze, tmp_path, capsys):
+    run_cli(["--dataset", tiny_maze, "--steps", "5", "--eval-every", "5"], tmp_path)
+    final_line(capsys)
+    rows = [r for r in csv.DictReader(open(tmp_path / "log.csv")) if r["target"]]
+    assert rows and rows[0]["success_rate"] != "" and float(rows[0]["steps_to_goal"]) <= 40
+
+
+def test_resume_gives_identical_weights(tiny_hopper, tmp_path, capsys):
+    common = ["--dataset", tiny_hopper, "--eval-every", "1000", "--eval-episodes", "1", "--seed", "3"]
+    run_cli(common + ["--steps", "20"], tmp_path / "straight")
+    run_cli(common + ["--steps", "10"], tmp_path / "split")
+    run_cli(common + ["--steps", "20", "--resume"], tmp_path / "split")
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=True)
+    assert a["step"] == b["step"] == 20
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for k in a["optimizer"]["state"]:
+        assert torch.equal(a["optimizer"]["state"][k]["exp_avg"], b["optimizer"]["state"][k]["exp_avg"])
+
+
+def test_resume_with_another_model_is_one_sentence(tiny_hopper, tmp_path, capsys):
+    run_cli(["--dataset", tiny_hopper, "--steps", "2", "--eval-every", "1000", "--eval-episodes", "1"], tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_cli(["--dataset", tiny_hopper, "--steps", "4", "--resume", "--n-embd", "24"], tmp_path)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "does not fit this model" in err and len(err.strip().splitlines()) == 1

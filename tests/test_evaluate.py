@@ -1,0 +1,74 @@
+"""Batched evaluation against the one-episode-at-a-time reference (which builds its windows from plain lists)."""
+import numpy as np
+import torch
+
+import data
+import evaluate
+
+
+def probe_policy(act_dim, seed=0):
+    """A deterministic policy that reads every field of the window, row by row in float64, and the env index, so
+    a wrong window, RTG update, previous action, mask or row order changes the episode."""
+    rng = np.random.default_rng(seed)
+    w = {k: rng.standard_normal(64) for k in ("states", "actions", "rewards", "rtg", "timesteps", "mask",
+                                              "prev_action", "prev_reward")}
+
+    def feat(x, k):
+        x = x.reshape(-1).astype(np.float64)
+        return np.resize(w[k], x.shape) @ x
+
+    def act(batch, live):
+        b = {k: v.cpu().numpy() for k, v in batch.items()}
+        out = []
+        for j, i in enumerate(live):
+            z = sum(feat(b[k][j], k) * 0.3 for k in w if k != "timesteps") + 1e-3 * feat(b["timesteps"][j], "timesteps")
+            out.append(np.tanh(z + 0.1 * i + np.arange(act_dim)))
+        return np.array(out)
+    return act
+
+
+def test_batched_equals_sequential_hopper(tiny_hopper):
+    d = data.load_data(tiny_hopper)
+    act = probe_policy(d.act_dim)
+    b = evaluate.evaluate(act, d, 4, 3600.0, seed=3, context=5, progress=False)
+    s = evaluate.evaluate_sequential(act, d, 4, 3600.0, seed=3, context=5)
+    assert len(set(b["lengths"].tolist())) > 1          # episodes end at different steps
+    assert np.array_equal(b["lengths"], s["lengths"])
+    assert np.allclose(b["returns"], s["returns"], rtol=0, atol=1e-9)
+    assert np.allclose(b["normalized"], d.normalize_score(b["returns"]))
+
+
+def test_batched_equals_sequential_maze(tiny_maze):
+    d = data.load_data(tiny_maze)
+    act = probe_policy(d.act_dim, seed=1)
+    b = evaluate.evaluate(act, d, 3, d.target_returns[0], seed=0, context=4, progress=False)
+    s = evaluate.evaluate_sequential(act, d, 3, d.target_returns[0], seed=0, context=4)
+    assert np.array_equal(b["lengths"], s["lengths"]) and (b["lengths"] == 40).all()  # maze: runs to the horizon
+    assert np.allclose(b["returns"], s["returns"], atol=1e-9)
+    assert np.array_equal(b["success"], s["success"]) and np.array_equal(b["steps_to_goal"], s["steps_to_goal"])
+
+
+def test_rtg_and_previous_step_bookkeeping(tiny_hopper):
+    """Record what act() sees and check it against the rewards the env returned."""
+    d = data.load_data(tiny_hopper)
+    seen = []
+
+    def act(batch, live):
+        seen.append({k: v.clone() for k, v in batch.items()} | {"live": live.copy()})
+        return np.full((len(live), d.act_dim), 0.3)
+    res = evaluate.evaluate(act, d, 2, 1000.0, seed=0, context=3, progress=False)
+    env0 = [b for b in seen if 0 in b["live"]]
+    rows = [b["live"].tolist().index(0) for b in env0]
+    rtg = np.array([b["rtg"][r, -1, 0].item() for b, r in zip(env0, rows)])
+    assert np.isclose(rtg[0], 1.0)                                   # 1000 * 1e-3
+    rewards = np.array([env0[t + 1]["rewards"][r, -2, 0].item() for t, r in enumerate(rows[1:])])
+    assert np.allclose(np.diff(rtg), -rewards * 1e-3, atol=1e-6)     # RTG_{t+1} = RTG_t - r_t (scaled)
+    last_r = (res["returns"][0] - rewards.sum())                     # the final reward is never shown to act()
+    assert abs(last_r) < 10
+    first, later = env0[0], env0[3]
+    assert first["mask"][rows[0]].tolist() == [0, 0, 1] and first["timesteps"][rows[0], -1] == 0
+    assert torch.allclose(first["prev_action"][rows[0]], torch.zeros(d.act_dim))          # null previous action
+    assert later["timesteps"][rows[3]].tolist() == [1, 2, 3]
+    assert torch.allclose(later["prev_action"][rows[3]], torch.full((d.act_dim,), 0.3))    # a_0 before the window
+    assert torch.allclose(later["actions"][rows[3], -1], torch.zeros(d.act_dim))           # a_t not known yet
+    assert len(env0) == res["lengths"][0]                                                  # stops at its own end

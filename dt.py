@@ -36,6 +36,7 @@ class Config:
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(1e-4, "AdamW weight decay")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
+    lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (not in the paper; resume with the same --steps)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
     eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end")
     eval_episodes: int = arg(10, "episodes per target return, run in parallel")
@@ -54,9 +55,11 @@ class Config:
 
 
 # A small DT that learns hopper-medium on 2 CPU cores in about ten minutes. Narrower, shallower, shorter context,
-# a higher learning rate with a short warmup; the paper's configuration stays the default.
+# a higher learning rate with a short warmup, decayed so that the last checkpoint (the one reported) is a settled
+# one: with a constant 1e-3, one seed in three fell from 40 to 13 between its last two evaluations.
+# The paper's configuration stays the default.
 PRESETS = {"cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3, warmup_steps=500,
-                       steps=6000, eval_every=2000, eval_episodes=10)}
+                       lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,6 +179,14 @@ def make_act(model):
     return act
 
 
+def lr_factor(s, cfg):
+    """Multiplier of --lr at step s: linear warmup (kzl), then constant, or with --lr-decay a cosine down to 0.1."""
+    if s < cfg.warmup_steps or not cfg.lr_decay:
+        return min((s + 1) / cfg.warmup_steps, 1.0)
+    progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def loss_fn(model, batch):
     pred = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])  # (B, K, act)
     err = ((pred - batch["actions"]) ** 2).mean(-1)                                                     # (B, K)
@@ -229,7 +240,7 @@ def train(cfg):
     model = DecisionTransformer(cfg, d.obs_dim, d.act_dim, d.max_ep_len).to(device)
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup_steps, 1.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     rng = np.random.default_rng(cfg.seed)
     step, wall, rows = 0, 0.0, []
 
@@ -320,10 +331,12 @@ def train(cfg):
 
 
 def bench_eval(cfg):
-    """10 episodes with the paper-size DT (untrained unless --resume finds a checkpoint), batched vs sequential."""
+    """10 episodes with the paper-size DT (untrained, or <out>/ckpt.pt with --resume), batched vs sequential."""
     d = data_lib.load_data(cfg.dataset or cfg.env)
     torch.manual_seed(cfg.seed)
     model = DecisionTransformer(cfg, d.obs_dim, d.act_dim, d.max_ep_len).eval()
+    if cfg.resume:  # a trained policy keeps the hopper up, so episodes are long enough to time
+        model.load_state_dict(torch.load(os.path.join(cfg.out, "ckpt.pt"), weights_only=True)["model"])
     act, g = make_act(model), d.target_returns[0]
     t0 = time.time()
     rb = eval_lib.evaluate(act, d, 10, g, cfg.seed, cfg.context, progress=False)

@@ -75,6 +75,14 @@ def test_paper_size_parameter_count():
     assert n == 726_019
 
 
+def test_lr_schedule_by_hand():
+    cfg = dt.Config(warmup_steps=10, steps=110)
+    assert [dt.lr_factor(s, cfg) for s in (0, 4, 9, 50, 109)] == [0.1, 0.5, 1.0, 1.0, 1.0]   # kzl: warmup, constant
+    cfg = dt.Config(warmup_steps=10, steps=110, lr_decay=True)
+    assert dt.lr_factor(9, cfg) == 1.0 and dt.lr_factor(10, cfg) == 1.0
+    assert abs(dt.lr_factor(60, cfg) - 0.55) < 1e-12 and abs(dt.lr_factor(110, cfg) - 0.1) < 1e-12
+
+
 def test_preset_then_explicit_flags():
     cfg = dt.parse_args(["--preset", "cpu", "--n-embd", "48", "--resume"])
     assert cfg.n_embd == 48 and cfg.n_layer == dt.PRESETS["cpu"]["n_layer"] and cfg.resume is True

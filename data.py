@@ -104,6 +104,7 @@ class OfflineData:
     target_returns: list = field(default_factory=list)
     max_ep_len: int = 1000
     goal_reaching: bool = False
+    goal_dim: int = 0           # the last goal_dim state entries are desired_goal (dict observations), else 0
 
     def __post_init__(self):
         eps = self.episodes
@@ -216,6 +217,8 @@ def load_data(name, download=True):
         (ref_min, ref_max), ref_source = D4RL_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
     else:
         ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
+    space = ds.observation_space
+    goal_dim = int(np.prod(space["desired_goal"].shape)) if hasattr(space, "spaces") and "desired_goal" in space.spaces else 0
     best = float(max(e["rewards"].sum() for e in episodes))
     # MuJoCo locomotion: returns / 1000 and DT's targets. Mazes (and anything else): unscaled, and the target is the
     # dataset's best episode return; maze datasets stop at the goal, evaluation runs on to the horizon, so a target on
@@ -225,7 +228,7 @@ def load_data(name, download=True):
     max_len = max(int(spec.max_episode_steps or 0), max(len(e["actions"]) for e in episodes))
     return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
                        ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
-                       max_ep_len=max_len, goal_reaching=family == "maze")
+                       max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim)
 
 
 def _benchmark():

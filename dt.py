@@ -221,7 +221,11 @@ def run_evals(model, d, cfg, device, seed):
     """Evaluate every target return; returns [(target, result dict)]."""
     targets = [cfg.target_return] if cfg.target_return is not None else d.target_returns
     model.eval()
-    out = [(g, eval_lib.evaluate(make_act(model), d, cfg.eval_episodes, g, seed, cfg.context, device)) for g in targets]
+    out = []
+    for g in targets:
+        t0 = time.time()
+        res = eval_lib.evaluate(make_act(model), d, cfg.eval_episodes, g, seed, cfg.context, device)
+        out.append((g, res | {"seconds": time.time() - t0}))
     model.train()
     return out
 
@@ -312,7 +316,7 @@ def train(cfg):
                                      success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
                                      steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
                                      wall_time=f"{wall:.1f}"))
-                    print(f"eval step {step} target {g:g}: {eval_lib.summarize(res)} ({time.time() - t0:.0f}s)")
+                    print(f"eval step {step} target {g:g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)")
                 final = results[0]
                 last_eval = f" | eval {final[1]['normalized'].mean():.1f}"
                 save()

@@ -101,7 +101,7 @@ def test_dict_observations_flattened(make_dataset):
     assert o.shape == (3, 6)                                      # observation (4) ++ desired_goal (2), no achieved_goal
     assert np.allclose(o[:, :4], obs["observation"][:3])
     assert np.allclose(o[:, 4:], [[1, 2]] * 3)                    # the stale first goal is replaced by step 1's
-    assert d.family == "maze" and d.goal_reaching and d.return_scale == 1.0
+    assert d.family == "maze" and d.goal_reaching and d.return_scale == 1.0 and d.goal_dim == 2
     assert d.target_returns == [1.0]                              # best dataset episode return
     flat = data.flatten_obs({"desired_goal": np.array([5.0, 6.0]), "observation": np.array([1.0, 2, 3, 4]),
                              "achieved_goal": np.zeros(2)})
@@ -110,7 +110,7 @@ def test_dict_observations_flattened(make_dataset):
 
 def test_normalised_score_uses_d4rl_refs_when_dataset_has_none(tiny_hopper):
     d = data.load_data(tiny_hopper)
-    assert "D4RL" in d.ref_source
+    assert "D4RL" in d.ref_source and d.goal_dim == 0
     assert np.allclose(d.normalize_score([-20.272305, 3234.3, 1607.0139]), [0.0, 100.0, 50.0], atol=1e-4)
     assert d.target_returns == [3600.0, 1800.0] and d.return_scale == 1e-3 and d.max_ep_len == 1000
 

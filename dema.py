@@ -546,10 +546,14 @@ def count_params(model):
 
 
 def dt_params(d, preset):
-    """Parameters of dt.py's model on the same data, for the line printed next to ours."""
-    import dt
+    """Parameters of dt.py's model on the same data, for the line printed next to ours ('n/a' without dt.py, e.g.
+    when this file was copied into another project)."""
+    try:
+        import dt
+    except ImportError:
+        return "n/a"
     dcfg = dt.Config(**(dt.PRESETS["cpu"] if preset == "cpu" else {}))
-    return count_params(dt.DecisionTransformer(dcfg, d.obs_dim, d.act_dim, d.max_ep_len))
+    return f"{count_params(dt.DecisionTransformer(dcfg, d.obs_dim, d.act_dim, d.max_ep_len)):,}"
 
 
 def train(cfg):
@@ -576,7 +580,7 @@ def train(cfg):
     model = DeMa(cfg, d.obs_dim, d.act_dim).to(device)
     print(f"parameters: {count_params(model):,} (E={cfg.n_embd}, D={cfg.d_model}, N={cfg.d_state}, "
           f"{cfg.n_layer} layers); dt.py{' --preset cpu' if cfg.preset == 'cpu' else ''} on this data: "
-          f"{dt_params(d, cfg.preset):,}")
+          f"{dt_params(d, cfg.preset)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup_steps, 1.0))
     rng = np.random.default_rng(cfg.seed)

@@ -105,8 +105,10 @@ class DecisionTransformer(nn.Module):
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
         super().__init__()
         C = cfg.n_embd
-        self.embed_timestep = nn.Embedding(max_ep_len, C)   # an absolute-timestep embedding, added to all 3 tokens
-        self.embed_return = nn.Linear(1, C)
+        # Sec. 3: "an embedding for each timestep is learned and added to each token" (one timestep = 3 tokens), in
+        # place of GPT's positional embedding
+        self.embed_timestep = nn.Embedding(max_ep_len, C)
+        self.embed_return = nn.Linear(1, C)                  # Sec. 3: a linear layer per modality
         self.embed_state = nn.Linear(obs_dim, C)
         self.embed_action = nn.Linear(act_dim, C)
         self.embed_ln = nn.LayerNorm(C)                      # kzl's gym DT normalises the token embeddings
@@ -134,7 +136,7 @@ class DecisionTransformer(nn.Module):
         tokens = torch.stack([self.embed_return(rtg) + time,                   # R_t
                               self.embed_state(states) + time,                 # s_t
                               self.embed_action(actions) + time], dim=2)       # a_t      -> (B, K, 3, C)
-        x = self.drop(self.embed_ln(tokens.reshape(B, 3 * K, -1)))             # (B, 3K, C): R_1, s_1, a_1, R_2, ...
+        x = self.drop(self.embed_ln(tokens.reshape(B, 3 * K, -1)))             # (B, 3K, C): R_1, s_1, a_1, R_2, ... (Alg. 1)
         # causal mask, and no attention to left padding; a padding query may see itself (its output is never used),
         # so that no row of the softmax is empty
         real = mask.bool().repeat_interleave(3, dim=1)                          # (B, 3K)
@@ -144,7 +146,7 @@ class DecisionTransformer(nn.Module):
         for block in self.blocks:
             x = block(x, attn_mask)
         x = self.ln_f(x).reshape(B, K, 3, -1)                                   # (B, K, 3, C)
-        return self.predict_action(x[:, :, 1])                                 # a_t from the s_t token: (B, K, act)
+        return self.predict_action(x[:, :, 1])       # Sec. 3 / Alg. 1: a_t predicted from the s_t token: (B, K, act)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ def lr_factor(s, cfg):
 def loss_fn(model, batch):
     pred = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])  # (B, K, act)
     err = ((pred - batch["actions"]) ** 2).mean(-1)                                                     # (B, K)
-    return (err * batch["mask"]).sum() / batch["mask"].sum()       # MSE over real (unpadded) steps
+    return (err * batch["mask"]).sum() / batch["mask"].sum()       # Sec. 3: MSE for continuous actions, real steps only
 
 
 LOG_FIELDS = ["step", "loss", "lr", "target", "eval_return", "eval_return_std", "normalized_score",

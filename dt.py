@@ -342,7 +342,10 @@ def bench_eval(cfg):
     torch.manual_seed(cfg.seed)
     model = DecisionTransformer(cfg, d.obs_dim, d.act_dim, d.max_ep_len).eval()
     if cfg.resume:  # a trained policy keeps the hopper up, so episodes are long enough to time
-        model.load_state_dict(torch.load(os.path.join(cfg.out, "ckpt.pt"), weights_only=True)["model"])
+        ckpt_path = os.path.join(cfg.out, "ckpt.pt")
+        if not os.path.exists(ckpt_path):
+            raise data_lib.DataError(f"--bench-eval --resume needs a checkpoint at {ckpt_path}; pass --out <run folder>")
+        model.load_state_dict(torch.load(ckpt_path, weights_only=True)["model"])
     act, g = make_act(model), d.target_returns[0]
     t0 = time.time()
     rb = eval_lib.evaluate(act, d, 10, g, cfg.seed, cfg.context, progress=False)

@@ -3,11 +3,9 @@ import csv
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
-import data
 import dt
 
 
@@ -142,3 +140,11 @@ def test_resume_with_another_model_is_one_sentence(tiny_hopper, tmp_path, capsys
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert "does not fit this model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_eval_without_checkpoint_is_one_sentence(tiny_hopper, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        dt.main(["--dataset", tiny_hopper, "--bench-eval", "--resume", "--out", str(tmp_path / "none")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "needs a checkpoint" in err and len(err.strip().splitlines()) == 1

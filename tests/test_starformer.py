@@ -1,8 +1,6 @@
 """Tests for starformer.py. Each checks the model against something independent of its own code path:
 hand-computed values, perturbation of future inputs, the unpadded/truncated window, overfitting, a CLI run."""
-import math
 import os
-import subprocess
 import sys
 
 import pytest

@@ -1,46 +1,57 @@
 """
-dema.py -- Decision Mamba (DeMa), one readable file.
+Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Optimization in Offline Reinforcement
+Learning?" (NeurIPS 2024, arXiv 2405.12094; official code github.com/AndssY/DeMa, which vendors state-spaces/mamba v1.2.0).
 
-Paper: Yang Dai, Oubo Ma, Longfei Zhang, Xingxing Liang, Shengchao Hu, Mengzhu Wang, Shouling Ji, Jincai Huang,
-Li Shen, "Is Mamba Compatible with Trajectory Optimization in Offline Reinforcement Learning?" (NeurIPS 2024,
-arXiv 2405.12094). Official code: github.com/AndssY/DeMa (it vendors state-spaces/mamba v1.2.0).
+Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no MLP, no timestep
+embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state) and a_t is read
+from the s_t token. Transformer-like DeMa (the method, --mode transformer) trains on random K-step windows and re-runs
+the last K steps from a zero state at every decision; RNN-like DeMa (--mode rnn) trains on whole trajectories and
+carries the conv and SSM states through an evaluation episode, one triplet per decision (paper Sec. 3.2, App. C).
 
-What DeMa is: Decision Transformer's GPT backbone replaced by a stack of plain Mamba-1 blocks
-(pre-RMSNorm residual, no MLP, no position/timestep embedding). Each environment step t contributes three tokens
-[R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state); the action a_t is read from the state token.
-  * Transformer-like DeMa (the method, `--mode transformer`): train on random K-step windows; at every decision
-    re-run the last K steps from a zero SSM/conv state.
-  * RNN-like DeMa (`--mode rnn`): train on whole trajectories; at evaluation feed only the current triplet and
-    carry the conv + SSM state through the episode (O(1) per decision).
+    python dema.py --env hopper-medium                 # the paper's configuration: 100k steps (hours on a CPU)
+    python dema.py --env hopper-medium --preset cpu    # small configuration for a 2-core laptop
+    python dema.py --env hopper-medium --mode rnn --batch-size 16 --scan-chunk 30     # RNN-like DeMa, ~8 GB
+    python dema.py --out <run folder> --attention      # Fig. 4: hidden attention along one evaluation episode
+    python dema.py --out <run folder> --s6-ablation zero --s6-layers 0      # Fig. 5: evaluate with layer 0's S6 zeroed
+    python dema.py --bench-scan | --params             # scan timings; parameter counts next to dt.py's (no run needed)
 
-What is in this file, top to bottom:
-  Config, PRESETS              the paper's MuJoCo defaults (Table 8 + D.1; hopper-medium: E=256, D=64, N=64, lr 1e-4)
-  selective_scan(...)          the signature and semantics of `selective_scan_ref` in state-spaces/mamba, two paths:
-    selective_scan_sequential    a plain loop over time (the reference), line by line the recurrence of Eq. (5)
-    selective_scan_parallel      a Hillis-Steele associative scan over time (the CUDA kernel's operator), with a
-                                 hand-written backward that is the same scan run in reverse
-    choose_scan                  `--scan auto`: which one is faster where (measured on CPU; see its docstring)
-  RMSNorm, Mamba (S6 block: full-sequence forward, one-token `step`, `hidden_attention` = Eq. (5)-(6)), Block,
-  DeMa (tokens [R_t, a_{t-1}, s_t], action head, recurrent `step`, per-layer hidden attention)
-  ---- training section (numpy / data / evaluate) ----
-  train(cfg), make_act (both modes), attention figure, scan benchmark, parameter table, main()
+Glossary (paper symbol -> code name, shape; mamba-minimal style):
+    b         batch size (windows, or whole trajectories in RNN mode)         Config.batch_size
+    K         context: the timesteps in a window                               Config.context
+    L         tokens in a sequence: 3K for B3LD, K for BL3D (Sec. 4.1)          T in the code
+    E         token-embedding width ("embedding dimension", Table 8)           Config.n_embd
+    D         Mamba residual width (d_model, Table 8)                          Config.d_model
+    d_inner   expand * D, the channels of the S6 layer                         Mamba.d_inner, "di" in shape comments
+    N         SSM state size per channel (d_state)                             Config.d_state
+    R         rank of Delta's input projection, ceil(D / 16)                   Mamba.dt_rank
+    W         width of the causal depthwise convolution (d_conv)               Config.d_conv
+    x_i       S6 input after the convolution and SiLU                          x (b, di, L)
+    Delta_i   step size softplus(S_Delta(x_i)) (Eq. 5)                         delta (b, di, L)
+    A         diagonal state matrix -exp(A_log) (Eq. 1)                        A (di, N)
+    B_i, C_i  input-dependent projections S_B(x_i), S_C(x_i) (Eq. 5)          B, C (b, N, L)
+    A_bar_i   exp(Delta_i A) (zero-order hold)                                 A_bar (b, di, N) per step
+    B_bar_i   Delta_i B_i (Euler, as the official kernel)                      inside du_t * B_t
+    h_i       SSM state, h_0 = 0 (Eq. 5)                                       h (b, di, N)
+    alpha     hidden attention, y_i = sum_j alpha_ij x_j (Eq. 5-6)             Mamba.hidden_attention (b, di, L, L)
+    R_t, s_t  return-to-go (times return_scale), state (normalised)            rtg (b, K, 1), states (b, K, obs_dim)
+    a_{t-1}   the previous action (data.py's prev_action before a window)      previous_actions(...) (b, K, act_dim)
 
-Run:
-  python dema.py --env hopper-medium                        # the paper's config (100k steps; hours on a CPU)
-  MINARI_DATASETS_PATH=../shared/datasets python dema.py --dataset replica/hopper/medium-v0 --preset cpu
-  python dema.py --mode rnn ...                             # RNN-like DeMa
-  python dema.py --bench-scan                               # sequential vs parallel scan, forward + backward
-  python dema.py --params                                   # parameter counts next to dt.py's
-  python dema.py --attention runs/dema/<env>/seed0/ckpt.pt  # hidden-attention figure of a checkpoint
+Left padding: Mamba has no attention mask. By default (--pad-mask) pads are inert in every layer: the conv input is
+zeroed there and Delta = 0 (so A_bar = 1, B_bar x = 0 and the state stays 0), and a padded window's outputs equal
+those of the shorter unpadded one (tested). --no-pad-mask lets pad tokens enter the state as ordinary tokens, as in
+the official code; its pad values (states 0 before normalisation, actions -10 in training) and its start-anchored
+training windows are not reproduced: the pads here are data.py's (zeros) in end-anchored windows.
 
-Left padding (no attention mask exists in Mamba): windows shorter than K are left-padded by data.py and by
-evaluate.py. By default (`pad_mask=True`) pads are made exactly inert inside every Mamba layer: the pre-conv input
-is zeroed there (so the causal conv sees the zeros of a fresh start) and Delta is set to 0 (so A_bar = 1,
-B_bar x = 0 and the SSM state stays exactly 0). The outputs at real steps then equal those of the unpadded shorter
-sequence (to 1e-12 in fp64, tested), in training and evaluation alike, so an episode's first K-1 decisions see what
-the official Atari code feeds (the available steps, unpadded). `--no-pad-mask` reproduces the official MuJoCo code, in
-which pad tokens are ordinary tokens that enter the state. The a_{t-1} token of a window's first real step is
-data.py's prev_action (the step before the window; the null action 0 at an episode's first step).
+RNN mode memory: backpropagating the scan through whole trajectories keeps ~2 (d_inner, N) fp32 states per token per
+layer (2.06 measured with saved-tensor hooks); a training step at the paper's sizes (d_inner 128, N 64, 3 layers)
+peaked at 1.19 GB for 4 trajectories x 300 steps, ~110 KB per token per layer per trajectory: ~21 GB per layer, ~64 GB
+in all at the paper's batch of 64 x 1000 steps (3000 tokens). --scan-chunk 30 recomputes the scan chunk by chunk in
+the backward (exact gradients): the tensors kept fall 8x (795 -> 99 MB at 4 x 300) and the measured peak about 2x
+(7.9 GB at 16 x 1000 steps). A smaller --batch-size or --rnn-max-len fits a laptop.
+
+Layout: docstring -> Config -> the model (only torch, math, dataclasses) -> the S6 ablation of Fig. 5 (pure torch)
+-> what DeMa plugs into the harness -> figures and analyses (Fig. 4, Fig. 5) -> benchmarks -> the harness (identical
+in every model file) -> main(). Outputs go to runs/dema/<env>/<variant>/seed<N>/.
 """
 import math
 from dataclasses import dataclass, field
@@ -50,72 +61,105 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def arg(default, help):
-    return field(default=default, metadata={"help": help})
+def arg(default, help, run=False):
+    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
+    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    return field(default=default, metadata={"help": help, "run": run})
 
 
 @dataclass
 class Config:
-    # data and run (the same flags as dt.py)
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)")
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation")
-    steps: int = arg(100_000, "gradient steps (official code: 10 iterations x 10k)")
+    # data and run (dt.py's flags)
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (official code: 10 iterations x 10k)", run=True)
     batch_size: int = arg(64, "windows (transformer mode) or whole trajectories (rnn mode) per batch")
-    context: int = arg(20, "K, the number of timesteps the model sees (3K tokens); transformer mode")
+    context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
     lr: float = arg(1e-4, "AdamW learning rate (D.1: 1e-4 hopper-medium(-replay), walker2d-medium; else 1e-3)")
     weight_decay: float = arg(1e-4, "AdamW weight decay; the official MuJoCo code decays every parameter")
-    warmup_steps: int = arg(10_000, "linear warmup, then constant (code 1e4; the paper's text says 1e5)")
+    warmup_steps: int = arg(10_000, "linear warmup, then constant (official code 1e4; the paper's Table 8 says 1e5)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end")
-    eval_episodes: int = arg(10, "episodes per target return, run in parallel")
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets")
-    log_every: int = arg(100, "print and log the training loss every this many steps")
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, mps")
-    out: str = arg("", "output folder; default runs/dema/<env>/seed<N>")
-    resume: bool = arg(False, "continue from <out>/ckpt.pt")
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end", run=True)
+    eval_episodes: int = arg(10, "episodes per target return, run in parallel", run=True)
+    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
+    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/dema/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
-    # model (paper Table 8 at hopper-medium; E and D are different widths, notes 7.1). For other datasets the
-    # paper's per-dataset E / D / lr (D.1) are applied unless given on the command line (paper_settings)
-    n_embd: int = arg(256, "E, token-embedding width (D.1: 256 hopper-medium/-medium-replay, else 128)")
-    d_model: int = arg(64, "D, Mamba residual width (D.1: 128 for medium-expert, else 64)")
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    amp: bool = arg(False, "bf16 autocast for the forward pass; the scan, the residual stream and the loss stay fp32")
+    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
+    # model (Table 8 and D.1 at hopper-medium; a new run on another named dataset gets that dataset's E, D, lr from
+    # paper_settings unless they are given). E and D are two different widths (Linear E -> D after the embeddings).
+    n_embd: int = arg(256, "E, token-embedding width (D.1: 256 hopper-medium(-replay), else 128)")
+    d_model: int = arg(64, "D, Mamba residual width (D.1: 128 for the medium-expert datasets, else 64)")
     n_layer: int = arg(3, "Mamba blocks")
     d_state: int = arg(64, "N, SSM state size per channel")
-    d_conv: int = arg(4, "causal depthwise conv width")
-    expand: int = arg(2, "d_inner = expand * d_model")
-    embd_dropout: float = arg(0.0, "dropout on the token embeddings (MuJoCo 0: the official code never applies it)")
-    mode: str = arg("transformer", "'transformer': K-step windows recomputed from a zero state at every decision "
-                                   "(the method); 'rnn': whole trajectories, state carried through the episode")
-    scan: str = arg("auto", "selective scan: auto | sequential | parallel (auto: the faster one on this device)")
-    rtg_shift: bool = arg(False, "train on the official code's triplets (R_{t-1}, a_{t-1}, s_t); eval uses R_t")
-    pad_mask: bool = arg(True, "make left padding inert inside Mamba (Delta = 0, zero conv input); "
-                               "--no-pad-mask feeds pads as ordinary tokens, as the official code")
-    rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps")
-    # instead of training
-    bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit")
-    params: bool = arg(False, "print parameter counts next to dt.py's and exit")
-    attention: str = arg("", "path of a ckpt.pt: draw its hidden-attention figure and exit")
+    d_conv: int = arg(4, "W, width of the causal depthwise convolution")
+    expand: int = arg(2, "d_inner = expand * D")
+    dropout: float = arg(0.0, "dropout on the token embeddings, the only dropout in DeMa (MuJoCo 0, Table 8)")
+    # the paper's variants and ablations
+    mode: str = arg("transformer", "'transformer': K-step windows, recomputed from a zero state at every decision "
+                                   "(the method); 'rnn': whole trajectories, states carried through the episode "
+                                   "(Sec. 3.2, App. C; ~64 GB at the paper's batch: see --rnn-max-len, --scan-chunk)")
+    token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t as three tokens along time; 'bl3d': one token per "
+                                    "step, the three embeddings concatenated (width 3E), an action from every token "
+                                    "(Sec. 4.1, Table 2)")
+    timestep_embedding: bool = arg(False, "add DT's learned timestep embedding to every token (App. G, Table 17: "
+                                          "+max_ep_len x E parameters, 256,000 at hopper)")
+    rtg_shift: bool = arg(False, "train on the official code's triplet alignment (R_{t-1}, a_{t-1}, s_t) -> a_t "
+                                 "over a window's last K-1 steps (evaluation feeds R_t either way)")
+    pad_mask: bool = arg(True, "left padding inert inside Mamba (Delta = 0, zero conv input); --no-pad-mask: pads "
+                               "enter the state as ordinary tokens, as in the official code (with data.py's zero pads)")
+    rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps; memory ~110 KB per "
+                                 "token per layer per trajectory at the paper's sizes, ~64 GB at batch 64 x 1000 "
+                                 "steps (see --scan-chunk)")
+    scan: str = arg("auto", "selective scan: auto (sequential on CPU, measured; parallel on CUDA, not measured) | "
+                            "sequential | parallel", run=True)
+    scan_chunk: int = arg(0, "backpropagate the (sequential) scan in chunks of this many tokens, recomputing each "
+                             "(exact gradients, ~1 more scan forward; it keeps ~L/chunk + 2 chunk states per layer "
+                             "instead of ~2 L: for --mode rnn, e.g. 30); 0 = off", run=True)
+    # analyses (read the run's checkpoint, never train)
+    attention: bool = arg(False, "Fig. 4: roll out one evaluation episode with the run's checkpoint and draw the "
+                                 "hidden attention of every decision step (attention_episode.png)", run=True)
+    s6_ablation: str = arg("", "Fig. 5: evaluate the run's checkpoint with the S6 parameters of --s6-layers "
+                               "zeroed, randomised (re-initialised) or swapped from --s6-donor: zero|random|swap", run=True)
+    s6_layers: str = arg("all", "the layers --s6-ablation changes: 'all' or 0-based indices, e.g. 0,2", run=True)
+    s6_donor: str = arg("", "--s6-ablation swap: the run folder (or ckpt.pt) of another DeMa with the same D, N, "
+                            "d_conv, expand (the paper: one trained on another environment)", run=True)
+    # no run needed
+    bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
+    params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
 
 
 # A small DeMa for a 2-core CPU at dt.py's preset budget (same steps, batch, K, lr, warmup and evaluations). A small
-# state (N=16) and two layers keep the scan cheap; ms/step in the README.
+# state (N=16) and two layers keep the scan cheap. The paper's configuration stays the default.
 PRESETS = {"cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64, lr=1e-3,
                        warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10)}
 
-# ----------------------------------------------------------------------------------------------------------------
-# The selective scan (Mamba's S6 recurrence).  Semantics of `selective_scan_ref` (state-spaces/mamba v1.2.0):
-#   u, delta, z: (batch, d_inner, L);  A: (d_inner, N);  B, C: (batch, N, L);  D, delta_bias: (d_inner,)
-#   delta <- softplus(delta + delta_bias)                                 (if asked)
-#   A_bar_t = exp(delta_t * A)             (ZOH)          B_bar_t u_t = delta_t * B_t * u_t   (Euler, as the code)
-#   h_t = A_bar_t * h_{t-1} + B_bar_t u_t,  h_0 = 0       y_t = <C_t, h_t> + D * u_t,   y <- y * silu(z)
-# Computation is in fp32 (fp64 stays fp64, for tests); the output is cast back to u's dtype.
-# ----------------------------------------------------------------------------------------------------------------
+
+# >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
+
+def fp32(t):
+    """Upcast to float32 (float64 stays float64, for the tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+# The selective scan (Mamba's S6 recurrence, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), with the signature and semantics
+# of state-spaces/mamba's `selective_scan_ref`:
+#   u, delta, z: (b, di, L);  A: (di, N);  B, C: (b, N, L);  D, delta_bias: (di,)
+#   delta <- softplus(delta + delta_bias)                                      (if asked)
+#   A_bar_t = exp(delta_t A) (ZOH),   B_bar_t u_t = delta_t B_t u_t (Euler, as the official kernel)
+#   h_t = A_bar_t h_{t-1} + B_bar_t u_t,  h_0 = 0;    y_t = <C_t, h_t> + D u_t;    y <- y * silu(z)
+# It runs in fp32 with autocast off (fp64 stays fp64), and the output is cast back to u's dtype: under --amp the
+# projections and the convolution run in bf16, the state update never does.
 
 def _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus):
-    dtype = torch.promote_types(u.dtype, torch.float32)
-    u, delta, A, B, C = (t.to(dtype) for t in (u, delta, A, B, C))
+    u, delta, A, B, C = (fp32(t) for t in (u, delta, A, B, C))
     if delta_bias is not None:
-        delta = delta + delta_bias.to(dtype)[:, None]                         # (b, d, L)
+        delta = delta + delta_bias.to(delta.dtype)[:, None]                  # (b, di, L)
     if delta_softplus:
         delta = F.softplus(delta)                                            # threshold 20, as the CUDA kernel
     return u, delta, A, B, C
@@ -123,36 +167,47 @@ def _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus):
 
 def _scan_finish(y, u, D, z, dtype_in):
     if D is not None:
-        y = y + u * D.to(y.dtype)[:, None]                                   # skip connection D * u
+        y = y + u * D.to(y.dtype)[:, None]                                   # skip connection D u
     if z is not None:
         y = y * F.silu(z.to(y.dtype))                                        # gate
     return y.to(dtype_in)
 
 
-def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
-    """The reference: a plain loop over time on a (batch, d_inner, N) state, paper Eq. (5) read left to right,
-    differentiated by autograd. A_bar_t and B_bar_t u_t are formed inside the loop, one (b, d, n) slice at a time:
-    building them for all t first (b, d, L, n) and slicing was 1.4-4x slower on CPU (memory traffic)."""
-    dtype_in = u.dtype
-    u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
-    batch, d_inner, L = u.shape
-    h = u.new_zeros(batch, d_inner, A.shape[1])                              # (b, d, n), h_0 = 0
-    du = delta * u                                                           # (b, d, L)
+def _scan_loop(h, delta, du, A, B, C):
+    """Eq. (5) read left to right from the state h (b, di, N): -> (y (b, di, L), the last h)."""
     ys = []
     # unbind hands out the time slices (indexing [..., t] would make autograd allocate a zero tensor per slice)
     for delta_t, du_t, B_t, C_t in zip(delta.unbind(-1), du.unbind(-1), B.unbind(-1), C.unbind(-1)):
-        A_bar = torch.exp(delta_t[:, :, None] * A)                           # (b, d, n)   exp(Delta_t A)
-        h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)      # (b, d, n)   h_t = A_bar h + B_bar u_t
-        ys.append((h * C_t[:, None, :]).sum(-1))                             # (b, d)      y_t = <C_t, h_t>
-    y = torch.stack(ys, dim=-1)                                              # (b, d, L)
-    return _scan_finish(y, u, D, z, dtype_in)
+        A_bar = torch.exp(delta_t[:, :, None] * A)                           # (b, di, N)   exp(Delta_t A)
+        h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)      # (b, di, N)   h_t = A_bar h + B_bar u_t
+        ys.append((h * C_t[:, None, :]).sum(-1))                             # (b, di)      y_t = <C_t, h_t>
+    return torch.stack(ys, dim=-1), h                                        # (b, di, L), (b, di, N)
+
+
+def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, chunk=0):
+    """The reference: a plain loop over time on a (b, di, N) state, differentiated by autograd, which keeps ~2 states
+    per token for the backward. chunk > 0: the loop runs in chunks of that many tokens, each recomputed in the
+    backward (activation checkpointing): exact gradients for one more forward, and L / chunk + ~2 chunk states kept
+    instead of ~2 L (whole trajectories in RNN mode)."""
+    dtype_in = u.dtype
+    u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
+    batch, d_inner, L = u.shape
+    h = u.new_zeros(batch, d_inner, A.shape[1])                              # (b, di, N), h_0 = 0
+    du = delta * u                                                           # (b, di, L)
+    step = chunk if chunk and torch.is_grad_enabled() else L
+    ys = []
+    for s in range(0, L, step):
+        args = (h, delta[..., s:s + step], du[..., s:s + step], A, B[..., s:s + step], C[..., s:s + step])
+        y, h = torch.utils.checkpoint.checkpoint(_scan_loop, *args, use_reentrant=False) if step < L else _scan_loop(*args)
+        ys.append(y)
+    return _scan_finish(torch.cat(ys, dim=-1), u, D, z, dtype_in)
 
 
 def _hillis_steele(a, b):
-    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, with the operator on pairs
-        (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)            (the CUDA kernel's, notes 7.1)
-    ceil(log2 L) vectorised rounds; after the round with shift s every position holds the composition of its
-    last 2s terms. Works on copies; no autograd (the gradient is _LinearScan.backward)."""
+    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, with the official kernel's operator on pairs
+        (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
+    ceil(log2 L) vectorised rounds; after the round with shift s every position holds the composition of its last 2s
+    terms. Works on copies; no autograd (the gradient is _LinearScan.backward)."""
     a, b = a.clone(), b.clone()
     L, s = a.shape[2], 1
     while s < L:
@@ -164,9 +219,7 @@ def _hillis_steele(a, b):
 
 class _LinearScan(torch.autograd.Function):
     """h = scan(a, b) with a hand-written backward, itself a reverse scan with the same operator:
-        g_t = dLoss/dh_t (total) = gh_t + a_{t+1} g_{t+1},   dLoss/db_t = g_t,   dLoss/da_t = g_t h_{t-1}.
-    (Letting autograd differentiate the Hillis-Steele rounds instead costs a full-size zero tensor per slice in
-    the backward; that was 10x slower.)"""
+        g_t = dLoss/dh_t (total) = gh_t + a_{t+1} g_{t+1},   dLoss/db_t = g_t,   dLoss/da_t = g_t h_{t-1}."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -185,48 +238,31 @@ class _LinearScan(torch.autograd.Function):
 
 def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """The same recurrence by an associative (Hillis-Steele) scan over time: O(L log L) work in log2(L) rounds, each
-    reading and writing the full (batch, d_inner, L, N) tensors. Only exp of non-positive numbers is taken, so a
-    large negative A*Delta underflows to 0 instead of overflowing (never exp(A S_i) * exp(-A S_j), S = cumsum)."""
+    reading and writing the full (b, di, L, N) tensors. Only exp of non-positive numbers is taken, so a large
+    negative A Delta underflows to 0 instead of overflowing (never exp(A S_i) exp(-A S_j), S = cumsum(Delta))."""
     dtype_in = u.dtype
     u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
-    a = torch.exp(delta[..., None] * A[:, None, :])                          # (b, d, L, n)  A_bar_t
-    b = (delta * u)[..., None] * B.transpose(1, 2)[:, None]                  # (b, d, L, n)  B_bar_t u_t
-    h = _LinearScan.apply(a, b)                                              # (b, d, L, n)  all h_t
-    y = torch.einsum('bdln,bnl->bdl', h, C)                                  # (b, d, L)     y_t = <C_t, h_t>
+    a = torch.exp(delta[..., None] * A[:, None, :])                          # (b, di, L, N)  A_bar_t
+    b = (delta * u)[..., None] * B.transpose(1, 2)[:, None]                  # (b, di, L, N)  B_bar_t u_t
+    h = _LinearScan.apply(a, b)                                              # (b, di, L, N)  all h_t
+    y = (h * C.transpose(1, 2)[:, None]).sum(-1)                             # (b, di, L)     y_t = <C_t, h_t>
     return _scan_finish(y, u, D, z, dtype_in)
 
 
-def choose_scan(device_type, L, state_numel):
-    """`--scan auto`: the faster path, from the forward + backward timings of `bench_scan` (README, 1 CPU thread).
-    A step of the loop is ~6 small ops forward and ~12 backward on the (batch, d_inner, N) state; the parallel scan
-    does a few dozen ops in all, but each reads and writes the whole (batch, d_inner, L, N) tensor, log2(L) times
-    (the materialisation that alxndrTL/mamba.py#57 discusses).
-    So on CPU the loop wins once the state is large enough for those small ops to cost more than their launch
-    overhead: at the paper's training size (64 x 128 x 64, L=60) the loop is ~10x faster, and for every state of
-    8k+ elements measured (L = 15..3000). The parallel scan wins only for tiny states (up to ~2-4k elements, e.g.
-    one environment, d_inner 64, N 16) where the loop is launch-bound; the measured boundary is
-    state_numel * ceil(log2 L) ~ 2e4. On CUDA the loop is launch-bound at every size that fits (about 18 kernels
-    per token per layer), and the log-depth scan is chosen; that is reasoned, not measured here (no GPU)."""
-    if L <= 1:
-        return "sequential"
-    if device_type == "cuda":
-        return "parallel"
-    return "parallel" if state_numel * math.ceil(math.log2(L)) <= 20_000 else "sequential"
-
-
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan='auto'):
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan='auto', chunk=0):
+    # auto: the loop on CPU, where it was faster at every training size timed (--bench-scan); the log-depth scan on
+    # CUDA, where the loop would launch ~18 kernels per token per layer (reasoned, not measured: no GPU here)
     if scan == 'auto':
-        scan = choose_scan(u.device.type, u.shape[-1], u.shape[0] * u.shape[1] * A.shape[1])
-    fn = {'sequential': selective_scan_sequential, 'parallel': selective_scan_parallel}[scan]
-    return fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+        scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
+    kw = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+    with torch.autocast(u.device.type, enabled=False):                      # the state update stays fp32
+        if scan == 'parallel':
+            return selective_scan_parallel(u, delta, A, B, C, **kw)
+        return selective_scan_sequential(u, delta, A, B, C, chunk=chunk, **kw)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Mamba-1 block and the DeMa model
-# ----------------------------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
-    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w  (official code: mamba's fused RMSNorm, eps 1e-5, no bias)."""
+    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (official code: mamba's fused RMSNorm, eps 1e-5, no bias)."""
 
     def __init__(self, d, eps=1e-5):
         super().__init__()
@@ -238,24 +274,25 @@ class RMSNorm(nn.Module):
 
 
 class Mamba(nn.Module):
-    """Mamba-1 mixer (`mamba_simple.Mamba`, notes 2.4): in_proj -> causal depthwise conv + SiLU -> x_proj -> (dt, B, C)
-    -> dt_proj + softplus -> selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) -> out_proj."""
+    """Mamba-1 mixer (mamba_simple.Mamba): in_proj -> causal depthwise conv + SiLU -> x_proj -> (Delta, B, C) ->
+    selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) -> out_proj. The S6 layer, i.e. the "hidden
+    attention" of Sec. 3.3 and Fig. 5, is {conv1d, x_proj, dt_proj, A_log, D} (S6_PARAMETERS)."""
 
-    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1,
-                 dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4):
+    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4):
         super().__init__()
         self.d_inner = d_inner = expand * d_model
         self.d_state, self.d_conv = d_state, d_conv
         self.dt_rank = dt_rank = math.ceil(d_model / 16)                    # "auto"
         self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
-        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
+        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)  # S_Delta (rank R), S_B, S_C of Eq. (5)
         self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_inner, 1))
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = nn.Linear(d_inner, d_model, bias=False)
-        # Mamba's initialisation (the paper states none; notes 7.14): dt_proj weight U(-R^-1/2, R^-1/2); its bias is
-        # softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real); out_proj rescaled by 1/sqrt(n_layer).
+        # Mamba's initialisation (the paper states none; the official code uses mamba's): dt_proj weight
+        # U(-R^-1/2, R^-1/2); its bias is softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
+        # out_proj kaiming-uniform divided by sqrt(n_layer) (GPT-2's residual scaling, one residual per layer)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
             dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
@@ -265,51 +302,56 @@ class Mamba(nn.Module):
             self.out_proj.weight /= math.sqrt(n_layer)
 
     def ssm_inputs(self, h, mask=None):
-        """h (b, T, D) -> x (b, di, T) post-conv SSM input, z, delta (b, di, T), A (di, N), B, C (b, N, T)."""
+        """h (b, T, D) -> x (b, di, T) post-conv S6 input, z (b, di, T), delta (b, di, T), A (di, N), B, C (b, N, T)."""
         T = h.shape[1]
         x, z = self.in_proj(h).chunk(2, dim=-1)                              # (b, T, di) each
         x, z = x.transpose(1, 2), z.transpose(1, 2)                          # (b, di, T)
         if mask is not None:
-            x = x * mask[:, None, :]                                         # pads = the zeros before a fresh start
-        x = F.silu(self.conv1d(x)[..., :T])                                  # causal depthwise conv, width d_conv
+            x = x * mask[:, None, :].to(x.dtype)                             # pads = the zeros before a fresh start
+        x = F.silu(self.conv1d(x)[..., :T])                                  # causal depthwise conv, width W
         dbc = self.x_proj(x.transpose(1, 2))                                 # (b, T, R + 2N)
         dt, B, C = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(dt)).transpose(1, 2)                 # (b, di, T)  Delta = softplus(S_Delta(x))
+        delta = F.softplus(fp32(self.dt_proj(dt))).transpose(1, 2)          # (b, di, T)  Eq. (5): softplus(S_Delta(x))
         if mask is not None:
-            delta = delta * mask[:, None, :]                                 # Delta = 0: state passes pads unchanged
-        A = -torch.exp(self.A_log.float())                                   # (di, N), kept in fp32
+            delta = delta * mask[:, None, :]                                 # Delta = 0: the state passes pads unchanged
+        A = -torch.exp(fp32(self.A_log))                                     # (di, N), fp32
         return x, z, delta, A, B.transpose(1, 2), C.transpose(1, 2)
 
-    def forward(self, h, mask=None, scan='auto'):
+    def forward(self, h, mask=None, scan='auto', chunk=0):
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
-        y = selective_scan(x, delta, A, B, C, D=self.D.float(), z=z, scan=scan)   # (b, di, T)
+        y = selective_scan(x, delta, A, B, C, D=self.D, z=z, scan=scan, chunk=chunk)   # (b, di, T)
         return self.out_proj(y.transpose(1, 2))                              # (b, T, D)
 
-    def init_state(self, batch, device=None):
-        return (torch.zeros(batch, self.d_inner, self.d_conv, device=device),  # conv_state: last d_conv inputs
-                torch.zeros(batch, self.d_inner, self.d_state, device=device))  # ssm_state h
+    def init_cache(self, batch, device=None, dtype=torch.float32):
+        return (torch.zeros(batch, self.d_inner, self.d_conv, device=device, dtype=dtype),  # the last W conv inputs
+                torch.zeros(batch, self.d_inner, self.d_state, device=device, dtype=dtype))  # ssm_state h
 
-    def step(self, h, state):
-        """One token: h (b, D), state = (conv_state (b, di, d_conv), ssm_state (b, di, N)) -> (out (b, D), state)."""
-        conv_state, ssm_state = state
+    def step(self, h, cache):
+        """One token (RNN-like DeMa, Sec. 3.2): h (b, D), cache = (conv_state (b, di, W), ssm_state (b, di, N))
+        -> (out (b, D), new cache)."""
+        conv_state, ssm_state = cache
         x, z = self.in_proj(h).chunk(2, dim=-1)                              # (b, di)
-        conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None]], dim=-1)   # roll in x_t
-        x = F.silu((conv_state * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias)  # (b, di)
+        conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)  # roll in x_t
+        x = F.silu((conv_state * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias)            # (b, di)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(dt))                                 # (b, di)
-        A = -torch.exp(self.A_log.float())
-        ssm_state = torch.exp(delta[..., None] * A) * ssm_state + (delta * x)[..., None] * B[:, None, :]  # Eq. (5)
-        y = torch.bmm(ssm_state, C[..., None]).squeeze(-1) + self.D * x      # (b, di)
-        y = y * F.silu(z)
-        return self.out_proj(y), (conv_state, ssm_state)
+        delta = F.softplus(fp32(self.dt_proj(dt)))                           # (b, di)
+        with torch.autocast(h.device.type, enabled=False):                  # the state update stays fp32
+            x, B, C = fp32(x), fp32(B), fp32(C)
+            A = -torch.exp(fp32(self.A_log))
+            ssm_state = torch.exp(delta[..., None] * A) * ssm_state + (delta * x)[..., None] * B[:, None, :]  # Eq. (5)
+            y = (ssm_state * C[:, None, :]).sum(-1) + self.D * x             # (b, di)
+        y = y * F.silu(fp32(z))
+        return self.out_proj(y.to(h.dtype)), (conv_state, ssm_state)
 
     def hidden_attention(self, h, mask=None, last_row=False):
-        """The S6 layer as an implicit attention (paper Eq. (5)-(6); exact per-channel form, notes 2.8):
+        """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5-6), exactly, per channel c:
             alpha[c]_{i,j} = sum_n C_i[n] exp(A[c,n] sum_{k=j+1..i} Delta_k[c]) Delta_j[c] B_j[n]   for j <= i, else 0
-        so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x = post-conv
-        input, so the conv's own 4-token mixing is not in alpha). Returns (b, di, T, T), or (b, di, T) for the last
-        query row only. Paper Eq. (6) is the ReLU approximation of softplus; the exact form is used here."""
+        so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x is the
+        post-conv input, so the conv's own W-token mixing is not in alpha). Eq. (6) is this with softplus replaced by
+        ReLU (Ali et al.'s approximation); the exact form is used here. -> (b, di, T, T), or the last query row only
+        (b, di, T), the row a decision reads (App. J)."""
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
+        B, C = fp32(B), fp32(C)
         T = x.shape[-1]
         S = delta.cumsum(-1)                                                 # (b, di, T)
         rows = slice(T - 1, T) if last_row else slice(0, T)
@@ -317,105 +359,185 @@ class Mamba(nn.Module):
         causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()[rows]   # (Ti, Tj)
         seg = seg.masked_fill(~causal, 0.0)                                  # never exp(+large) above the diagonal
         decay = torch.exp(seg[..., None] * A[None, :, None, None, :])        # (b, di, Ti, Tj, N), all <= 1
-        alpha = torch.einsum('bni,bcijn,bnj->bcij', C[:, :, rows], decay, B) * delta[:, :, None, :]
-        alpha = alpha * causal
+        alpha = (C.transpose(1, 2)[:, None, rows, None, :] * decay * B.transpose(1, 2)[:, None, None, :, :]).sum(-1)
+        alpha = alpha * delta[:, :, None, :] * causal                        # (b, di, Ti, Tj)
         return alpha[:, :, 0] if last_row else alpha
 
 
+S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
+
+
 class Block(nn.Module):
-    """x + Mamba(RMSNorm(x)): the 'pre up-projection' residual block (paper 4.2, Fig. 1 right); no MLP."""
+    """x + Mamba(RMSNorm(x)): the "pre up-projection" residual block (Sec. 4.2, Fig. 1 right); no MLP."""
 
     def __init__(self, cfg):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model)
         self.mixer = Mamba(cfg.d_model, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer)
 
-    def forward(self, x, mask=None, scan='auto'):
-        return x + self.mixer(self.norm(x), mask, scan)
+    def forward(self, x, mask=None, scan='auto', chunk=0):
+        return x + self.mixer(self.norm(x), mask, scan, chunk)
+
+
+def previous_actions(actions, prev_action):
+    """a_{t-1} at every position of a window: cat(prev_action, actions[:, :-1]) along time (prev_action is data.py's
+    action before the window, the null action 0 at an episode's first step). (b, K, act_dim)."""
+    return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
 
 
 class DeMa(nn.Module):
-    """Tokens [R_t, a_{t-1}, s_t] per step (paper 4.1 'B3LD', official MuJoCo order), E-wide embeddings, Linear E->D,
-    n_layer Mamba blocks, final RMSNorm, action = tanh(Linear(out at the s_t token)).
-    No timestep/position embedding (paper Table 17), no LayerNorm on the embeddings.
-    The official model also has unused `predict_state` / `predict_return` heads (780 parameters at hopper): left out."""
+    """Tokens [R_t, a_{t-1}, s_t] per step (official MuJoCo order; "B3LD", Sec. 4.1) or one token of the three
+    embeddings concatenated ("BL3D"), Linear E (3E) -> D, n_layer Mamba blocks, final RMSNorm, a_t = tanh(Linear(the
+    s_t token's output)). No timestep embedding (App. G, Table 17) unless asked, no LayerNorm on the embeddings. The
+    official model also has unused predict_state / predict_return heads (780 parameters at hopper): left out."""
 
-    def __init__(self, cfg, obs_dim, act_dim):
+    def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
         super().__init__()
-        self.cfg = cfg
         E, D = cfg.n_embd, cfg.d_model
-        self.embed_return = nn.Linear(1, E)
+        self.bl3d = cfg.token_layout == "bl3d"
+        self.n = 1 if self.bl3d else 3                       # tokens per step
+        self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
+        # App. G, Table 17 ("DeMa with pos. embed.", 431.5K parameters): DT's timestep embedding added to every token
+        self.embed_timestep = nn.Embedding(max_ep_len, E) if cfg.timestep_embedding else None
+        self.embed_return = nn.Linear(1, E)                  # a linear layer per modality, as DT (official MuJoCo code)
         self.embed_action = nn.Linear(act_dim, E)
         self.embed_state = nn.Linear(obs_dim, E)
-        self.drop = nn.Dropout(cfg.embd_dropout)
-        self.embedding = nn.Linear(E, D)              # official MixerModel.embedding (nn.Embedding -> nn.Linear)
-        nn.init.zeros_(self.embedding.bias)           # mamba's _init_weights zeroes every Linear bias in the backbone
+        self.drop = nn.Dropout(cfg.dropout)
+        self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # official MixerModel.embedding (E -> D, or 3E -> D)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
-        self.norm_f = RMSNorm(D)
+        self.ln_f = RMSNorm(D)                               # official norm_f: RMSNorm (the paper names no norm)
         self.predict_action = nn.Sequential(nn.Linear(D, act_dim), nn.Tanh())
+        # the official model's apply(_init_weights): every Linear bias zero except dt_proj's (its softplus^-1 init),
+        # embeddings N(0, 0.02); Linear weights keep PyTorch's default init
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
+                nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def tokens(self, rtg, prev_actions, states):
-        """rtg (b, K, 1), prev_actions (b, K, act_dim) = a_{t-1}, states (b, K, obs_dim) -> (b, 3K, D)."""
+    def tokens(self, states, prev_actions, rtg, timesteps):
+        """states (b, K, obs), prev_actions (b, K, act) = a_{t-1}, rtg (b, K, 1), timesteps (b, K) -> (b, nK, D), fp32."""
         b, K, _ = states.shape
-        e = torch.stack([self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)], dim=2)
-        return self.embedding(self.drop(e.reshape(b, 3 * K, -1)))          # (b, 3K, D)  R_0 a_-1 s_0 R_1 a_0 s_1 ...
+        e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]   # 3 x (b, K, E)
+        if self.embed_timestep is not None:
+            time = self.embed_timestep(timesteps)                                                # (b, K, E)
+            e = [x + time for x in e]
+        if self.bl3d:
+            u = torch.cat(e, dim=-1)                                         # (b, K, 3E): one token per step
+        else:
+            u = torch.stack(e, dim=2).reshape(b, 3 * K, -1)                  # (b, 3K, E): R_0 a_-1 s_0 R_1 a_0 s_1 ...
+        return fp32(self.embedding(self.drop(u)))            # the residual stream stays fp32 under --amp (official too)
 
-    def forward(self, rtg, prev_actions, states, mask=None, scan='auto'):
-        """-> predicted actions (b, K, act_dim), a_t read from the s_t token. mask (b, K): 1 real, 0 pad."""
-        x = self.tokens(rtg, prev_actions, states)
-        tmask = None if mask is None else mask.repeat_interleave(3, dim=1)  # (b, 3K)
-        for blk in self.blocks:
-            x = blk(x, tmask, scan)
-        x = self.norm_f(x)
-        return self.predict_action(x[:, 2::3])                               # (b, K, act_dim)
+    def forward(self, states, actions, rtg, timesteps, mask, prev_action):
+        """states (b,K,obs), actions (b,K,act), rtg (b,K,1), timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act)
+        -> predicted actions (b, K, act). Sec. 3.1: a_t is predicted from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}."""
+        x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)   # (b, nK, D)
+        tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None         # (b, nK)
+        for block in self.blocks:
+            x = block(x, tmask, self.scan, self.scan_chunk)
+        x = self.ln_f(x)                                                     # (b, nK, D)
+        return self.predict_action(x[:, self.n - 1::self.n])                 # from the s_t token (every token, BL3D)
 
-    def init_state(self, batch, device=None):
-        return [blk.mixer.init_state(batch, device) for blk in self.blocks]
+    def init_cache(self, batch, device=None, dtype=torch.float32):
+        return [block.mixer.init_cache(batch, device, dtype) for block in self.blocks]
 
-    def step(self, rtg, prev_action, state_obs, state):
-        """RNN-like DeMa: one environment step = three tokens through every layer, carrying conv + SSM states.
-        rtg (b, 1), prev_action (b, act_dim), state_obs (b, obs_dim) -> (action (b, act_dim), new state)."""
-        toks = self.tokens(rtg[:, None], prev_action[:, None], state_obs[:, None])   # (b, 3, D)
-        state = list(state)
-        for i in range(3):
+    def step(self, states, prev_action, rtg, timesteps, cache):
+        """RNN-like DeMa (Sec. 3.2): one environment step = the current triplet (R_t, a_{t-1}, s_t) through every layer,
+        carrying the conv and SSM states. states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,)
+        -> (action (b, act), new cache)."""
+        toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None], timesteps[:, None])   # (b, n, D)
+        cache = list(cache)
+        for i in range(self.n):
             x = toks[:, i]
-            for l, blk in enumerate(self.blocks):
-                out, state[l] = blk.mixer.step(blk.norm(x), state[l])
+            for l, block in enumerate(self.blocks):
+                out, cache[l] = block.mixer.step(block.norm(x), cache[l])
                 x = x + out
-        return self.predict_action(self.norm_f(x)), state                   # x is the s_t token's output
+        return self.predict_action(self.ln_f(x)), cache                     # x is the s_t token's output
 
-    def hidden_attention(self, rtg, prev_actions, states, mask=None, last_row=False):
-        """Per-layer implicit attention (Mamba.hidden_attention) of the S6 layer inside each block."""
-        x = self.tokens(rtg, prev_actions, states)
-        tmask = None if mask is None else mask.repeat_interleave(3, dim=1)
+    def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
+        """Per layer, the implicit attention of its S6 layer (Mamba.hidden_attention) on this window."""
+        x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)
+        tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
         attn = []
-        for blk in self.blocks:
-            hn = blk.norm(x)
-            attn.append(blk.mixer.hidden_attention(hn, tmask, last_row))
-            x = x + blk.mixer(hn, tmask)
+        for block in self.blocks:
+            hn = block.norm(x)
+            attn.append(block.mixer.hidden_attention(hn, tmask, last_row))
+            x = x + block.mixer(hn, tmask, self.scan)
         return attn
+# <<< model: end
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# training, evaluation, analysis and the command line (everything below needs numpy and the project's data/evaluate)
+# the paper's analysis quantities (pure torch): Fig. 5's S6 ablation
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
+def ablate_s6(model, how, layers, donor=None, seed=0):
+    """Sec. 4.2, Fig. 5: the S6 parameters (S6_PARAMETERS) of `layers`, in place: 'zero' (the mixer then outputs
+    exactly 0 and the block passes its input through the residual alone), 'random' (Mamba's initialisation again,
+    drawn with `seed`), or 'swap' (copied from the same layer of `donor`, a DeMa with the same mixer shapes)."""
+    with torch.no_grad():
+        for l in layers:
+            mixer = model.blocks[l].mixer
+            if how == "random":
+                torch.manual_seed(seed + l)
+                n_layer = len(model.blocks)
+                source = Mamba(mixer.in_proj.in_features, mixer.d_state, mixer.d_conv,
+                               mixer.d_inner // mixer.in_proj.in_features, n_layer=n_layer)
+            else:
+                source = donor.blocks[l].mixer if how == "swap" else None
+            for name in S6_PARAMETERS:
+                p = mixer.get_parameter(name)
+                p.copy_(torch.zeros_like(p) if how == "zero" else source.get_parameter(name))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what DeMa plugs into the harness below: data, optimiser, loss, policy (needs numpy and the project's data/evaluate)
+
 import os  # noqa: E402
 import re  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import data as data_lib  # noqa: E402
 import evaluate as eval_lib  # noqa: E402
 
+SCRIPT = "dema"
+LOG_EXTRA = []          # extra log.csv columns (none for DeMa)
+CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), scan=("auto", "sequential", "parallel"),
+               s6_ablation=("", "zero", "random", "swap"))
+
+
+def check_model(cfg):
+    """A one-sentence problem with DeMa's own flags, or None."""
+    for name, ok in CHOICES.items():
+        if getattr(cfg, name) not in ok:
+            *rest, last = [c for c in ok if c]
+            return f"unknown --{name.replace('_', '-')} '{getattr(cfg, name)}'; use {', '.join(rest)} or {last}"
+    for name in ("d_model", "d_state", "d_conv", "expand", "rnn_max_len"):
+        if getattr(cfg, name) <= 0:
+            return f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(cfg, name)}"
+    if cfg.scan_chunk < 0:
+        return f"--scan-chunk must be 0 (off) or a positive number of tokens, got {cfg.scan_chunk}"
+    if cfg.scan_chunk and cfg.scan == "parallel":
+        return "--scan-chunk recomputes the sequential scan; drop --scan parallel"
+    if cfg.mode == "rnn" and not cfg.pad_mask:
+        return "--mode rnn needs the pad mask (the trajectories of a batch are padded to the longest); drop --no-pad-mask"
+    if cfg.mode == "rnn" and cfg.compile:
+        return "--compile with --mode rnn would recompile for every new trajectory length; train RNN mode without it"
+    if cfg.rtg_shift and cfg.mode == "transformer" and cfg.context < 2:
+        return f"--rtg-shift trains on a window's last K-1 steps, so it needs --context 2 or more, got {cfg.context}"
+    if cfg.s6_layers != "all" and not re.fullmatch(r"\d+(,\d+)*", cfg.s6_layers):
+        return f"--s6-layers must be 'all' or 0-based layer indices such as 0,2; got '{cfg.s6_layers}'"
+    if (cfg.s6_ablation == "swap") != bool(cfg.s6_donor):
+        return "--s6-ablation swap and --s6-donor <run folder of another DeMa> go together"
+    chosen = [f for f in ("bench_scan", "params", "bench", "attention", "s6_ablation") if getattr(cfg, f)]
+    if len(chosen) > 1:
+        return f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command"
+    return None
+
 
 def paper_settings(name):
-    """Per-dataset E / D / lr of paper D.1 (MuJoCo) and Tables 14-15 (mazes); {} when the paper has none."""
+    """Per-dataset E / D / lr of D.1 (MuJoCo) and Tables 14-15 (mazes); {} where the paper has none."""
     name = name.lower()
     m = re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name)
     if m:
@@ -424,14 +546,423 @@ def paper_settings(name):
                     d_model=128 if level == "medium-expert" else 64,
                     lr=1e-4 if (env, level) in {("hopper", "medium"), ("hopper", "medium-replay"),
                                                 ("walker2d", "medium")} else 1e-3)
-    if "pointmaze" in name or "maze2d" in name:   # Table 15 (maze2d); medium: K=8, E=256; umaze: Table 8 values
+    if "pointmaze" in name or "maze2d" in name:   # Table 15 (maze2d); medium: K=8, E=256; umaze: Table 8's values
         if "umaze" in name:
             return dict(n_embd=128, d_model=64, lr=1e-4)
         return dict(n_embd=256 if "medium" in name else 128, d_model=64, lr=2e-5, batch_size=32,
-                    context=8 if "medium" in name else 20, embd_dropout=0.1)
+                    context=8 if "medium" in name else 20, dropout=0.1)
     if "antmaze" in name:                         # Table 14
-        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, embd_dropout=0.1)
+        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1)
     return {}
+
+
+def load_dataset(cfg):
+    return data_lib.load_data(cfg.dataset or cfg.env)
+
+
+def configure(cfg, d):
+    """Settings that depend on the data (none: the paper's per-dataset values are flags, see paper_flags)."""
+    return cfg
+
+
+def eval_targets(cfg, d):
+    """Return-to-go prompts, raw units: --target-return, else DT's two per environment (data.py)."""
+    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+
+
+def build_model(cfg, info):
+    return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
+
+
+def make_optimizer(model, cfg):
+    """AdamW on every parameter (the official MuJoCo code decays A_log, D, norms and biases too), linear warmup then
+    constant (official: LambdaLR(min((step + 1) / warmup, 1)))."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0)
+
+
+def sample_trajectories(d, batch_size, max_len, rng):
+    """RNN-like training batch (App. C): whole trajectories (their first max_len steps), drawn in proportion to length.
+    data.gather_windows LEFT-pads them to the longest; with the inert pad mask this equals the official right padding
+    (a causal model is unaffected by either)."""
+    lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
+    ep = rng.choice(len(lengths), size=batch_size, p=lengths / lengths.sum())
+    n = np.minimum(lengths[ep], max_len)
+    start = d.ep_start[ep]
+    return data_lib.gather_windows(d.flat, start, start + n - 1, int(n.max()))
+
+
+def get_batch(d, cfg, rng):
+    if cfg.mode == "rnn":
+        return sample_trajectories(d, cfg.batch_size, cfg.rnn_max_len, rng)
+    return d.sample(cfg.batch_size, cfg.context, rng)           # App. C: random windows of K steps
+
+
+def predict(model, b, cfg, training=False):
+    """A data.py / evaluate.py window -> (predicted actions, target actions, loss mask)."""
+    states, actions, rtg, timesteps, mask, prev = (b[k] for k in ("states", "actions", "rtg", "timesteps", "mask",
+                                                                   "prev_action"))
+    if training and cfg.rtg_shift:
+        # The official code trains on (R_{t-1}, a_{t-1}, s_t) -> a_t (with timestep t-1) over a window's last K-1
+        # steps and never on an episode's first state, while it evaluates on (R_t, a_{t-1}, s_t). Default here:
+        # (R_t, a_{t-1}, s_t) in both, over all K steps, DT's convention that the prompt belongs to the current state.
+        states, actions, timesteps, prev = states[:, 1:], actions[:, 1:], timesteps[:, :-1], actions[:, 0]
+        rtg, mask = rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
+    return model(states, actions, rtg, timesteps, mask, prev), actions, mask
+
+
+def loss_fn(model, batch, cfg):
+    pred, target, mask = predict(model, batch, cfg, training=True)                 # (b, K, act) each
+    err = ((pred.float() - target) ** 2).mean(-1)                                   # (b, K)
+    return (err * mask).sum() / mask.sum()     # Sec. 3.1: MSE of a_t; App. C: the padding's loss is masked
+
+
+def make_act(model, cfg):
+    """The evaluate() policy. Transformer-like: re-run the window from a zero state, the action at its last position.
+    RNN-like (Sec. 3.2): only the current triplet (R_t, a_{t-1}, s_t), carrying each env's conv and SSM states,
+    which start from zero at an episode's first step (timesteps[:, -1] == 0)."""
+    if cfg.mode == "transformer":
+        def act(batch, live):
+            return predict(model, batch, cfg)[0][:, -1]
+        return act
+    caches = {}                                                                     # env index -> its per-layer cache
+
+    def act_rnn(batch, live):
+        fresh = batch["timesteps"][:, -1] == 0
+        zero = model.init_cache(1, batch["states"].device, batch["states"].dtype)
+        per_env = [zero if bool(fresh[j]) or int(i) not in caches else caches[int(i)] for j, i in enumerate(live)]
+        cache = [tuple(torch.cat([c[l][k] for c in per_env]) for k in range(2)) for l in range(len(zero))]
+        prev = previous_actions(batch["actions"], batch["prev_action"])[:, -1]
+        a, cache = model.step(batch["states"][:, -1], prev, batch["rtg"][:, -1], batch["timesteps"][:, -1], cache)
+        for j, i in enumerate(live):
+            caches[int(i)] = [(c[j:j + 1], h[j:j + 1]) for c, h in cache]
+        return a
+    return act_rnn
+
+
+def log_extra(model, probe, cfg):
+    """Extra log.csv values at each log step (LOG_EXTRA); none for DeMa."""
+    return {}
+
+
+def after_eval(model, d, cfg, out, rows, final):
+    """After training: the hidden attention against token distance on dataset windows (transformer mode)."""
+    if final and cfg.mode == "transformer":
+        attention_figure(model, d, cfg, os.path.join(out, "attention.png"))
+
+
+def tokens_per_step(cfg):
+    return 1 if cfg.token_layout == "bl3d" else 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# figures and analyses: hidden attention (Fig. 4, App. J), S6 ablation (Fig. 5)
+
+def plt_agg():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def token_kinds(n, T):
+    """The kind of the token at each distance 0..T-1 from the current s_t token: s, a (a_{t-1}), R; 'step' in BL3D."""
+    return np.array(["s", "a", "R"] if n == 3 else ["step"])[np.arange(T) % n]
+
+
+def attention_profile(model, b):
+    """The last query row of every layer's hidden attention (the s_t token, whose output is the action: App. J),
+    |alpha| averaged over channels and windows -> (n_layer, T), indexed by the key's distance from s_t."""
+    with torch.no_grad():
+        rows = model.hidden_attention(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"],
+                                      b["prev_action"], last_row=True)                 # n_layer x (b, di, T)
+    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows])                       # (n_layer, T), key position j
+    return prof.flip(-1).cpu().numpy()                                                  # (n_layer, T), distance T-1-j
+
+
+def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
+    """Hidden attention on dataset windows (full ones where there are any): mean |alpha| against token distance per
+    layer (log y), a marker per token kind. Fig. 4 shows the same last row along one episode: --attention."""
+    plt = plt_agg()
+    b = d.sample(8 * n_windows, cfg.context, np.random.default_rng(seed))
+    full = torch.nonzero(b["mask"].all(dim=1)).squeeze(1)
+    keep = full[:n_windows] if len(full) else torch.arange(n_windows)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    prof = attention_profile(model, {k: v[keep].to(device) for k, v in b.items()})     # (n_layer, T)
+    model.train(was_training)
+    T = prof.shape[1]
+    dist, kind = np.arange(T), token_kinds(model.n, T)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for l, p in enumerate(list(prof) + [prof.mean(0)]):
+        label = f"layer {l + 1}" if l < len(prof) else "mean of layers"
+        line, = ax.plot(dist, p, "-", lw=1, label=label, color="k" if l == len(prof) else None)
+        for k, mk in (("s", "o"), ("a", "^"), ("R", "s"), ("step", "o")):
+            ax.plot(dist[kind == k], p[kind == k], mk, ms=3, color=line.get_color())
+    ax.set(yscale="log", ylabel="mean |alpha| over channels and windows",
+           xlabel="token distance from the current s_t token" + (" (o s, ^ a, [] R)" if model.n == 3 else " (steps)"),
+           title=f"DeMa hidden attention, {d.dataset_id}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    shown = sorted({i for i in (0, 1, 2, 3, 6, T - 1) if i < T})
+    print(f"hidden attention -> {path}: mean |alpha| at distance {'/'.join(map(str, shown))}: "
+          + " / ".join(f"{prof.mean(0)[i]:.3g}" for i in shown))
+    return prof
+
+
+def attention_episode(cfg, run):
+    """--attention (Fig. 4, App. J): one evaluation episode (the first target, evaluation seed) with the run's
+    checkpoint; at every decision step, each layer's last attention row (the s_t token's) over the window, |alpha|
+    averaged over channels. Writes attention_episode.png (a heat map per layer and their mean: decision step against
+    token position, colour = score) and attention_episode.npz; returns the (steps, n_layer, T) array."""
+    if cfg.mode != "transformer":
+        raise DataError("--attention draws transformer-like DeMa's window at each decision (Fig. 4); this run is "
+                        "--mode rnn")
+    model, out = run["model"], run["out"]
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    device = next(model.parameters()).device
+    policy, steps = make_act(model, cfg), []
+
+    def act(batch, live):
+        rows = model.hidden_attention(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"],
+                                      batch["mask"], batch["prev_action"], last_row=True)   # n_layer x (1, di, T)
+        steps.append(torch.stack([a[0].abs().mean(0) for a in rows]).cpu())               # (n_layer, T)
+        return policy(batch, live)
+
+    res = eval_lib.evaluate(act, d, 1, eval_targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, progress=False)
+    attn = torch.stack(steps).numpy()                                                 # (steps, n_layer, T)
+    np.savez(os.path.join(out, "attention_episode.npz"), attention=attn, returns=res["returns"])
+    plt = plt_agg()
+    from matplotlib.colors import LogNorm
+    panels = list(attn.transpose(1, 0, 2)) + [attn.mean(1)]                           # (steps, T) each
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), squeeze=False, sharey=True,
+                             layout="constrained")
+    vmax = attn.max()
+    norm = LogNorm(vmin=max(attn[attn > 0].min(initial=vmax), vmax * 1e-6), vmax=vmax) if vmax > 0 else None
+    T = attn.shape[2]
+    for i, (ax, p) in enumerate(zip(axes[0], panels)):
+        im = ax.imshow(p.T, origin="lower", aspect="auto", cmap="turbo", norm=norm, interpolation="nearest",
+                       extent=(-0.5, len(p) - 0.5, -0.5, T - 0.5))
+        ax.set(xlabel="decision step t of the episode", title=f"layer {i + 1}" if i < len(panels) - 1 else "mean of layers")
+    axes[0, 0].set_ylabel(f"token position in the window ({T - 1} = s_t)")
+    fig.colorbar(im, ax=axes[0].tolist(), label="mean |alpha| over channels (last row)")
+    fig.suptitle(f"DeMa hidden attention along one episode, {d.dataset_id} (return {res['returns'][0]:.0f})")
+    path = os.path.join(out, "attention_episode.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    s_prev = attn.mean(1)[:, T - 1 - model.n]                           # the attention s_t pays to the previous step
+    period = ""
+    if len(s_prev) >= 16:
+        spectrum = np.abs(np.fft.rfft(s_prev - s_prev.mean()))
+        period = f"; the score of the previous step repeats every ~{len(s_prev) / (1 + spectrum[1:].argmax()):.1f} steps"
+    print(f"hidden attention along one episode ({len(attn)} steps, return {res['returns'][0]:.1f}) -> {path}; "
+          f"mean |alpha| at distance 0/{model.n}: {attn.mean((0, 1))[-1]:.3g} / {attn.mean((0, 1))[-1 - model.n]:.3g}"
+          + period)
+    return attn
+
+
+def load_donor(path, model, layers):
+    """--s6-donor: another DeMa run's model (its folder or ckpt.pt), whose mixers have this run's shapes."""
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    if not os.path.exists(path):
+        raise DataError(f"--s6-donor: no checkpoint at {path}")
+    ck = read_checkpoint(path)
+    names = {f.name for f in dataclasses.fields(Config)}
+    donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}), ck["info"])
+    donor.load_state_dict(ck["model"])
+    shapes = lambda m: [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS] for l in layers]  # noqa: E731
+    if len(donor.blocks) <= max(layers) or shapes(donor) != shapes(model):
+        raise DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes (same "
+                        f"--d-model, --d-state, --d-conv, --expand and enough layers needed)")
+    return donor.to(next(model.parameters()).device)
+
+
+def s6_ablation(cfg, run):
+    """--s6-ablation (Sec. 4.2, Fig. 5): evaluate the run's checkpoint as it is and with the S6 parameters of
+    --s6-layers zeroed, re-initialised or swapped from --s6-donor (ablate_s6); prints both scores per target."""
+    model, n = run["model"], len(run["model"].blocks)
+    layers = list(range(n)) if cfg.s6_layers == "all" else sorted({int(x) for x in cfg.s6_layers.split(",")})
+    if max(layers) >= n:
+        raise DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers (0..{n - 1})")
+    donor = load_donor(cfg.s6_donor, model, layers) if cfg.s6_ablation == "swap" else None
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    device = next(model.parameters()).device
+    before = run_evals(model, d, cfg, device)
+    ablate_s6(model, cfg.s6_ablation, layers, donor, seed=cfg.seed)
+    after = run_evals(model, d, cfg, device)
+    for (g, r0), (_, r1) in zip(before, after):
+        print(f"s6 ablation {cfg.s6_ablation} of layers {','.join(map(str, layers))}, target {g}: normalized_score="
+              f"{r1['normalized'].mean():.2f} (original {r0['normalized'].mean():.2f}) return={r1['returns'].mean():.2f} "
+              f"(original {r0['returns'].mean():.2f}) episodes={len(r1['returns'])}")
+    return before, after
+
+
+ANALYSES = {"attention": attention_episode, "s6_ablation": s6_ablation}  # flag -> fn(cfg, run): reads the checkpoint
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# benchmarks (no run needed): --bench-scan, --params
+
+def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
+    """Best-of-reps wall time (ms) of forward + backward of one selective scan, fp32."""
+    g = torch.Generator().manual_seed(seed)
+    u, delta = torch.randn(b, d_inner, L, generator=g), torch.randn(b, d_inner, L, generator=g) - 2.0
+    A = -torch.exp(torch.log(torch.arange(1, N + 1.0)).repeat(d_inner, 1))        # the S4D-real init
+    B, C = torch.randn(b, N, L, generator=g), torch.randn(b, N, L, generator=g)
+    leaves = [t.requires_grad_() for t in (u, delta, A, B, C)]
+    best = float("inf")
+    for r in range(reps + 1):                                                       # the first run warms up
+        t0 = time.perf_counter()
+        fn(*leaves, delta_softplus=True).sum().backward()
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def bench_scan(cfg):
+    """--bench-scan: forward + backward of one scan at the paper's training size (batch 64, K=20 -> L=60, d_inner
+    2*64, N 64), longer L, and small states (one env, the cpu preset's d_inner 64 / N 16) where the loop is bound by
+    per-op overhead. On CPU the loop wins at every training size: each parallel round streams the whole
+    (b, d_inner, L, N) tensor, log2(L) times (alxndrTL/mamba.py#57)."""
+    torch.set_flush_denormal(True)
+    di, N = cfg.expand * cfg.d_model, cfg.d_state
+    print(f"selective scan, forward + backward, fp32, {torch.get_num_threads()} thread(s), cpu")
+    print(f"{'batch':>5} {'d_inner':>7} {'N':>3} {'L':>5} {'sequential ms':>14} {'parallel ms':>12}  faster")
+    cases = [(64, di, N, L) for L in (60, 120)] + [(1, di, N, L) for L in (60, 300, 1000, 3000)] + \
+            [(b, 64, 16, L) for b in (1, 4, 64) for L in (15, 60, 300)] + [(1, 16, 4, L) for L in (60, 1000)]
+    for b, d_inner, n, L in cases:
+        ts = time_scan(selective_scan_sequential, b, d_inner, L, n)
+        tp = time_scan(selective_scan_parallel, b, d_inner, L, n)
+        print(f"{b:5d} {d_inner:7d} {n:3d} {L:5d} {ts:14.1f} {tp:12.1f}  {'sequential' if ts <= tp else 'parallel'}",
+              flush=True)
+
+
+def param_table():
+    """--params: DeMa's parameters at the paper's hopper settings (Table 7's 175.5K / 500.0K, Table 17's 431.5K) and
+    dt.py's, hopper's shapes (obs 11, act 3, max_ep_len 1000). The official counts include 780 parameters of unused
+    prediction heads (11 D + 11 + D + 1 at D=64)."""
+    rows = [("dema E=256 D=64 N=64 (hopper-medium, Table 7)", dict(n_embd=256, d_model=64)),
+            ("dema E=256 D=64 + timestep embedding (Table 17)", dict(n_embd=256, d_model=64, timestep_embedding=True)),
+            ("dema E=256 D=128 (Table 7)", dict(n_embd=256, d_model=128)),
+            ("dema E=128 D=64", dict(n_embd=128, d_model=64)),
+            ("dema E=256 D=64 --token-layout bl3d (Table 2)", dict(n_embd=256, d_model=64, token_layout="bl3d")),
+            ("dema --preset cpu", PRESETS["cpu"])]
+    for label, kw in rows:
+        print(f"{label:50s} {sum(p.numel() for p in DeMa(Config(**kw), 11, 3, 1000).parameters()):>10,}")
+    try:
+        import dt
+    except ImportError:   # this file copied alone into another project
+        return
+    for label, kw in (("dt paper (H=128)", {}), ("dt --preset cpu", dt.PRESETS["cpu"])):
+        n = sum(p.numel() for p in dt.DecisionTransformer(dt.Config(**kw), 11, 3, 1000).parameters())
+        print(f"{label:50s} {n:>10,}")
+
+
+# >>> harness: begin ==============================================================================================
+# The run harness: flags, input checks, run folder, lock, checkpoint, exact resume, logging, curves, benchmark.
+# IDENTICAL in dt.py, gpt2_dtma.py, lsdt.py, starformer.py and dema.py (tests/test_harness.py compares the copies):
+# fix it in one file and copy the block to the others. It uses these names from the file around it:
+#   SCRIPT, Config (fields made with arg(..., run=True) do not change what is trained), PRESETS, LOG_EXTRA,
+#   check_model(cfg) -> problem or None, load_dataset(cfg) -> data, configure(cfg, data) -> cfg,
+#   eval_targets(cfg, data), build_model(cfg, info), make_optimizer(model, cfg) -> (optimizer, lr factor of step),
+#   get_batch(data, cfg, rng), loss_fn(model, batch, cfg), make_act(model, cfg), log_extra(model, probe, cfg),
+#   after_eval(model, data, cfg, out, rows, final), tokens_per_step(cfg), ANALYSES {flag: fn(cfg, run)}.
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import csv  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+DataError = data_lib.DataError   # a problem the user can fix: main() prints it as one sentence and exits 1
+LOG_FIELDS = ["step", "loss", "lr", *LOG_EXTRA, "target", "eval_return", "eval_return_std", "normalized_score",
+              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
+CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
+             "pending_losses", "numpy_rng", "torch_rng"}
+
+
+def parse_flags(argv):
+    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
+    -> (cfg, the names of the fields the command line set, the preset's included)."""
+    p = argparse.ArgumentParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawTextHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
+        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+            p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                           help=f"{text} (default: {f.default})")
+    given = vars(p.parse_args(argv))
+    preset = given.get("preset", "")
+    if preset and preset not in PRESETS:
+        p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
+    values = {**PRESETS.get(preset, {}), **given}
+    if values.get("dataset"):
+        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
+    return Config(**values), set(values)
+
+
+def parse_args(argv):
+    return parse_flags(argv)[0]
+
+
+def device_problem(name):
+    kind, _, index = name.partition(":")
+    if name in ("auto", "cpu"):
+        return None
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu"
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            return f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+        return None
+    if name == "mps":
+        return None if torch.backends.mps.is_available() else "--device mps: MPS is not available here; use --device cpu"
+    return f"unknown --device '{name}'; use auto, cpu, cuda, cuda:N or mps"
+
+
+def check_config(cfg):
+    """Every flag, before any work is done: raises DataError with one sentence about the first bad value."""
+    for f in dataclasses.fields(cfg):
+        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise DataError(f"{flag} must be a finite number, got {v}")
+        if f.name.endswith("dropout") and not 0 <= v < 1:
+            raise DataError(f"{flag} must lie in [0, 1), got {v}")
+    for name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
+                 "n_head"):
+        v = getattr(cfg, name, None)
+        if v is not None and v <= 0:
+            raise DataError(f"--{name.replace('_', '-')} must be a positive whole number, got {v}")
+    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
+                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
+        if not ok:
+            raise DataError(f"--{name} must be {rule}, got {v}")
+    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
+        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
+    chosen = [name for name in ANALYSES if getattr(cfg, name)] + (["bench"] if cfg.bench else [])
+    if len(chosen) > 1:
+        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+    problem = device_problem(cfg.device) or check_model(cfg)
+    if problem:
+        raise DataError(problem)
+    data_lib.resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise DataError(f"--out {cfg.out} is a file, not a folder")
 
 
 def pick_device(name):
@@ -442,69 +973,211 @@ def pick_device(name):
     return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
-def prev_actions(batch):
-    """a_{t-1} at every position of a window: cat(prev_action, actions[:, :-1]). With left padding the first real
-    step's previous action is prev_action (the null action 0 at an episode's first step), see data.py."""
-    return torch.cat([batch["prev_action"][:, None], batch["actions"][:, :-1]], dim=1)   # (B, K, act_dim)
+def variant_name(cfg):
+    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
+    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_no-return-token_context5'."""
+    base = {f.name: f.default for f in dataclasses.fields(Config)} | PRESETS.get(cfg.preset, {})
+    parts = [cfg.preset] if cfg.preset else []
+    for f in dataclasses.fields(Config):
+        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
+        if f.metadata["run"] or f.name == "preset" or v == base[f.name]:
+            continue
+        parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}" if isinstance(v, float)
+                     else f"{flag}{v}")
+    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
 
 
-def predict(model, batch, cfg, training=False):
-    """Model inputs from a data.py / evaluate.py window -> (predicted actions, target actions, loss mask)."""
-    rtg, prev, states, mask = batch["rtg"], prev_actions(batch), batch["states"], batch["mask"]
-    target = batch["actions"]
-    if training and cfg.rtg_shift:
-        # The official code's training triplet is (R_{t-1}, a_{t-1}, s_t) -> a_t over K-1 steps (it drops s_0), while
-        # its evaluation feeds (R_t, a_{t-1}, s_t) (notes 2.2, 7.2). Default here: (R_t, a_{t-1}, s_t) in both, over
-        # K steps, which keeps the DT convention that the prompt return belongs to the current state.
-        rtg, prev, states, target = rtg[:, :-1], prev[:, 1:], states[:, 1:], target[:, 1:]
-        mask = mask[:, 1:]
-    pred = model(rtg, prev, states, mask if cfg.pad_mask else None, cfg.scan)       # (B, K, act_dim)
-    return pred, target, mask
+def run_folder(cfg):
+    return cfg.out or os.path.join("runs", SCRIPT, (cfg.dataset or cfg.env).replace("/", "-"), variant_name(cfg),
+                                   f"seed{cfg.seed}")
 
 
-def loss_fn(model, batch, cfg):
-    pred, target, mask = predict(model, batch, cfg, training=True)
-    err = ((pred - target) ** 2).mean(-1)                                           # (B, K)
-    return (err * mask).sum() / mask.sum()                                          # MSE over real steps
+def read_checkpoint(path):
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
+        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
+                        f"move it away or pass another --out") from None
+    if not isinstance(ck, dict) or ck.get("script") != SCRIPT or not CKPT_KEYS <= set(ck):
+        raise DataError(f"{path} is not a checkpoint of {SCRIPT}.py; move it away or pass another --out")
+    return ck
 
 
-def sample_trajectories(d, batch_size, max_len, rng):
-    """RNN-like training batch: whole trajectories (their first max_len steps), drawn in proportion to length. They
-    are cut by data.gather_windows and so LEFT-padded to the longest one; with the inert pad mask this is exactly
-    the official code's right padding (a causal model is unaffected by either)."""
-    lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
-    ep = rng.choice(len(lengths), size=batch_size, p=lengths / lengths.sum())
-    n = np.minimum(lengths[ep], max_len)
-    start = d.ep_start[ep]
-    return data_lib.gather_windows(d.flat, start, start + n - 1, int(n.max()))
+def settings_from_checkpoint(cfg, given, ck, path):
+    """The run's own settings, with the flags given now on top. A flag that would change what is trained (or the
+    dataset, or the seed) and differs from the checkpoint is refused in one sentence that names it."""
+    saved = {k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
+    differ = [f"--{f.name.replace('_', '-')} {saved[f.name]} there, {getattr(cfg, f.name)} here"
+              for f in dataclasses.fields(Config)
+              if f.name in given and f.name in saved and (not f.metadata["run"] or f.name == "seed")
+              and f.name != "preset" and getattr(cfg, f.name) != saved[f.name]]
+    if given & {"env", "dataset"} and data_lib.resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
+        differ.append(f"dataset {ck['dataset_id']} there, {data_lib.resolve(cfg.dataset or cfg.env)} here")
+    if differ:
+        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
+                        f"run's own, or pass a fresh --out")
+    return Config(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"}))
 
 
-def make_act(model, cfg):
-    """The evaluate() policy. Transformer-like: re-run the window from a zero state, action at the last position.
-    RNN-like: feed only the current triplet (R_t, a_{t-1}, s_t), carrying each env's conv + SSM states; the states
-    are zeroed when timesteps[:, -1] == 0 (a fresh episode)."""
-    if cfg.mode == "transformer":
-        def act(batch, live):
-            return predict(model, batch, cfg)[0][:, -1]
-        return act
-    states = {}                                                                     # env index -> per-layer states
+def lock_folder(out):
+    """Hold <out>/.lock for this process's life. The OS releases it when the process ends, even by kill -9, so a
+    crashed run never leaves its folder locked."""
+    try:
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
+    try:
+        if os.name == "nt":
+            import msvcrt
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
-    def act_rnn(batch, live):
-        B = len(live)
-        fresh = batch["timesteps"][:, -1] == 0
-        init = model.init_state(1, batch["states"].device)
-        per_env = [init if bool(fresh[j]) or int(i) not in states else states[int(i)] for j, i in enumerate(live)]
-        st = [tuple(torch.cat([s[l][k] for s in per_env]) for k in range(2)) for l in range(len(init))]
-        a, st = model.step(batch["rtg"][:, -1], prev_actions(batch)[:, -1], batch["states"][:, -1], st)
-        for j, i in enumerate(live):
-            states[int(i)] = [(c[j:j + 1], h[j:j + 1]) for c, h in st]
-        assert a.shape[0] == B
-        return a
-    return act_rnn
+
+def open_run(cfg, given):
+    """-> (cfg, out folder, checkpoint or None, lock). Never replaces a run: a folder that holds one is continued
+    only with --resume (with the run's settings), and a folder in use by another process is refused."""
+    out = run_folder(cfg)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the output folder {out} ({e.strerror})") from None
+    lock = lock_folder(out)
+    try:
+        ckpt_path = os.path.join(out, "ckpt.pt")
+        if not cfg.resume and (os.path.exists(ckpt_path) or os.path.exists(os.path.join(out, "log.csv"))):
+            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
+        ck = read_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
+        if ck is not None:
+            cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+        elif cfg.resume:
+            print(f"no checkpoint at {ckpt_path}; starting from scratch")
+        return cfg, out, ck, lock
+    except BaseException:
+        lock.close()
+        raise
 
 
-LOG_FIELDS = ["step", "loss", "lr", "target", "eval_return", "eval_return_std", "normalized_score",
-              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
+def load_run(cfg, given):
+    """For the analyses: the trained model of a run folder (its settings from its checkpoint), never retrained."""
+    out = run_folder(cfg)
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    if not os.path.exists(ckpt_path):
+        raise DataError(f"no checkpoint at {ckpt_path}; train the run first, or pass --out <run folder>")
+    ck = read_checkpoint(ckpt_path)
+    cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+    model = build_model(cfg, ck["info"])
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError:
+        raise DataError(f"{ckpt_path} does not fit {SCRIPT}.py's model with the run's settings") from None
+    model.to(pick_device(cfg.device)).eval()
+    return cfg, dict(model=model, ck=ck, out=out)
+
+
+def write_atomic(path, write):
+    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as RuntimeError
+            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:100]
+            raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
+        raise
+
+
+def write_csv(path, rows):
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, LOG_FIELDS, restval="")
+            w.writeheader()
+            w.writerows(rows)
+    write_atomic(path, write)
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    write_atomic(path, write)
+
+
+def log_row(**values):
+    return dict.fromkeys(LOG_FIELDS, "") | values
+
+
+class StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM during training: finish the current step (and its evaluation), save, exit 128 +
+    signal (130 for Ctrl-C). A second signal quits at once; the last checkpoint stays as it was."""
+
+    def __init__(self):
+        self.signum, self.previous = 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.signal(s, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
+              f"without saving", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def finite_losses(pending, step):
+    """The losses of the steps since the last log line (one device sync), or one sentence at the first non-finite."""
+    values = torch.stack(pending).float().tolist() if pending else []
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise DataError(f"the training loss is {v} at step {step - len(values) + i + 1}, so the run stops there "
+                            f"(its last checkpoint is kept); lower --lr or check the data")
+    return values
+
+
+def train_step(fwd, model, opt, sched, batch, cfg, autocast):
+    """One gradient step: the loss (bf16 autocast if --amp; reductions stay fp32), backward, clip, AdamW, lr."""
+    with autocast:
+        loss = loss_fn(fwd, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    sched.step()
+    return loss.detach()
+
+
+def run_evals(model, d, cfg, device):
+    """Evaluate every target return on cfg.eval_episodes parallel episodes; -> [(target, result dict)]."""
+    model.eval()
+    results = []
+    for g in eval_targets(cfg, d):
+        t0 = time.time()
+        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device)
+        results.append((g, res | {"seconds": time.time() - t0}))
+    model.train()
+    return results
 
 
 def plot_curve(rows, path, title):
@@ -512,14 +1185,16 @@ def plot_curve(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    train_rows = [r for r in rows if r["loss"] != ""]
-    ax1.plot([int(r["step"]) for r in train_rows], [float(r["loss"]) for r in train_rows])
-    ax1.set(xlabel="step", ylabel="action MSE", yscale="log", title="training loss")
-    for target in sorted({r["target"] for r in rows if r["target"] != ""}, key=float):
-        ev = [r for r in rows if r["target"] == target]
-        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-", label=f"target {target}")
-    ax2.set(xlabel="step", ylabel="normalised score", title="evaluation")
-    if ax2.lines:
+    losses = [r for r in rows if r["loss"] != ""]
+    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
+    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
+            title="training loss")
+    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
+        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
+        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
+                 label=f"target {target}" if target != "" else None)
+    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
+    if any(line.get_label()[:1] != "_" for line in ax2.lines):
         ax2.legend()
     fig.suptitle(title)
     fig.tight_layout()
@@ -527,310 +1202,213 @@ def plot_curve(rows, path, title):
     plt.close(fig)
 
 
-def run_evals(model, d, cfg, device, seed):
-    """Evaluate every target return; returns [(target, result dict)]. RNN mode needs only the current step."""
-    targets = [cfg.target_return] if cfg.target_return is not None else d.target_returns
-    K = cfg.context if cfg.mode == "transformer" else 1
-    model.eval()
-    out = []
-    for g in targets:
-        t0 = time.time()
-        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, seed, K, device)
-        out.append((g, res | {"seconds": time.time() - t0}))
-    model.train()
-    return out
-
-
-def count_params(model):
-    return sum(p.numel() for p in model.parameters())
-
-
-def dt_params(d, preset):
-    """Parameters of dt.py's model on the same data, for the line printed next to ours ('n/a' without dt.py, e.g.
-    when this file was copied into another project)."""
+def train(cfg, given=frozenset()):
+    """Train (or with --resume continue) the run in cfg's run folder. -> (model, the final evaluation's results)."""
+    cfg, out, ck, lock = open_run(cfg, given)
     try:
-        import dt
-    except ImportError:
-        return "n/a"
-    dcfg = dt.Config(**(dt.PRESETS["cpu"] if preset == "cpu" else {}))
-    return f"{count_params(dt.DecisionTransformer(dcfg, d.obs_dim, d.act_dim, d.max_ep_len)):,}"
+        return _train(cfg, out, ck)
+    finally:
+        lock.close()
 
 
-def train(cfg):
-    if cfg.mode not in ("transformer", "rnn"):
-        raise data_lib.DataError(f"unknown --mode '{cfg.mode}'; use transformer or rnn")
-    if cfg.scan not in ("auto", "sequential", "parallel"):
-        raise data_lib.DataError(f"unknown --scan '{cfg.scan}'; use auto, sequential or parallel")
-    if cfg.mode == "rnn" and not cfg.pad_mask:
-        raise data_lib.DataError("--mode rnn needs the pad mask (whole trajectories are padded to equal length)")
+def _train(cfg, out, ck):
     device = pick_device(cfg.device)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
-    name = (cfg.dataset or cfg.env).replace("/", "-")
-    out = cfg.out or os.path.join("runs", "dema", name, f"seed{cfg.seed}")
-    os.makedirs(out, exist_ok=True)
+    # the variant of the flags as given, as the run folder's name is (before configure's data-dependent values)
+    variant = ck.get("variant", variant_name(cfg)) if ck else variant_name(cfg)
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    info = ck["info"] if ck else dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len,
+                                      goal_dim=d.goal_dim)
     ckpt_path = os.path.join(out, "ckpt.pt")
-    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; "
-          f"normalised with {d.ref_source}; targets {d.target_returns}; device {device}; mode {cfg.mode}; "
-          f"scan {cfg.scan}")
-    if cfg.scan == "auto" and cfg.mode == "transformer":
-        state = cfg.batch_size * cfg.expand * cfg.d_model * cfg.d_state
-        print(f"scan auto: {choose_scan(torch.device(device).type, 3 * cfg.context, state)} for training batches")
-
+    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
+          f"{d.ref_source}; targets {eval_targets(cfg, d)}; device {device}", flush=True)
     torch.manual_seed(cfg.seed)
-    model = DeMa(cfg, d.obs_dim, d.act_dim).to(device)
-    print(f"parameters: {count_params(model):,} (E={cfg.n_embd}, D={cfg.d_model}, N={cfg.d_state}, "
-          f"{cfg.n_layer} layers); dt.py{' --preset cpu' if cfg.preset == 'cpu' else ''} on this data: "
-          f"{dt_params(d, cfg.preset)}")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup_steps, 1.0))
+    model = build_model(cfg, info).to(device)
+    opt, lr_factor_of_step = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
     rng = np.random.default_rng(cfg.seed)
-    step, wall, rows = 0, 0.0, []
-
-    if cfg.resume and os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, map_location=device, weights_only=True)
+    probe = {k: v.to(device) for k, v in get_batch(d, cfg, np.random.default_rng(cfg.seed + 20_000)).items()}
+    step, wall0, rows, pending = 0, 0.0, [], []
+    if ck is not None:
         try:
             model.load_state_dict(ck["model"])
-        except RuntimeError:
-            raise data_lib.DataError(f"{ckpt_path} does not fit this model (it was written with config "
-                                     f"{ck.get('config')}); pass the same model flags or another --out") from None
-        opt.load_state_dict(ck["optimizer"])
+            opt.load_state_dict(ck["optimizer"])
+        except (RuntimeError, ValueError, KeyError):
+            raise DataError(f"{ckpt_path} does not fit this model and data; pass another --out") from None
         sched.load_state_dict(ck["scheduler"])
-        step, wall = ck["step"], ck["wall_time"]
+        step, wall0, rows = ck["step"], ck["wall_time"], list(ck["rows"])
+        pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
         rng.bit_generator.state = json.loads(ck["numpy_rng"])
         torch.set_rng_state(ck["torch_rng"])
-        if os.path.exists(os.path.join(out, "log.csv")):  # keep the rows written up to the checkpoint
-            with open(os.path.join(out, "log.csv")) as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
-        print(f"resumed from {ckpt_path} at step {step}")
-    elif cfg.resume:
-        print(f"no checkpoint at {ckpt_path}; starting from scratch")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg) | {"dataset_id": d.dataset_id, "device": device}, f, indent=2)
+        if ck.get("cuda_rng") is not None and torch.device(device).type == "cuda":
+            torch.cuda.set_rng_state_all(ck["cuda_rng"])
+        print(f"resumed from {ckpt_path} at step {step} of {cfg.steps}")
+    print(f"{SCRIPT} {variant}: {sum(p.numel() for p in model.parameters()):,} parameters; run folder {out}",
+          flush=True)
+    write_json(os.path.join(out, "config.json"), dataclasses.asdict(cfg) | dict(
+        script=SCRIPT, variant=variant, dataset_id=d.dataset_id, device=device, info=info))
+    extra = log_extra(model, probe, cfg)
+    if not rows and any(v != "" for v in extra.values()):   # e.g. GPT2-DTMA's G_Markov at step 0
+        rows.append(log_row(step=0, wall_time="0.0", **extra))
 
     def save():
-        torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step,
-                        wall_time=wall, numpy_rng=json.dumps(rng.bit_generator.state), torch_rng=torch.get_rng_state(),
-                        config=dataclasses.asdict(cfg), state_mean=torch.from_numpy(d.state_mean),
-                        state_std=torch.from_numpy(d.state_std), return_scale=d.return_scale,
-                        max_ep_len=d.max_ep_len, dataset_id=d.dataset_id, obs_dim=d.obs_dim, act_dim=d.act_dim),
-                   ckpt_path + ".tmp")
-        os.replace(ckpt_path + ".tmp", ckpt_path)  # never leave a half-written checkpoint behind
-        with open(os.path.join(out, "log.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(os.path.join(out, "log.csv"), rows)  # the log first: it always covers the checkpoint's steps
+        state = dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                     step=step, wall_time=wall(), config=dataclasses.asdict(cfg), variant=variant, dataset_id=d.dataset_id,
+                     info=info,
+                     rows=rows, pending_losses=finite_losses(pending, step), numpy_rng=json.dumps(rng.bit_generator.state),
+                     torch_rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state_all() if torch.device(device).type == "cuda" else None,
+                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
+                     return_scale=d.return_scale)
+        write_atomic(ckpt_path, lambda tmp: torch.save(state, tmp))
 
-    def get_batch():
-        if cfg.mode == "rnn":
-            b = sample_trajectories(d, cfg.batch_size, cfg.rnn_max_len, rng)
-        else:
-            b = d.sample(cfg.batch_size, cfg.context, rng)
-        return {k: v.to(device) for k, v in b.items()}
-
-    last_eval, final = "", None
-    t_log, losses = time.time(), []
+    t_start = t_log = time.time()
+    wall = lambda: wall0 + time.time() - t_start  # noqa: E731
+    fwd = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.amp)
+    evals, final, n_log, first_step = [r for r in rows if r["normalized_score"] != ""], None, 0, step
     model.train()
-    try:
-        while step < cfg.steps:
-            t0 = time.time()
-            loss = loss_fn(model, get_batch(), cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            step += 1
-            wall += time.time() - t0
-            losses.append(loss.item())
+    with StopSignal() as stop:
+        while step < cfg.steps and not stop.signum:
+            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg, rng).items()}
+            pending.append(train_step(fwd, model, opt, sched, batch, cfg, autocast))
+            step, n_log = step + 1, n_log + 1
+            if step == first_step + 1 and step % cfg.log_every:   # a first sign of life, before the first log line
+                print(f"step {step:6d} | loss {pending[-1].item():.5f} | first step {time.time() - t_log:.1f} s", flush=True)
             if step % cfg.log_every == 0 or step == cfg.steps:
-                ms = 1e3 * (time.time() - t_log) / len(losses)
-                rows.append(dict.fromkeys(LOG_FIELDS, "") | dict(step=step, loss=f"{np.mean(losses):.6f}",
-                                                                 lr=f"{sched.get_last_lr()[0]:.3e}", wall_time=f"{wall:.1f}"))
+                losses = finite_losses(pending, step)
+                extra = log_extra(model, probe, cfg)
+                rows.append(log_row(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
+                                    wall_time=f"{wall():.1f}", **extra))
+                last = [r for r in evals if r["step"] == evals[-1]["step"]][:1]   # the first (headline) target's
+                last = f" | eval {float(last[0]['normalized_score']):.1f}" if last else ""
                 print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
-                      f"{ms:.1f} ms/step{last_eval}", flush=True)
-                t_log, losses = time.time(), []
+                      f"{1e3 * (time.time() - t_log) / n_log:.1f} ms/step"
+                      + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
+                pending, t_log, n_log = [], time.time(), 0
+                write_csv(os.path.join(out, "log.csv"), rows)
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                t0 = time.time()
-                results = run_evals(model, d, cfg, device, cfg.seed + 10_000)
-                wall += time.time() - t0
-                for g, res in results:
-                    rows.append(dict.fromkeys(LOG_FIELDS, "") | dict(
-                        step=step, target=g, eval_return=f"{res['returns'].mean():.2f}",
+                final = run_evals(model, d, cfg, device)
+                for g, res in final:
+                    rows.append(log_row(
+                        step=step, target="" if g is None else g, eval_return=f"{res['returns'].mean():.2f}",
                         eval_return_std=f"{res['returns'].std():.2f}", normalized_score=f"{res['normalized'].mean():.2f}",
                         normalized_score_std=f"{res['normalized'].std():.2f}",
                         success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
                         steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
-                        wall_time=f"{wall:.1f}"))
-                    print(f"eval step {step} target {g:g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)")
-                final = results[0]
-                last_eval = f" | eval {final[1]['normalized'].mean():.1f}"
+                        wall_time=f"{wall():.1f}"))
+                    evals.append(rows[-1])
+                    print(f"eval step {step} target {g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)", flush=True)
                 save()
-                plot_curve(rows, os.path.join(out, "curve.png"), f"dema {d.dataset_id} seed {cfg.seed}")
-                t_log = time.time()
-    except KeyboardInterrupt:
-        save()
-        print(f"\ninterrupted at step {step}; checkpoint saved, continue with --resume")
-        raise SystemExit(130)
+                plot_curve(rows, os.path.join(out, "curve.png"), f"{SCRIPT} {variant} {d.dataset_id} seed {cfg.seed}")
+                after_eval(model, d, cfg, out, rows, final=False)
+                t_log, n_log = time.time(), 0
+        if stop.signum and step < cfg.steps:
+            save()
+            print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
+            raise SystemExit(128 + stop.signum)
     if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
-        final = run_evals(model, d, cfg, device, cfg.seed + 10_000)[0]
-    if cfg.mode == "transformer":
-        attention_figure(model, d, cfg, os.path.join(out, "attention.png"), device)
-    res = final[1]
+        final = run_evals(model, d, cfg, device)
+    after_eval(model, d, cfg, out, rows, final=True)
+    res = final[0][1]
+    if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
+        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
     print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
           f"episodes={len(res['returns'])}")
     return model, res
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# analysis: hidden attention figure, scan benchmark, parameter table
-
-def attention_profile(model, batch, cfg):
-    """Paper Fig. 4 reduced to one curve per layer: |alpha| of the LAST query row (the current state token s_t, whose
-    output is the action) averaged over channels and windows, as a function of the key's distance from it."""
-    with torch.no_grad():
-        rows = model.hidden_attention(batch["rtg"], prev_actions(batch), batch["states"],
-                                      batch["mask"] if cfg.pad_mask else None, last_row=True)
-    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows])                  # (n_layer, T), key position j
-    return prof.flip(-1).cpu().numpy()                                             # (n_layer, T), distance T-1-j
-
-
-def attention_figure(model, d, cfg, path, device="cpu", n_windows=64, seed=0):
-    """Hidden attention on full (unpadded) dataset windows: mean |alpha| vs token distance per layer (log y), one
-    marker per token type. The paper plots the same last-row quantity along one evaluation episode (Fig. 4)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rng = np.random.default_rng(seed)
-    b = d.sample(8 * n_windows, cfg.context, rng)
-    full = torch.nonzero(b["mask"].all(dim=1)).squeeze(1)[:n_windows]               # windows with no padding
-    b = {k: v[full].to(device) for k, v in b.items()}
-    was_training = model.training
-    model.eval()
-    prof = attention_profile(model, b, cfg)                                         # (n_layer, T)
-    model.train(was_training)
-    T = prof.shape[1]
-    dist = np.arange(T)
-    kind = np.array(["s", "a", "R"])[dist % 3]        # distance 0 is s_t, 1 is a_{t-1}, 2 is R_t, 3 is s_{t-1}, ...
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for l, p in enumerate(list(prof) + [prof.mean(0)]):
-        label = f"layer {l + 1}" if l < len(prof) else "mean of layers"
-        line, = ax.plot(dist, p, "-", lw=1, label=label, color="k" if l == len(prof) else None)
-        for k, mk in (("s", "o"), ("a", "^"), ("R", "s")):
-            sel = kind == k
-            ax.plot(dist[sel], p[sel], mk, ms=3, color=line.get_color())
-    ax.set(yscale="log", xlabel="token distance from the current state token (o s, ^ a, [] R)",
-           ylabel="mean |alpha| over channels and windows", title=f"DeMa hidden attention, {d.dataset_id}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    # slope of log(mean over layers) over state tokens: exponential decay rate per environment step
-    s_idx = dist[kind == "s"]
-    slope = np.polyfit(s_idx / 3, np.log(prof.mean(0)[s_idx] + 1e-30), 1)[0]
-    print(f"hidden attention -> {path}: mean |alpha| at distance 0/1/2/3/6/{T - 1}: "
-          + " / ".join(f"{prof.mean(0)[i]:.3g}" for i in (0, 1, 2, 3, 6, T - 1))
-          + f"; state tokens decay x{np.exp(slope):.3f} per step")
-    return prof
-
-
-def attention_from_checkpoint(cfg):
-    if not os.path.exists(cfg.attention):
-        raise data_lib.DataError(f"no checkpoint at {cfg.attention}")
-    ck = torch.load(cfg.attention, map_location="cpu", weights_only=True)
-    mcfg = Config(**{k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}})
-    d = data_lib.load_data(ck["dataset_id"])
-    model = DeMa(mcfg, d.obs_dim, d.act_dim)
-    model.load_state_dict(ck["model"])
-    attention_figure(model, d, mcfg, os.path.join(os.path.dirname(cfg.attention), "attention.png"))
-
-
-def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
-    """Best-of-reps wall time (ms) of forward + backward of one selective scan, fp32."""
-    g = torch.Generator().manual_seed(seed)
-    u, delta = torch.randn(b, d_inner, L, generator=g), torch.randn(b, d_inner, L, generator=g) - 2.0
-    A = -torch.exp(torch.log(torch.arange(1, N + 1.0)).repeat(d_inner, 1))        # the S4D-real init
-    B, C = torch.randn(b, N, L, generator=g), torch.randn(b, N, L, generator=g)
-    leaves = [t.requires_grad_() for t in (u, delta, A, B, C)]
-    best = float("inf")
-    for r in range(reps + 1):                                                       # first run: warm-up
-        t0 = time.perf_counter()
-        fn(*leaves, delta_softplus=True).sum().backward()
-        if r:
-            best = min(best, time.perf_counter() - t0)
-    return 1e3 * best
-
-
-def bench_scan(cfg):
-    """Forward + backward of one scan: the paper's MuJoCo size (batch 64, K=20 -> L=60, d_inner=2*64, N=64) and
-    longer L, then smaller states (one env, the cpu preset's d_inner 64 / N 16) where the loop is launch-bound."""
-    torch.set_flush_denormal(True)
-    di, N = cfg.expand * cfg.d_model, cfg.d_state
-    print(f"selective scan, forward + backward, fp32, {torch.get_num_threads()} thread(s), cpu")
-    print(f"{'batch':>5} {'d_inner':>7} {'N':>3} {'L':>5} {'sequential ms':>14} {'parallel ms':>12}  faster      auto")
-    cases = [(64, di, N, L) for L in (60, 120)] + [(1, di, N, L) for L in (60, 300, 1000, 3000)] + \
-            [(b, 64, 16, L) for b in (1, 4, 64) for L in (15, 60, 300)] + [(1, 16, 4, L) for L in (60, 1000)]
-    for b, d_inner, n, L in cases:
-        ts = time_scan(selective_scan_sequential, b, d_inner, L, n)
-        tp = time_scan(selective_scan_parallel, b, d_inner, L, n)
-        faster = "sequential" if ts <= tp else "parallel"
-        print(f"{b:5d} {d_inner:7d} {n:3d} {L:5d} {ts:14.1f} {tp:12.1f}  {faster:10s}  "
-              f"{choose_scan('cpu', L, b * d_inner * n)}", flush=True)
-
-
-def print_params():
-    """Our counts at the paper's settings, next to the official model's (which has 780 unused heads) and dt.py's."""
-    import dt
-    rows = []
-    for label, kw, official in [("hopper E=256 D=64 N=64 (hopper-medium)", dict(n_embd=256, d_model=64), 175_503),
-                                ("hopper E=256 D=128", dict(n_embd=256, d_model=128), 499_983),
-                                ("hopper E=128 D=64", dict(n_embd=128, d_model=64), 165_007),
-                                ("hopper --preset cpu", PRESETS["cpu"], None)]:
-        cfg = Config(**{**dataclasses.asdict(Config()), **kw})
-        n = count_params(DeMa(cfg, 11, 3))
-        unused = (11 * cfg.d_model + 11) + (cfg.d_model + 1)                        # predict_state, predict_return
-        note = "" if official is None else \
-            f"official {official:,} = {n:,} + {unused} unused heads ({'ok' if n + unused == official else 'MISMATCH'})"
-        rows.append((f"dema {label}", n, note))
-    for label, kw in [("dt paper (H=128)", {}), ("dt --preset cpu", dt.PRESETS["cpu"])]:
-        rows.append((label, count_params(dt.DecisionTransformer(dt.Config(**kw), 11, 3, 1000)), ""))
-    for label, n, note in rows:
-        print(f"{label:45s} {n:>10,}  {note}")
-    return rows
-
-
-def parse_args(argv):
-    """Every Config field is a flag. Order: Config defaults < the paper's per-dataset settings < --preset < flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"])
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type) if f.default is not None else float
-            p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{f.metadata['help']} (default: {f.default})")
-    given = vars(p.parse_args(argv))
-    preset = given.get("preset", "")
-    if preset and preset not in PRESETS:
-        p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
-    paper = paper_settings(given.get("dataset") or given.get("env") or Config.env)
-    return Config(**{**paper, **PRESETS.get(preset, {}), **given})
+def bench(cfg):
+    """--bench: ms per training step and tokens/s at this configuration (the preset's with --preset), eager against
+    torch.compile (and compiled + bf16 autocast on CUDA), on synthetic data of hopper's shape. Timed steps:
+    min(--steps, 20), after 3 warm-up steps; the compiled row also gives the time of its first step (the compile)."""
+    device = pick_device(cfg.device)
+    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * (cfg.context or 0)))
+    cfg = configure(cfg, d)
+    info = dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len, goal_dim=d.goal_dim)
+    n = min(cfg.steps, 20)
+    tokens = cfg.batch_size * cfg.context * tokens_per_step(cfg)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    modes = [("eager", False, False), ("compiled", True, False)]
+    modes += [("compiled + amp", True, True)] if torch.device(device).type == "cuda" else []
+    print(f"bench {SCRIPT} {variant_name(cfg)} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, "
+          f"K={cfg.context}, {tokens:,} tokens per batch, {n} timed steps", flush=True)
+    eager_ms = None
+    for label, compiled, amp in modes:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, info).to(device).train()
+        opt, lr_factor_of_step = make_optimizer(model, cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
+        fwd = torch.compile(model) if compiled else model
+        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp)
+        rng = np.random.default_rng(cfg.seed)
+        step = lambda: train_step(fwd, model, opt, sched, {k: v.to(device) for k, v in get_batch(d, cfg, rng).items()},  # noqa: E731
+                                  cfg, autocast)
+        t0 = time.time()
+        step()
+        sync()
+        first = time.time() - t0
+        for _ in range(3):
+            step()
+        sync()
+        t0 = time.time()
+        for _ in range(n):
+            step()
+        sync()
+        ms = 1e3 * (time.time() - t0) / n
+        eager_ms = eager_ms or ms
+        print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   {eager_ms / ms:5.2f}x eager"
+              + (f"   (first step, with compilation: {first:.1f} s)" if compiled else f"   ({sum(p.numel() for p in model.parameters()):,} parameters)"),
+              flush=True)
 
 
 def main(argv=None):
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if cfg.bench_scan:
-            bench_scan(cfg)
-        elif cfg.params:
-            print_params()
-        elif cfg.attention:
-            attention_from_checkpoint(cfg)
+        cfg, given = parse_flags(sys.argv[1:] if argv is None else argv)
+        check_config(cfg)
+        analysis = next((name for name in ANALYSES if getattr(cfg, name)), None)
+        if cfg.bench:
+            bench(cfg)
+        elif analysis:
+            ANALYSES[analysis](*load_run(cfg, given))
         else:
-            train(cfg)
-    except data_lib.DataError as e:
+            train(cfg, given)
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        raise SystemExit(130)
+# <<< harness: end ================================================================================================
+
+
+run_harness = main   # the harness's main() above; dema.py's main() below hands it every command that needs a run
+
+
+def paper_flags(cfg, given):
+    """The paper's per-dataset settings (paper_settings) as flags for a run on a named dataset, where neither the
+    command line nor --preset sets them; [] where no dataset is named or --out already holds a run (its checkpoint
+    has the run's own settings)."""
+    if not given & {"env", "dataset"} or cfg.out and os.path.exists(os.path.join(cfg.out, "ckpt.pt")):
+        return []
+    return [x for k, v in paper_settings(cfg.dataset or cfg.env).items() if k not in given
+            for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def main(argv=None):
+    """--bench-scan and --params need no run and no data; every other command goes to the harness's main(), with the
+    paper's per-dataset settings placed before the user's flags (Config defaults < paper < --preset < flags)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg, given = parse_flags(argv)
+    if cfg.bench_scan or cfg.params:
+        try:
+            check_config(cfg)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(1)
+        return bench_scan(cfg) if cfg.bench_scan else param_table()
+    return run_harness(paper_flags(cfg, given) + argv)
 
 
 if __name__ == "__main__":

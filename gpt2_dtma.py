@@ -1,33 +1,57 @@
 """
-GPT2-DT and GPT2-DTMA: a Decision Transformer whose body is pretrained GPT-2 small, with a Mixture-of-Attention
-(MoA) gate over each layer's heads, and the Markov-head analysis of
+GPT2-DT and GPT2-DTMA (Zhao et al., "Unveiling Markov Heads in Pretrained Language Models for Offline Reinforcement
+Learning"; [P-old] is its earlier version, "Enhancing Cross-domain Pre-Trained Decision Transformers with Adaptive
+Attention", arXiv 2409.06985): a Decision Transformer whose body is pretrained GPT-2 small, a Mixture-of-Attention gate
+over each layer's heads, and the Markov-head analysis.
 
-  [P-new] Zhao et al., "Unveiling Markov Heads in Pretrained Language Models for Offline Reinforcement Learning"
-  [P-old] Zhao et al., "Enhancing Cross-domain Pre-Trained Decision Transformers with Adaptive Attention"
-          (arXiv 2409.06985; the earlier version: GPT-DT, GPT-DTMA, GPT-DTMA-R)
+GPT-2's first attention layer holds Markov heads (Def. 4.1-4.2): heads whose W_q W_k^T is strongly diagonal, so that
+they attend to the last input token (the current state s_t) whatever the embeddings (Thm 4.3) and however long the
+fine-tuning (Thm 4.5). That helps short-horizon MuJoCo and hurts long-horizon mazes. GPT2-DTMA lets a per-token
+softmax gate G(e) weigh the heads of every layer (Eqs. 6-8), so that fine-tuning can turn the Markov heads down.
 
-What is in this file, top to bottom:
-  Config                 the papers' settings (lr 1e-4, warmup 10K, wd 1e-4, 100K steps, batch 64, K=20 / 50 mazes)
-  GPT-2                  nanoGPT-style GPT2 (Block, attention with an optional per-token MoA gate) that returns logits
-  GPT-2 weights          read_safetensors (by hand, validated), GPT2.from_pretrained(path or 'gpt2'), cache/download
-  DecisionGPT2           DT embeddings (RTG, state, action, timestep) -> the first N GPT-2 blocks -> action from the
-                         state token. moa=True is GPT2-DTMA, moa=False is GPT2-DT; init='random' is the paper's DT/DTMA
-  training               train(cfg): AdamW, warmup, MSE on actions, optional Markov-gate penalty (GPT2-P, Eq. 9),
-                         G_Markov logged (Fig. 9), batched evaluation, checkpoint/--resume, curve.png
-  analysis               Markov-matrix test (Def. 4.1, Tab. 1/2), W_q W_k^T heatmaps (Fig. 3), attention maps before /
-                         after fine-tuning (Fig. 4), head importance by zeroing heads (Fig. 2), gate mass (Fig. 9),
-                         Markov heads on real text (tiktoken), --sample
-  main()                 the command line
+    python gpt2_dtma.py --env hopper-medium                   # GPT2-DTMA; downloads GPT-2 small once (548 MB)
+    python gpt2_dtma.py --env hopper-medium --preset cpu      # the first GPT-2 block, 300 steps: a 2-core CPU
+    python gpt2_dtma.py --sample "The meaning of life is"     # proof that the real GPT-2 weights loaded
+    python gpt2_dtma.py --env hopper-medium --importance      # an analysis of the run's checkpoint (never trains)
 
-How to run:
-  python gpt2_dtma.py --env hopper-medium                  # GPT2-DTMA, downloads GPT-2 small once (548 MB)
-  python gpt2_dtma.py --env hopper-medium --no-moa         # GPT2-DT
-  python gpt2_dtma.py --env hopper-medium --markov-penalty 0.1   # GPT2-P ablation
-  python gpt2_dtma.py --env hopper-medium --init random    # DTMA (same architecture, no pretraining)
-  python gpt2_dtma.py --env hopper-medium --preset cpu     # first GPT-2 block, 300 steps: a 2-core CPU
-  python gpt2_dtma.py --sample "The meaning of life is"    # proof that the real weights loaded
-  python gpt2_dtma.py --markov                              # Markov-head test on GPT-2 (and on the run's ckpt.pt)
-  python gpt2_dtma.py --env hopper-medium --attention-maps --importance   # analyses of the run's ckpt.pt
+What reproduces what (flags of a training run, then analyses that read a run's checkpoint):
+    --no-moa                    GPT2-DT, the columns of Tabs. 2-4 (full fine-tuning, as App. F states)
+    (default)                   GPT2-DTMA, Tabs. 3-4; its log.csv column g_markov and gates.png: Fig. 9, Tabs. 5-6
+    --init random [--no-moa]    DTMA / DT of Tabs. 3-4: the same architecture without pretraining
+    --markov-penalty 0.1        GPT2-P of Tab. 3 and Sec. 6.1 (Eq. 9)
+    --freeze-attention --no-moa GPT2-DT (part) of App. F, Tab. 8: only the embeddings and the FFNs are fine-tuned
+    --context 10 ... 50         the context sweeps of Tabs. 5-6
+    --markov                    Tab. 1 ([P-old] Tab. 2 with the ratios) and Fig. 3; without a run: GPT-2 alone
+    --attention-maps            Fig. 4: layer-0 attention before and after fine-tuning
+    --attention-distance        Figs. 1 and 7: attention mass against token distance, early (--keep-ckpt-at) vs late;
+                                run it on an --init random --no-moa run (DT) and a --no-moa run (GPT2-DT)
+    --importance                Fig. 2 (Hopper) and Fig. 8 (PointMaze): head importance by zeroing heads
+    --text-attention, --sample  checks of the loaded GPT-2 on real text (no paper figure)
+
+Not the paper's code: GPT2-DT here is full fine-tuning of GPT-2 without LaMo's LoRA, MLP embeddings or language-model
+co-training (the paper names LaMo as its implementation, but App. F says GPT2-DT fine-tunes all parameters). The gate
+is Eq. 7's single linear layer per attention layer: 0.13% more parameters for GPT-2 small (12 x 9,228), so Sec. 5.2's
+"approximately a 3% rise in parameter count" cannot be met by Eq. 7 as written.
+
+Glossary (paper symbol -> code name, shape):
+    R^_t        return-to-go (Eq. 2), times the return scale      rtg (B, K, 1)
+    s_t, a_t    state (normalised), action in [-1, 1]             states (B, K, obs_dim), actions (B, K, act_dim)
+    a'_t        predicted action (Eq. 2), from the s_t token      DecisionTransformer.forward(...)[0] (B, K, act_dim)
+    K, T        context in timesteps (Tabs. 5-6's k), tokens 3K  Config.context, T
+    e, E        one token's input to a head, the sequence         x (B, T, C): the LN1 output
+    C, N, d_k   width (768), heads per layer (12), head width 64  n_embd, n_head, D = C // N
+    W_i^q/k/v   head i's query/key/value projections              c_attn.weight rows [iD, (i+1)D) + 0, C, 2C (nn.Linear)
+    Head_i(e)   head i's output (Eq. 8)                           o[:, i] (B, N, T, D) in CausalSelfAttention
+    W_g, G_i(e) the MoA gate (Eq. 7): softmax over the N heads   gate_weight (N, C), gate_bias (N,); gate (B, T, N)
+    A_i         W_i^q (W_i^k)^T (Def. 4.2)                        head_qk_matrix(...) (C, C), or (D, D) per Remark 4.7
+    r           Def. 4.1 (ii)'s threshold (8 in the paper, 20 in [P-old])     Config.markov_r
+    G_Markov    layer-0 gate weight of the Markov heads (Tabs. 5-6)          markov_gate_mass(...), log column g_markov
+    alpha       GPT2-P's penalty weight (Eq. 9)                   Config.markov_penalty
+
+Layout: docstring -> Config -> the model (GPT-2 blocks, GPT2-DT(MA), the GPT-2 language model; only torch, math,
+dataclasses) -> the Markov-head quantities (pure torch) -> what the file plugs into the harness -> figures and
+analyses -> GPT-2 weight I/O and download -> the harness (identical in every model file) -> main().
+Outputs go to runs/gpt2_dtma/<env>/<variant>/seed<N>/.
 """
 import math
 from dataclasses import dataclass, field
@@ -37,130 +61,128 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def arg(default, help):
-    return field(default=default, metadata={"help": help})
+def arg(default, help, run=False):
+    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
+    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    return field(default=default, metadata={"help": help, "run": run})
 
 
 @dataclass
 class Config:
-    # data and run (the same flags as dt.py)
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)")
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation")
-    steps: int = arg(100_000, "gradient steps ([P-new] App. C: 100K)")
+    # data and run (App. C: lr 1e-4, 10K warmup, weight decay 1e-4, 100K steps, batch 64, evaluation every 500 steps
+    # with 20 episodes)
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (App. C: 100K)", run=True)
     batch_size: int = arg(64, "windows per batch (App. C)")
-    context: int = arg(0, "K; 0 = the papers' per task: 20 MuJoCo (Tab. 6), 50 mazes (Tab. 5)")
+    context: int = arg(None, "K; default: 20 on MuJoCo (Tab. 6's k=20 row is Tab. 3's), 50 on mazes (Tab. 5's k=50 "
+                             "row is Tab. 4's)")
     lr: float = arg(1e-4, "AdamW learning rate (App. C)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C, Remark 4.9)")
-    grad_clip: float = arg(0.25, "gradient-norm clip (DT / LaMo code; the papers are silent)")
-    eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (App. C: 500)")
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel (App. C: 20)")
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets")
-    log_every: int = arg(100, "print and log the training loss and G_Markov every this many steps")
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, mps")
-    out: str = arg("", "output folder; default runs/gpt2_dtma/<env>/seed<N>")
-    resume: bool = arg(False, "continue from <out>/ckpt.pt")
+    grad_clip: float = arg(0.25, "gradient-norm clip (the DT and LaMo code; the paper is silent)")
+    eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (App. C: 500)",
+                          run=True)
+    eval_episodes: int = arg(20, "episodes per target return, run in parallel (App. C: 20)", run=True)
+    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets",
+                               run=True)
+    log_every: int = arg(100, "print and log the training loss and G_Markov every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/gpt2_dtma/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)",
+                       run=True)
     preset: str = arg("", "'cpu': the first GPT-2 block, batch 32, K=10, 300 steps: for a 2-core machine")
-    # model
-    init: str = arg("gpt2", "'gpt2' (Hugging Face cache, else downloaded once), a model.safetensors file or folder, "
-                            "or 'random' (the papers' DT/DTMA control: same architecture, no pretraining)")
-    layers: int = arg(12, "keep the first N GPT-2 blocks (layer 0 holds the Markov heads)")
-    n_embd: int = arg(768, "width with --init random (a checkpoint brings its own)")
-    n_head: int = arg(12, "heads with --init random (a checkpoint brings its own)")
-    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (DT / LaMo)")
-    moa: bool = arg(True, "the Mixture-of-Attention gate (GPT2-DTMA); --no-moa gives GPT2-DT")
-    markov_penalty: float = arg(0.0, "alpha of [P-new] Eq. 9: penalise the Markov heads' gate (GPT2-P: 0.1)")
-    # analysis (each writes a PNG in the run folder and prints a table; none of them trains)
-    markov: bool = arg(False, "Markov-matrix test of the layer-0 heads (Def. 4.1, Tab. 1/2) + W_q W_k^T heatmaps "
-                              "(Fig. 3), on --init and on the run's ckpt.pt when there is one")
-    markov_r: float = arg(20.0, "threshold r of Def. 4.1 (ii); the table shows r=8 and r=20 either way")
-    attention_maps: bool = arg(False, "layer-0 attention on dataset windows before / after fine-tuning (Fig. 4)")
-    importance: bool = arg(False, "head importance by zeroing each head's output during rollouts (Fig. 2)")
-    text_attention: str = arg("", "TEXT: layer-0 attention of GPT-2 on real text (tiktoken), Markov heads marked")
-    sample: str = arg("", "PROMPT: print GPT-2's continuation (tiktoken), the proof that real weights loaded")
-    bench: bool = arg(False, "time forward+backward steps (ms/step) for --layers/--batch-size/--context and exit")
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
+    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
+                      run=True)
+    # model (App. C: GPT-2 small initialises the DT's transformer layers)
+    init: str = arg("gpt2", "'gpt2' (the Hugging Face cache, else downloaded once), a model.safetensors file or a "
+                            "folder holding it, or 'random' (DT / DTMA: the same architecture without pretraining)")
+    n_layer: int = arg(None, "keep the first N blocks (layer 0 holds the Markov heads); default: all (12)")
+    n_embd: int = arg(None, "width; default: the checkpoint's (768, also for --init random)")
+    n_head: int = arg(None, "heads per layer; default: the checkpoint's (12, also for --init random)")
+    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (DT, LaMo; the paper is silent)")
+    moa: bool = arg(True, "the Mixture-of-Attention gate (GPT2-DTMA, Eqs. 6-7); --no-moa gives GPT2-DT")
+    markov_penalty: float = arg(0.0, "alpha of Eq. 9: penalise the Markov heads' layer-0 gate (GPT2-P: 0.1)")
+    markov_r: float = arg(20.0, "threshold r of Def. 4.1 (ii) that picks the Markov heads of a checkpoint other than "
+                                "GPT-2 small (GPT-2 small: heads 1, 5, 10 as in Tab. 1); --markov shows r=8 and 20 too")
+    freeze_attention: bool = arg(False, "fine-tune only the embeddings and FFNs (App. F's GPT2-DT (part)): the "
+                                        "pretrained attention and LayerNorms stay as loaded")
+    keep_ckpt_at: int = arg(0, "also keep the checkpoint of this step as ckpt_step<STEP>.pt (for "
+                               "--attention-distance, Figs. 1/7); a multiple of --eval-every", run=True)
+    # analyses (each reads the run's checkpoint, prints a table and writes a PNG in the run folder; none trains)
+    markov: bool = arg(False, "Markov-matrix test of the layer-0 heads (Def. 4.1, Tab. 1) and W_q W_k^T heatmaps "
+                              "(Fig. 3), at the start and after fine-tuning; without a run: the --init weights alone",
+                       run=True)
+    attention_maps: bool = arg(False, "layer-0 attention on dataset windows before and after fine-tuning (Fig. 4)",
+                               run=True)
+    attention_distance: bool = arg(False, "attention mass against token distance at step 0, at --keep-ckpt-at and at "
+                                          "the end (Figs. 1/7)", run=True)
+    importance: bool = arg(False, "head importance by zeroing each head during rollouts (Fig. 2, Fig. 8)", run=True)
+    # checks of the GPT-2 weights alone (no run needed)
+    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text (tiktoken), Markov heads marked",
+                              run=True)
+    sample: str = arg("", "PROMPT: print GPT-2's continuation (tiktoken), the proof that the real weights loaded",
+                      run=True)
 
 
 # A configuration that learns something on 2 CPU cores in minutes: the first GPT-2 block only (at full width 768, so
-# the pretrained weights still fit; layer 0 holds the Markov heads and its MoA gate), K=10 ([P-new] Tab. 6: 77.1 on
+# the pretrained weights still fit; layer 0 holds the Markov heads and its MoA gate), K=10 (Tab. 6: 77.1 on
 # hopper-medium with k=10), a short warmup and a higher lr, one evaluation at the end. A 768-wide block costs ~0.8 s
 # per step at batch 32 on one core, so this is a demonstration, not a reproduction.
-PRESETS = {"cpu": dict(layers=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
+PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
                        eval_episodes=10, log_every=25)}
 
 
-# ================================================================================================================
-# GPT-2 (nanoGPT-style). Imports only torch, math, dataclasses: this part can be copied out alone.
-# ================================================================================================================
+# >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 
-@dataclass
-class GPT2Config:
-    vocab_size: int = 50257
-    n_positions: int = 1024
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    layer_norm_epsilon: float = 1e-5
-    dropout: float = 0.0
-
-
-class SelfAttention(nn.Module):
-    """GPT-2 causal self-attention with an optional per-token Mixture-of-Attention gate over the heads.
-
-    MoA ([P-new] Eqs. 6-8): y(e) = sum_i G_i(e) Head_i(e), G(e) = softmax(W_g e) over the layer's N heads.
-    The papers leave placement, scale and init open (notes §2.3, §8.3); chosen here, as in MoH (Jin et al. 2024,
-    which the paper cites): the gate reads the same LN1 output as the heads, multiplies each head's output before
-    the pretrained c_proj, is scaled by N and zero-initialised, so a uniform gate gives N * 1/N = 1 and GPT2-DTMA
-    equals GPT2-DT exactly at step 0 (a literal scale 1 would shrink every head to 1/12 of the pretrained function).
-    """
+class CausalSelfAttention(nn.Module):
+    """GPT-2 causal self-attention with the optional Mixture-of-Attention gate of GPT2-DTMA (Sec. 4.2):
+        Head_i(e) = softmax((e W_i^q)(E W_i^k)^T / sqrt(d_k)) (E W_i^v)                                     (Eq. 8)
+        G_i(e)    = softmax_i(W_g e): a weight per head and token, summing to 1 over the layer's N heads      (Eq. 7)
+        y(e)      = sum_i G_i(e) Head_i(e)                                                                  (Eq. 6)
+    The paper leaves the gate's place, scale and init open. Chosen here as in MoH (Jin et al. 2024, which the paper
+    cites): the gate reads the heads' own input e (the LN1 output) and scales each head's output before the pretrained
+    c_proj (Eq. 6 has no output projection, but the 64-wide heads must return to the residual width); it is multiplied
+    by N and starts at zero, so the uniform start gives N * 1/N = 1 and GPT2-DTMA equals GPT2-DT exactly at step 0 (a
+    literal Eq. 6 would shrink every pretrained head to 1/N of its output)."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, moa=False):
         super().__init__()
         assert n_embd % n_head == 0
-        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)     # q, k, v of all heads (HF Conv1D transposed)
+        self.n_head, self.dropout, self.moa = n_head, dropout, moa
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)      # W^q, W^k, W^v of all heads (HF's Conv1D weight, transposed)
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.resid_drop = nn.Dropout(dropout)
-        self.gate = None
-        if moa:
-            self.gate = nn.Linear(n_embd, n_head)         # W_g, b_g of Eq. 7
-            nn.init.zeros_(self.gate.weight)
-            nn.init.zeros_(self.gate.bias)
+        if moa:  # W_g and b_g of Eq. 7, zero, made without drawing random numbers: GPT2-DT and GPT2-DTMA of one seed
+            self.gate_weight = nn.Parameter(torch.zeros(n_head, n_embd))   # start from the same other weights
+            self.gate_bias = nn.Parameter(torch.zeros(n_head))
 
-    def forward(self, x, allowed=None, need_probs=False, head_mask=None):
-        """x: (B,T,C) = LN1(h). allowed: (B,1,T,T) bool (True = may attend) or None for plain causal.
-        head_mask: (N,) or (B,N) multiplier of each head's output (head importance). Returns y (B,T,C) and
-        aux dict: 'probs' (B,N,T,T) when need_probs, 'gate' (B,T,N) softmax gate when MoA."""
+    def forward(self, x, attn_mask=None, need_probs=False):
+        """x (B,T,C): the LN1 output; attn_mask (B,1,T,T) bool, True = may attend, or None for plain causal.
+        -> y (B,T,C) and aux: 'gate' (B,T,N) with MoA, 'probs' (B,N,T,T) with need_probs."""
         B, T, C = x.shape
-        N, D = self.n_head, C // self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)                       # 3 x (B,T,C)
-        q = q.view(B, T, N, D).transpose(1, 2)                         # (B,N,T,D)
-        k = k.view(B, T, N, D).transpose(1, 2)
-        v = v.view(B, T, N, D).transpose(1, 2)
+        N = self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)                          # 3 x (B, T, C)
+        q, k, v = (z.view(B, T, N, C // N).transpose(1, 2) for z in (q, k, v))  # (B, N, T, D)
         p_drop = self.dropout if self.training else 0.0
         aux = {}
-        if need_probs:
-            # Eq. 8 written out, because the analysis plots the probabilities (SDPA does not return them)
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(D)             # (B,N,T,T); sqrt(64) as GPT-2 (notes §8.17)
-            if allowed is None:
-                allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            att = att.masked_fill(~allowed, float("-inf"))
-            probs = F.softmax(att, dim=-1)                             # (B,N,T,T)
-            aux["probs"] = probs
-            o = F.dropout(probs, p_drop, self.training) @ v            # (B,N,T,D)
-        elif allowed is None:
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p_drop)
-        if self.gate is not None:
-            g = F.softmax(self.gate(x), dim=-1)                        # (B,T,N)  Eq. 7, per token
+        if need_probs:  # Eq. 8 written out for the analyses that plot the probabilities (SDPA does not return them)
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(C // N)           # (B, N, T, T)
+            allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if attn_mask is None else attn_mask
+            aux["probs"] = F.softmax(att.masked_fill(~allowed, float("-inf")), dim=-1)   # (B, N, T, T)
+            o = F.dropout(aux["probs"], p_drop, self.training) @ v          # (B, N, T, D)
+        else:  # Eq. 8; d_k = the head width (64) as in GPT-2 (Eq. 8's "dimension of the embedding layer" would
+            # change the pretrained function)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop,
+                                               is_causal=attn_mask is None)   # (B, N, T, D)
+        if self.moa:
+            g = F.softmax(F.linear(x, self.gate_weight, self.gate_bias), dim=-1)   # (B, T, N)  Eq. 7, per token
             aux["gate"] = g
-            o = o * (N * g).transpose(1, 2).unsqueeze(-1)              # (B,N,T,D)  Eq. 6, scaled by N
-        if head_mask is not None:
-            hm = head_mask.to(o.dtype)
-            o = o * (hm.view(1, N, 1, 1) if hm.dim() == 1 else hm.view(B, N, 1, 1))
-        y = o.transpose(1, 2).reshape(B, T, C)                         # (B,T,C) heads side by side
+            o = o * (N * g).transpose(1, 2).unsqueeze(-1)                 # (B, N, T, D)  Eq. 6, times N
+        y = o.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C): heads side by side
         return self.resid_drop(self.c_proj(y)), aux
 
 
@@ -176,101 +198,739 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: h = h + Attn(LN1(h)); h = h + MLP(LN2(h))."""
+    """GPT-2 block: pre-LayerNorm attention and MLP, each with a residual connection."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, eps=1e-5, moa=False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, eps=eps)
-        self.attn = SelfAttention(n_embd, n_head, dropout, moa)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, moa)
         self.ln_2 = nn.LayerNorm(n_embd, eps=eps)
         self.mlp = MLP(n_embd, dropout)
 
-    def forward(self, x, allowed=None, need_probs=False, head_mask=None):
-        a, aux = self.attn(self.ln_1(x), allowed, need_probs, head_mask)
+    def forward(self, x, attn_mask=None, need_probs=False):
+        a, aux = self.attn(self.ln_1(x), attn_mask, need_probs)
         x = x + a
         return x + self.mlp(self.ln_2(x)), aux
 
 
+def _init_weights(m):
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)
+
+
+class DecisionTransformer(nn.Module):
+    """GPT2-DT / GPT2-DTMA: DT's embeddings and action head around GPT-2 blocks (App. C: "GPT2-small pretrained
+    parameters to initialize DT transformer layer"; load_gpt2_blocks copies them in). cfg.moa gates every layer's
+    heads (Eqs. 6-7). cfg.n_embd and cfg.n_head must be set (build_model takes them from the checkpoint)."""
+
+    def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5):
+        super().__init__()
+        C = cfg.n_embd
+        # the paper only says GPT-2 initialises the transformer layers; the embeddings are DT's (and LaMo's): one
+        # learned embedding per timestep added to each token, in place of GPT-2's position embedding wpe (not used)
+        self.embed_timestep = nn.Embedding(max_ep_len, C)
+        self.embed_return = nn.Linear(1, C)                  # a linear layer per modality
+        self.embed_state = nn.Linear(obs_dim, C)
+        self.embed_action = nn.Linear(act_dim, C)
+        self.embed_ln = nn.LayerNorm(C)                      # DT's order: timestep added before this LN (LaMo: after)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(C, cfg.n_head, cfg.dropout, eps, cfg.moa) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(C, eps=eps)
+        self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions live in [-1, 1]
+        self.apply(_init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @torch.no_grad()
+    def load_gpt2_blocks(self, sd):
+        """Copy GPT-2's first len(self.blocks) blocks and its ln_f from a GPT2 state dict (names h.<i>.*, ln_f.*,
+        nn.Linear layout, as gpt2_state_from_hf makes it). The embeddings, the action head and the gates stay new."""
+        for name, p in self.named_parameters():
+            src = "h." + name[len("blocks."):] if name.startswith("blocks.") else name
+            if name.startswith(("blocks.", "ln_f.")) and ".gate_" not in name:
+                p.copy_(sd[src])
+        return self
+
+    def forward(self, states, actions, rtg, timesteps, mask, need_probs=False):
+        """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions (B,K,act), and
+        aux: 'gates' per layer, (B,3K,N) with MoA else None; 'probs' per layer, (B,N,3K,3K) with need_probs else None.
+        The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (Eq. 2)."""
+        B, K, _ = states.shape
+        time = self.embed_timestep(timesteps)                                   # (B, K, C)
+        tokens = [self.embed_return(rtg) + time,                               # R_t
+                  self.embed_state(states) + time,                             # s_t
+                  self.embed_action(actions) + time]                           # a_t
+        x = torch.stack(tokens, dim=2).reshape(B, 3 * K, -1)                   # (B, 3K, C): R_1, s_1, a_1, R_2, ...
+        x = self.drop(self.embed_ln(x))                                         # (B, 3K, C)
+        # causal mask, and no attention to left padding; a padding query may see itself (its output is never used),
+        # so that no row of the softmax is empty
+        real = mask.bool().repeat_interleave(3, dim=1)                          # (B, 3K)
+        causal = torch.ones(3 * K, 3 * K, dtype=torch.bool, device=x.device).tril()
+        eye = torch.eye(3 * K, dtype=torch.bool, device=x.device)
+        attn_mask = (causal & (real[:, None, :] | eye))[:, None]               # (B, 1, 3K, 3K)
+        gates, probs = [], []
+        for block in self.blocks:
+            x, aux = block(x, attn_mask, need_probs)
+            gates.append(aux.get("gate"))
+            probs.append(aux.get("probs"))
+        x = self.ln_f(x).reshape(B, K, 3, -1)                                   # (B, K, 3, C)
+        a_pred = self.predict_action(x[:, :, 1])   # Eq. 2: a'_t from the s_t token: (B, K, act)
+        return a_pred, dict(gates=gates, probs=probs)
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+
+
 class GPT2(nn.Module):
-    """GPT-2 language model. Parameter names follow Hugging Face's GPT2LMHeadModel without the 'transformer.'
-    prefix (wte, wpe, h.N.*, ln_f), with nn.Linear weights (HF's Conv1D stores them transposed)."""
+    """The GPT-2 language model (inference only: --sample, --text-attention). Parameter names follow Hugging Face's
+    GPT2LMHeadModel without the 'transformer.' prefix (wte, wpe, h.<i>.*, ln_f), with nn.Linear weights."""
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(Block(cfg.n_embd, cfg.n_head, cfg.dropout, cfg.layer_norm_epsilon)
-                               for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList([Block(cfg.n_embd, cfg.n_head, eps=cfg.layer_norm_epsilon) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.apply(_init_weights)
-        for name, p in self.named_parameters():          # GPT-2's scaled init of residual projections
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
 
     def forward(self, idx, need_probs=False):
-        """idx: (B,T) int64 token ids -> logits (B,T,vocab), plus the per-layer attention probabilities
-        (list of (B,N,T,T)) when need_probs."""
-        B, T = idx.shape
-        assert T <= self.cfg.n_positions, f"sequence of {T} tokens is longer than n_positions={self.cfg.n_positions}"
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))                   # (B,T,C)
+        """idx (B,T) token ids -> logits (B,T,vocab), and the per-layer attention probabilities (B,N,T,T) with
+        need_probs."""
+        T = idx.shape[1]
+        assert T <= self.cfg.n_positions, f"{T} tokens are more than n_positions={self.cfg.n_positions}"
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))      # (B, T, C)
         probs = []
-        for blk in self.h:
-            x, aux = blk(x, need_probs=need_probs)
+        for block in self.h:
+            x, aux = block(x, need_probs=need_probs)
             probs.append(aux.get("probs"))
-        logits = self.ln_f(x) @ self.wte.weight.t()                    # (B,T,vocab), lm_head tied to wte
+        logits = self.ln_f(x) @ self.wte.weight.t()                           # (B, T, vocab): lm_head tied to wte
         return (logits, probs) if need_probs else logits
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=40, generator=None):
         """nanoGPT sampling: idx (1,T) -> (1,T+max_new_tokens)."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.n_positions:])[:, -1, :] / temperature   # (1,vocab)
+            logits = self(idx[:, -self.cfg.n_positions:])[:, -1, :] / temperature   # (1, vocab)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
-
-    @classmethod
-    def from_pretrained(cls, path_or_name="gpt2"):
-        """'gpt2' (HF cache, else download once), a model.safetensors file, or a folder holding it (and config.json).
-        See the 'GPT-2 weights' section below: it uses only the standard library."""
-        cfg, sd = load_gpt2_checkpoint(path_or_name)
-        model = cls(cfg)
-        model.load_state_dict(sd, strict=True)
-        return model
+# <<< model: end
 
 
-def _init_weights(m):
-    if isinstance(m, nn.Linear):
-        nn.init.normal_(m.weight, 0.0, 0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.Embedding):
-        nn.init.normal_(m.weight, 0.0, 0.02)
+# ----------------------------------------------------------------------------------------------------------------
+# the paper's analysis quantities (pure torch): Markov heads (Def. 4.1-4.2), G_Markov (Eq. 9, Tabs. 5-6), attention
+# to the last token (Thm 4.3, Fig. 4), attention by distance (Figs. 1/7), head importance (Sec. 4.1.2, Fig. 2)
+
+MARKOV_HEADS = (1, 5, 10)   # GPT-2 small's layer-0 Markov heads (Tab. 1; Eq. 9 penalises exactly these)
 
 
-# ================================================================================================================
-# GPT-2 weights: a hand-written safetensors reader and the name mapping. Standard library only.
-# ================================================================================================================
-import json  # noqa: E402  (kept with the loader so the module part above stays torch-only)
+def head_qk_matrix(c_attn_weight, n_head, i, layout="model"):
+    """A_i = W_i^q (W_i^k)^T of head i (Def. 4.2); biases and the LN1 gain ignored, as in the paper.
+    c_attn_weight (3C, C) in nn.Linear layout, so head i's query of a token x (C,) is Wq_i @ x with Wq_i (D, C).
+    layout 'model': the C x C bilinear form, q_i . k_j = x_i A x_j^T (Def. 4.1 and Thm 4.3 read literally);
+    layout 'head': the D x D product Wq_i Wk_i^T (Remark 4.7 says d = 64). The paper does not say which: both shown."""
+    C = c_attn_weight.shape[1]
+    D = C // n_head
+    Wq = c_attn_weight.detach()[i * D:(i + 1) * D].double()                # (D, C)
+    Wk = c_attn_weight.detach()[C + i * D:C + (i + 1) * D].double()        # (D, C)
+    return Wq.t() @ Wk if layout == "model" else Wq @ Wk.t()               # (C, C) or (D, D)
+
+
+def markov_stats(A, r=20.0, eps=1e-8):
+    """Def. 4.1: A is Markov iff (i) every A_ii > 0 and (ii) mean_i |A_ii| / mean_{i!=j} |A_ij| > r. eps in the
+    denominator: [P-old] Remark 3. r: the paper sets 8 (Remark 4.7), [P-old] 20; [P-old] Tab. 2 gives head 9 a ratio
+    of 15.37 yet the paper's Tab. 1 marks its (ii) as failed, which only r = 20 explains: default 20."""
+    A = A.double()
+    d = A.shape[0]
+    diag = A.diagonal()
+    mean_off = (A.abs().sum() - diag.abs().sum()) / (d * d - d)
+    ratio = float(diag.abs().mean() / (mean_off + eps))
+    cond_i = bool((diag > 0).all())
+    return {"cond_i": cond_i, "ratio": ratio, "cond_ii": ratio > r, "markov": cond_i and ratio > r}
+
+
+def markov_table(c_attn_weight, n_head, rs=(8.0, 20.0)):
+    """Per head of one layer: (i), the ratio and Markov-ness for both layouts and each r. -> list of dict rows."""
+    rows = []
+    for i in range(n_head):
+        row = {"head": i}
+        for layout in ("model", "head"):
+            st = markov_stats(head_qk_matrix(c_attn_weight, n_head, i, layout))
+            row[f"{layout}_i"], row[f"{layout}_ratio"] = st["cond_i"], st["ratio"]
+            for r in rs:
+                row[f"{layout}_markov_r{r:g}"] = st["cond_i"] and st["ratio"] > r
+        rows.append(row)
+    return rows
+
+
+def find_markov_heads(c_attn_weight, n_head, r=20.0):
+    """The Markov heads of a layer by Def. 4.1 on the C x C reading, threshold r. -> tuple of head indices."""
+    return tuple(i for i in range(n_head) if markov_stats(head_qk_matrix(c_attn_weight, n_head, i), r)["markov"])
+
+
+def markov_gate_mass(gates, mask, heads):
+    """G_Markov (Tabs. 5-6, Eq. 9): the layer-0 gate weight of the Markov heads, summed over those heads and averaged
+    over the real tokens. gates (B,3K,N) softmax gate of layer 0; mask (B,K). Differentiable (GPT2-P's penalty)."""
+    m = mask.repeat_interleave(3, dim=1).to(gates.dtype)                    # (B, 3K)
+    g = gates[..., list(heads)].sum(-1)                                     # (B, 3K)
+    return (g * m).sum() / m.sum().clamp_min(1.0)
+
+
+def diagonal_attention_mass(probs, mask=None):
+    """Mean attention a token pays to itself, per head: probs (B,N,T,T) -> (N,). A Markov head attends to the last
+    input token, the diagonal (Thm 4.3, Fig. 4). Row 0 is left out: a causal first token can only attend to itself
+    (always 1). mask (B,T): the rows to average (1 = keep), e.g. the real tokens."""
+    d = probs.diagonal(dim1=-2, dim2=-1)[..., 1:]                           # (B, N, T-1)
+    m = torch.ones_like(d[:, :1]) if mask is None else mask[:, None, 1:].to(d.dtype)   # (B, 1, T-1)
+    return (d * m).sum(dim=(0, 2)) / (m.sum() * 1.0).clamp_min(1.0)
+
+
+def attention_by_distance(probs, query):
+    """Figs. 1/7: the attention of token `query` to the tokens `distance` back, distance 0..query, averaged over
+    layers, windows and heads. probs: list of (B,N,T,T) per layer (e.g. forward's aux['probs']). -> (query+1,),
+    summing to 1 (the softmax row of a causal query)."""
+    P = torch.stack(list(probs))[..., query, :query + 1]                    # (L, B, N, query+1): keys 0..query
+    return P.flip(-1).mean(dim=(0, 1, 2))                                   # (query+1,): distance 0 = itself
+
+
+@torch.no_grad()
+def head_importance(model, batch):
+    """Sec. 4.1.2 / Fig. 2: the importance of head (l, i) is ||a' - a'_{-(l,i)}||_2, the change of the action predicted
+    at the last step when that head's output is replaced by zeros (before c_proj) on the same context, averaged over
+    the batch. -> (L, N) on the CPU. The N ablations of a layer ride in one batch: replica h has head h zeroed by a
+    forward pre-hook on that layer's c_proj (whose input is the N head outputs side by side), removed afterwards."""
+    model.eval()
+    s, a, R, t, m = (batch[k] for k in ("states", "actions", "rtg", "timesteps", "mask"))
+    base = model(s, a, R, t, m)[0][:, -1]                                   # (B, act)
+    B, N = s.shape[0], model.blocks[0].attn.n_head
+    D = model.blocks[0].attn.c_proj.in_features // N
+    rep = lambda x: x.repeat(N, *([1] * (x.dim() - 1)))                     # (N*B, ...)  # noqa: E731
+    keep = (1.0 - torch.eye(N, device=s.device)).repeat_interleave(B, dim=0)   # (N*B, N): replica h*B+b drops head h
+    keep = keep.repeat_interleave(D, dim=1)[:, None, :]                     # (N*B, 1, C)
+    imp = torch.zeros(len(model.blocks), N)
+    for layer, block in enumerate(model.blocks):
+        hook = block.attn.c_proj.register_forward_pre_hook(lambda mod, args: (args[0] * keep.to(args[0].dtype),))
+        try:
+            abl = model(rep(s), rep(a), rep(R), rep(t), rep(m))[0][:, -1]   # (N*B, act)
+        finally:
+            hook.remove()
+        imp[layer] = (abl.view(N, B, -1) - base[None]).norm(dim=-1).mean(dim=1).cpu()
+    return imp
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what GPT2-DT(MA) plugs into the harness below: data, model, optimiser, loss, policy, G_Markov logging
+import dataclasses  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import data as data_lib  # noqa: E402
+import evaluate as eval_lib  # noqa: E402
+
+SCRIPT = "gpt2_dtma"
+LOG_EXTRA = ["g_markov"]   # G_Markov on a fixed batch at every log step (Fig. 9)
+GPT2_NAMES = ("gpt2", "openai-community/gpt2")
+
+
+def check_model(cfg):
+    """A one-sentence problem with this file's own flags, or None (the harness checks the generic ones)."""
+    if cfg.init in GPT2_NAMES or cfg.init == "random":
+        g = GPT2Config()                                 # GPT-2 small (the shape --init random copies)
+    else:
+        try:
+            g = gpt2_config_of(cfg.init)
+        except DataError as e:
+            return str(e)
+    if cfg.n_embd is not None and cfg.init != "random" and cfg.n_embd != g.n_embd:
+        return f"--n-embd {cfg.n_embd}: the checkpoint's width is {g.n_embd} (pretrained blocks bring their own)"
+    if cfg.n_head is not None and cfg.init != "random" and cfg.n_head != g.n_head:
+        return f"--n-head {cfg.n_head}: the checkpoint has {g.n_head} heads (pretrained blocks bring their own)"
+    if cfg.n_layer is not None and cfg.init != "random" and cfg.n_layer > g.n_layer:
+        return f"--n-layer {cfg.n_layer}: the checkpoint has {g.n_layer} blocks"
+    n_embd, n_head = cfg.n_embd or g.n_embd, cfg.n_head or g.n_head
+    if n_embd % n_head:
+        return f"--n-embd {n_embd} is not divisible by --n-head {n_head}"
+    if cfg.markov_penalty < 0:
+        return f"--markov-penalty must be >= 0, got {cfg.markov_penalty}"
+    if cfg.markov_penalty and not cfg.moa:
+        return "--markov-penalty penalises the MoA gate (Eq. 9), so it needs the gate: drop --no-moa"
+    if cfg.markov_penalty and cfg.init == "random" and n_head <= max(MARKOV_HEADS):
+        return (f"--markov-penalty with --init random penalises the paper's heads 1, 5, 10 (random weights have no "
+                f"Markov heads to test for), which needs more than 10 heads, not {n_head}")
+    if cfg.freeze_attention and cfg.init == "random":
+        return "--freeze-attention keeps the pretrained attention as loaded; with --init random there is none"
+    if cfg.markov_r <= 0:
+        return f"--markov-r must be > 0, got {cfg.markov_r}"
+    if cfg.keep_ckpt_at < 0 or cfg.keep_ckpt_at > cfg.steps or cfg.keep_ckpt_at % cfg.eval_every:
+        return (f"--keep-ckpt-at {cfg.keep_ckpt_at} must be a step of the run (0 to --steps {cfg.steps}) at which it "
+                f"checkpoints, i.e. a multiple of --eval-every {cfg.eval_every}")
+    chosen = [f for f in ("sample", "text_attention", "bench", *ANALYSES) if getattr(cfg, f)]
+    if len(chosen) > 1 and {"sample", "text_attention"} & set(chosen):
+        return f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command"
+    return None
+
+
+def load_dataset(cfg):
+    return data_lib.load_data(cfg.dataset or cfg.env)
+
+
+def configure(cfg, d):
+    """The paper's K when --context is not given: 20 on MuJoCo (Tab. 6's k=20 row equals Tab. 3), 50 on the mazes
+    (Tab. 5's k=50 row equals Tab. 4)."""
+    return cfg if cfg.context is not None else dataclasses.replace(cfg, context=50 if d.goal_reaching else 20)
+
+
+def eval_targets(cfg, d):
+    """Return-to-go prompts, raw units: --target-return, else the dataset's (the paper does not give its targets)."""
+    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+
+
+def build_model(cfg, info):
+    """GPT2-DT(MA) with the first n_layer blocks of the pretrained GPT-2 (--init), or the same shape from scratch
+    (--init random). A fresh build loads the weights and records in info what a rebuild needs without them: the
+    shape and the layer-0 Markov heads (GPT-2 small: 1, 5, 10 as in Tab. 1; another checkpoint: Def. 4.1 on its
+    weights with --markov-r; --init random with more than 10 heads: the paper's 1, 5, 10 by definition, as random
+    weights have none). A rebuild (--resume, analyses) takes them from info; its weights come from the checkpoint."""
+    sd = None
+    if "shape" not in info:
+        if cfg.init == "random":
+            g, source = GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12), "random init"
+            heads = MARKOV_HEADS if g.n_head > max(MARKOV_HEADS) else ()
+        else:
+            g, sd, source = *load_gpt2_checkpoint(cfg.init), find_gpt2_weights(cfg.init)
+            small = (g.n_embd, g.n_head) == (768, 12)
+            heads = MARKOV_HEADS if small else find_markov_heads(sd["h.0.attn.c_attn.weight"], g.n_head, cfg.markov_r)
+        info["shape"] = dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer,
+                             eps=g.layer_norm_epsilon)
+        info["markov_heads"] = list(heads)
+        why = ("the paper's, by definition: random weights have none" if sd is None else
+               "GPT-2 small's, Tab. 1" if small else f"Def. 4.1 with r={cfg.markov_r:g} on these weights")
+        print(f"blocks from {source}: {info['shape']['n_layer']} of width {g.n_embd} with {g.n_head} heads; layer-0 "
+              f"Markov heads {label(heads)} ({why})")
+        if cfg.markov_penalty and not heads:
+            raise DataError(f"--markov-penalty: the Markov test (Def. 4.1, r={cfg.markov_r:g}) finds no Markov head "
+                            f"in layer 0 of {source}, so there is nothing to penalise; try a smaller --markov-r")
+    s = info["shape"]
+    model = DecisionTransformer(dataclasses.replace(cfg, n_embd=s["n_embd"], n_head=s["n_head"], n_layer=s["n_layer"]),
+                                info["obs_dim"], info["act_dim"], info["max_ep_len"], eps=s["eps"])
+    if sd is not None:
+        model.load_gpt2_blocks(sd)
+    model.markov_heads = tuple(info["markov_heads"])
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (cfg.freeze_attention and is_frozen(name)))
+    return model
+
+
+def is_frozen(name):
+    """--freeze-attention (App. F, Tab. 8: GPT2-DT (part) "only fine-tune[s] the parameters in embedding layer and FFN
+    layer"): every pretrained tensor that is neither, i.e. the attention (c_attn, c_proj) and the LayerNorms ln_1,
+    ln_2 and ln_f, keeps GPT-2's values. New layers (embeddings, embed_ln, the action head, the gate) are trained."""
+    return name.startswith("ln_f.") or name.startswith("blocks.") and any(
+        f".{part}." in name for part in ("attn.c_attn", "attn.c_proj", "ln_1", "ln_2"))
+
+
+def make_optimizer(model, cfg):
+    """AdamW over the trained parameters (App. C), the gate without weight decay: decay pulls W_g to 0, i.e. towards
+    the uniform mixture that MoA is there to move away from. lr: linear warmup, then constant (App. C)."""
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [dict(params=[p for n, p in trained if ".gate_" not in n]),
+              dict(params=[p for n, p in trained if ".gate_" in n], weight_decay=0.0)]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0)
+
+
+def get_batch(d, cfg, rng):
+    return d.sample(cfg.batch_size, cfg.context, rng)
+
+
+def loss_fn(model, batch, cfg):
+    """Eq. 3's squared error over the real steps (a mean, as in the DT code: Eq. 3's sum is only a scale) + GPT2-P's
+    alpha * G_Markov (Eq. 9), G_Markov averaged over the real tokens (the paper sums it for one input x). Under --amp
+    the linear layers and attention run in bf16; autocast keeps the LayerNorms and softmaxes (attention and gate) in
+    fp32, and the error is reduced in fp32."""
+    pred, aux = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
+    err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                       # (B, K)
+    loss = (err * batch["mask"]).sum() / batch["mask"].sum()
+    if cfg.markov_penalty:
+        loss = loss + cfg.markov_penalty * markov_gate_mass(aux["gates"][0], batch["mask"], model.markov_heads)
+    return loss
+
+
+def make_act(model, cfg):
+    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position."""
+    def act(batch, live):
+        return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[0][:, -1]
+    return act
+
+
+@torch.no_grad()
+def log_extra(model, probe, cfg):
+    """G_Markov (Fig. 9, Tabs. 5-6) on a fixed batch, in eval mode; {} when the model has no gate or no Markov heads
+    (so that no empty step-0 row is logged)."""
+    if not (model.blocks[0].attn.moa and model.markov_heads):
+        return {}
+    was = model.training
+    model.eval()
+    gates = model(probe["states"], probe["actions"], probe["rtg"], probe["timesteps"], probe["mask"])[1]["gates"]
+    model.train(was)
+    return {"g_markov": f"{markov_gate_mass(gates[0], probe['mask'], model.markov_heads).item():.4f}"}
+
+
+def after_eval(model, d, cfg, out, rows, final):
+    """gates.png (Fig. 9) after each evaluation; at --keep-ckpt-at, a copy of that step's checkpoint (Figs. 1/7)."""
+    if final:
+        return
+    plot_gates(rows, os.path.join(out, "gates.png"), model.markov_heads, model.blocks[0].attn.n_head,
+               f"{SCRIPT} {variant_name(cfg)} {d.dataset_id} seed {cfg.seed}")
+    step = int(rows[-1]["step"])
+    if cfg.keep_ckpt_at and step == cfg.keep_ckpt_at:
+        write_atomic(os.path.join(out, f"ckpt_step{step}.pt"),
+                     lambda tmp: shutil.copyfile(os.path.join(out, "ckpt.pt"), tmp))
+
+
+def tokens_per_step(cfg):
+    return 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# figures and analyses: each reads a run's checkpoint (the harness's load_run) and never trains; --markov without a
+# run, --text-attention and --sample need only the GPT-2 weights (main() at the end sends them here)
+import glob  # noqa: E402
+
+
+def plt_agg():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path, say=True):
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt_agg().close(fig)
+    if say:
+        print(f"wrote {path}")
+
+
+def label(heads):
+    return "{" + ", ".join(map(str, heads)) + "}"
+
+
+def plot_gates(rows, path, heads, n_head, title):
+    """Fig. 9: the layer-0 MoA weight of the Markov heads (G_Markov) and of the other heads over training."""
+    pts = [(int(r["step"]), float(r["g_markov"])) for r in rows if r.get("g_markov", "") != ""]
+    if not pts:
+        return
+    plt = plt_agg()
+    s, g = zip(*pts)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot(s, g, color="tab:red", label=f"Markov heads {label(heads)}")
+    ax.plot(s, [1 - x for x in g], color="tab:blue", label=f"the other {n_head - len(heads)} heads")
+    ax.axhline(len(heads) / n_head, ls=":", color="gray", label=f"uniform gate ({len(heads)}/{n_head})")
+    ax.set(xlabel="gradient step", ylabel="layer-0 MoA weight\n(sum over the heads)", ylim=(0, 1))
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    save_figure(fig, path, say=False)
+
+
+def start_model(cfg, info, device="cpu"):
+    """The model the run started from, rebuilt as the harness builds it (same seed; the pretrained weights loaded
+    again): 'before fine-tuning' in the figures."""
+    torch.manual_seed(cfg.seed)
+    fresh = {k: info[k] for k in ("obs_dim", "act_dim", "max_ep_len", "goal_dim")}
+    return build_model(cfg, fresh).to(device).eval()
+
+
+def format_markov_table(tables, rs=(8.0, 20.0)):
+    """tables: {label: rows of markov_table} -> a markdown table, one column group per label and layout."""
+    labels = list(tables)
+    head = "| head | " + " | ".join(f"{lab} {lay} (i) | ratio | Markov r={'/'.join(f'{r:g}' for r in rs)}"
+                                     for lab in labels for lay in ("CxC", "DxD")) + " |"
+    lines = [head, "|" + "---|" * (1 + 3 * 2 * len(labels))]
+    for i in range(len(tables[labels[0]])):
+        cells = [str(i)]
+        for lab in labels:
+            row = tables[lab][i]
+            for lay in ("model", "head"):
+                cells += ["✓" if row[f"{lay}_i"] else "×", f"{row[f'{lay}_ratio']:.2f}",
+                          "/".join("✓" if row[f"{lay}_markov_r{r:g}"] else "×" for r in rs)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markov_analysis(cfg, run=None):
+    """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for both
+    readings of A (C x C and D x D) and r = 8 and 20 (Tab. 1; [P-old] Tab. 2 gives the ratios: on GPT-2 heads 1, 5, 10
+    are Markov with 23.61 / 29.67 / 23.7; head 9 passes (ii) at r = 8 with 15.37 but fails (i)); Fig. 3's heatmaps."""
+    if cfg.init == "random":   # the run's own random start (without a run: a random init of the default shape)
+        info = run["ck"]["info"] if run else dict(obs_dim=1, act_dim=1, max_ep_len=1, goal_dim=0)
+        W0 = start_model(cfg, info).blocks[0].attn.c_attn.weight.detach()
+        n_head = info.get("shape", {}).get("n_head", cfg.n_head or 12)
+    else:
+        g, sd = load_gpt2_checkpoint(cfg.init)
+        W0, n_head = sd["h.0.attn.c_attn.weight"], g.n_head
+    tables, weights = {"init": markov_table(W0, n_head)}, {"init": W0}
+    if run is not None:
+        W1 = run["model"].blocks[0].attn.c_attn.weight.detach().cpu()
+        tables["fine-tuned"], weights["fine-tuned"] = markov_table(W1, n_head), W1
+    out = run["out"] if run else cfg.out or os.path.join("runs", SCRIPT, "gpt2")
+    print(f"Markov-matrix test of the layer-0 heads (Def. 4.1) of {cfg.init}" +
+          (f", at the start and after fine-tuning ({run['out']})" if run else ""))
+    print(format_markov_table(tables))
+    for lab, rows in tables.items():
+        for lay, name in (("model", "C x C"), ("head", "D x D")):
+            sets = {r: [x["head"] for x in rows if x[f"{lay}_markov_r{r:g}"]] for r in (8.0, 20.0)}
+            mine = [x["head"] for x in rows if x[f"{lay}_i"] and x[f"{lay}_ratio"] > cfg.markov_r]
+            print(f"{lab}, {name}: Markov heads r=8 {label(sets[8.0])}, r=20 {label(sets[20.0])}, "
+                  f"--markov-r {cfg.markov_r:g} {label(mine)}")
+    C = W0.shape[1]
+    print(f"Remark 4.7's bound r > ln(d-1)+1: {math.log(C // n_head - 1) + 1:.2f} for d={C // n_head}, "
+          f"{math.log(C - 1) + 1:.2f} for d={C}; GPT-2 small's Markov heads (Tab. 1): {label(MARKOV_HEADS)}")
+    marked = [x["head"] for x in tables["init"] if x["model_i"] and x["model_ratio"] > cfg.markov_r]
+    shown = [next((h for h in range(n_head) if h not in marked), 0)] + marked[:1]   # a non-Markov and a Markov head
+    plt = plt_agg()
+    fig, axes = plt.subplots(len(weights), 1 + 2 * len(shown), figsize=(4 * (1 + 2 * len(shown)), 3.6 * len(weights)),
+                             squeeze=False)
+    for row, (lab, W) in enumerate(weights.items()):
+        ax = axes[row, 0]
+        ratios = [x["model_ratio"] for x in tables[lab]]
+        ax.bar(range(n_head), ratios, color=["tab:red" if h in marked else "tab:blue" for h in range(n_head)])
+        ax.axhline(cfg.markov_r, ls=":", color="gray", label=f"r = {cfg.markov_r:g}")
+        ax.set(xlabel="layer-0 head", ylabel="mean|A_ii| / mean|A_ij| (C x C)", yscale="log",
+               title=f"{lab}: Def. 4.1 (ii) ratio (red: Markov at init)")
+        ax.set_xticks(range(n_head))
+        ax.legend(fontsize=7)
+        for j, h in enumerate(shown):
+            for k, (lay, crop) in enumerate((("model", 64), ("head", None))):
+                A = head_qk_matrix(W, n_head, h, lay)[:crop, :crop].numpy()
+                v = np.percentile(np.abs(A), 99) or 1.0
+                ax = axes[row, 1 + 2 * j + k]
+                im = ax.imshow(A, cmap="RdBu_r", vmin=-v, vmax=v)
+                fig.colorbar(im, ax=ax, fraction=0.046, label="A_ij")
+                ax.set(xlabel="key dimension j", ylabel="query dimension i",
+                       title=f"{lab}, head {h}{' (Markov)' if h in marked else ''}: "
+                             f"{'C×C, first 64 rows/cols' if lay == 'model' else 'D×D'}\n"
+                             f"ratio {tables[lab][h][lay + '_ratio']:.2f}")
+    os.makedirs(out, exist_ok=True)
+    save_figure(fig, os.path.join(out, "markov_heads.png"))
+    return tables
+
+
+def full_windows(d, n, K, seed):
+    """n training windows without left padding (for attention maps), from a fixed RNG."""
+    rng = np.random.default_rng(seed)
+    got = []
+    while sum(len(b["mask"]) for b in got) < n:
+        b = d.sample(4 * n, K, rng)
+        keep = b["mask"].all(dim=1)
+        got.append({k: v[keep] for k, v in b.items()})
+    return {k: torch.cat([b[k] for b in got])[:n] for k in got[0]}
+
+
+def attention_probs(model, b):
+    """The per-layer attention probabilities of `model` on the windows b: list of (B,N,3K,3K) on the CPU."""
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        aux = model(*(b[k].to(dev) for k in ("states", "actions", "rtg", "timesteps", "mask")), need_probs=True)[1]
+    return [p.cpu() for p in aux["probs"]]
+
+
+def attention_maps(cfg, run):
+    """--attention-maps, Fig. 4: layer-0 attention probabilities (3K x 3K, averaged over 32 dataset windows) of the
+    model before fine-tuning (pretrained body + fresh DT embeddings, the 'random embedding' premise of Thm 4.3) and
+    after (the run's checkpoint). A Markov head shows a bright diagonal."""
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    dev = next(run["model"].parameters()).device
+    models = {"before": start_model(cfg, run["ck"]["info"], dev), "after": run["model"]}
+    b = full_windows(d, 32, cfg.context, cfg.seed + 30_000)
+    P = {lab: attention_probs(m, b)[0].mean(0) for lab, m in models.items()}   # (N, 3K, 3K) layer 0
+    heads, n_head = run["model"].markov_heads, P["before"].shape[0]
+    print(f"layer-0 attention of each token to itself (rows 1.. of the diagonal), {len(b['mask'])} windows of "
+          f"K={cfg.context}; Markov heads {label(heads)}")
+    print("| head | before | after | Markov head |\n|---|---|---|---|")
+    for h in range(n_head):
+        print(f"| {h} | " + " | ".join(f"{diagonal_attention_mass(p[None])[h]:.3f}" for p in P.values()) +
+              f" | {'yes' if h in heads else ''} |")
+    shown = [*heads, next((h for h in range(n_head) if h not in heads), 0)]
+    ticks = range(0, 3 * cfg.context, 3 * max(1, cfg.context // 8))    # at R_t tokens
+    plt = plt_agg()
+    fig, axes = plt.subplots(2, len(shown), figsize=(3.6 * len(shown), 6.6), squeeze=False)
+    for r, (lab, p) in enumerate(P.items()):
+        for c, h in enumerate(shown):
+            im = axes[r, c].imshow(p[h].numpy(), cmap="viridis", vmin=0, vmax=1)
+            fig.colorbar(im, ax=axes[r, c], fraction=0.046, label="attention probability")
+            axes[r, c].set(xlabel="key token (R_1, s_1, a_1, R_2, ...)", ylabel="query token",
+                           title=f"{lab} fine-tuning: head {h}" + (" (Markov)" if h in heads else ""),
+                           xticks=ticks, yticks=ticks)
+    save_figure(fig, os.path.join(run["out"], "attention_maps.png"))
+    return P
+
+
+def attention_distance(cfg, run):
+    """--attention-distance, Figs. 1/7: how the attention of the last state token s_K (the one that predicts the
+    action) spreads over the tokens before it, by distance, averaged over heads, layers and 32 dataset windows, at
+    step 0 (rebuilt), at each kept early checkpoint (--keep-ckpt-at) and at the end. GPT2-DT is local early on; DT
+    (--init random --no-moa) learns it later."""
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    dev = next(run["model"].parameters()).device
+    models = {0: start_model(cfg, run["ck"]["info"], dev)}
+    for path in glob.glob(os.path.join(run["out"], "ckpt_step*.pt")):
+        ck = read_checkpoint(path)
+        m = build_model(cfg, ck["info"])
+        m.load_state_dict(ck["model"])
+        models[ck["step"]] = m.to(dev).eval()
+    models[run["ck"]["step"]] = run["model"]
+    b = full_windows(d, 32, cfg.context, cfg.seed + 30_000)
+    query = 3 * cfg.context - 2                                             # s_K: the last state token
+    curves = {step: attention_by_distance(attention_probs(m, b), query) for step, m in sorted(models.items())}
+    shown = min(query + 1, 16)
+    print(f"attention of s_K by distance in tokens (0 = itself, 1 = R_K, 2 = a_(K-1), 3 = s_(K-1), ...), mean over "
+          f"heads, layers and {len(b['mask'])} windows")
+    print("| step | " + " | ".join(map(str, range(shown))) + " |\n|---|" + "---|" * shown)
+    for step, c in curves.items():
+        print(f"| {step} | " + " | ".join(f"{x:.3f}" for x in c[:shown].tolist()) + " |")
+    plt = plt_agg()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for step, c in curves.items():
+        ax.plot(range(len(c)), c.numpy(), "o-", ms=3, label=f"step {step}")
+    ax.set(xlabel="distance from s_K (tokens; 3 = one timestep)", ylabel="attention probability",
+           title=f"{SCRIPT} {variant_name(cfg)}: attention of the last state token")
+    ax.legend(fontsize=8)
+    save_figure(fig, os.path.join(run["out"], "attention_distance.png"))
+    return curves
+
+
+def importance_analysis(cfg, run, n_contexts=64):
+    """--importance, Fig. 2 / Fig. 8: roll the fine-tuned model out in the env (on --device), keep the contexts it
+    acted on, then zero each of the L x N heads in turn on those same contexts and measure ||a' - a'_{-head}||_2."""
+    d = load_dataset(cfg)
+    model = run["model"]
+    device = next(model.parameters()).device
+    seen, policy = [], make_act(model, cfg)
+
+    def act(batch, live):
+        seen.append({k: v.clone() for k, v in batch.items()})
+        return policy(batch, live)
+    with torch.no_grad():
+        eval_lib.evaluate(act, d, min(cfg.eval_episodes, 5), eval_targets(cfg, d)[0], cfg.seed + 40_000, cfg.context,
+                          device)
+    allc = {k: torch.cat([s[k] for s in seen]) for k in seen[0]}
+    pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(allc["mask"]))[:n_contexts])
+    imp = head_importance(model, {k: v[pick.to(v.device)] for k, v in allc.items()})   # (L, N)
+    L, N = imp.shape
+    heads = model.markov_heads
+    print(f"head importance ||a' - a'_-head||_2 on {len(pick)} rollout contexts (rows: layers, columns: heads)")
+    print("| layer | " + " | ".join(map(str, range(N))) + " |\n|---|" + "---|" * N)
+    for layer in range(L):
+        print(f"| {layer} | " + " | ".join(f"{x:.4f}" for x in imp[layer].tolist()) + " |")
+    top = torch.topk(imp.flatten(), min(5, imp.numel())).indices.tolist()
+    print("most important heads (layer, head): " + ", ".join(f"({i // N}, {i % N})" for i in top))
+    plt = plt_agg()
+    fig, ax = plt.subplots(figsize=(max(6, 0.16 * L * N), 3.8))
+    red = [i // N == 0 and i % N in heads for i in range(L * N)]
+    ax.bar(range(L * N), imp.flatten().numpy(), color=["tab:red" if x else "tab:blue" for x in red])
+    ax.set_xticks(range(L * N), [str(i % N) for i in range(L * N)], fontsize=6)
+    for layer in range(L):
+        if layer:
+            ax.axvline(layer * N - 0.5, color="gray", lw=0.5)
+        ax.text(layer * N + N / 2 - 0.5, 1.0, f"layer {layer}", transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", fontsize=7)
+    ax.set(xlabel="head (grouped by layer)", ylabel="||a' - a'_-head||_2 (action units)")
+    ax.set_title(f"head importance (red: layer-0 Markov heads {label(heads)})", pad=14)
+    save_figure(fig, os.path.join(run["out"], "head_importance.png"))
+    return imp
+
+
+def load_lm(cfg):
+    return load_gpt2_lm("gpt2" if cfg.init == "random" else cfg.init).eval()
+
+
+def sample_text(cfg, max_new_tokens=40):
+    """--sample PROMPT: GPT-2's continuation, the proof that the real weights loaded."""
+    model, enc = load_lm(cfg), tiktoken_gpt2()
+    ids = enc.encode(cfg.sample) or [enc.eot_token]
+    g = torch.Generator().manual_seed(cfg.seed)
+    out = model.generate(torch.tensor([ids]), max_new_tokens, generator=g)           # (1, T + new)
+    print(cfg.sample + enc.decode(out[0, len(ids):].tolist()))
+
+
+def text_attention(cfg):
+    """--text-attention TEXT: GPT-2's layer 0 on real text: how much each head attends to the token itself (the
+    'last input token' of Thm 4.3), to the previous one and to the first one; GPT-2 small's Markov heads marked."""
+    model, enc = load_lm(cfg), tiktoken_gpt2()
+    ids = enc.encode(cfg.text_attention)[: model.cfg.n_positions]
+    if len(ids) < 2:
+        raise DataError("--text-attention needs a text of at least two tokens")
+    with torch.no_grad():
+        probs = model(torch.tensor([ids]), need_probs=True)[1][0]                    # (1, N, T, T) layer 0
+    P = probs[0]
+    self_mass = diagonal_attention_mass(probs)                                     # (N,)
+    prev_mass = P.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)                   # (N,) to token t-1
+    first_mass = P[:, 1:, 0].mean(-1)                                              # (N,) to the first token
+    small = (model.cfg.n_embd, model.cfg.n_head) == (768, 12)
+    print(f"GPT-2 layer 0 on {len(ids)} tokens: mean attention to the token itself / the previous / the first token")
+    print("| head | self | previous | first | GPT-2 small's Markov head |\n|---|---|---|---|---|")
+    for h in range(P.shape[0]):
+        print(f"| {h} | {self_mass[h]:.3f} | {prev_mass[h]:.3f} | {first_mass[h]:.3f} | "
+              f"{'yes' if small and h in MARKOV_HEADS else ''} |")
+    heads = [h for h in (*MARKOV_HEADS, 0) if h < P.shape[0]]
+    toks = [enc.decode([i]) for i in ids]
+    plt = plt_agg()
+    fig, axes = plt.subplots(1, len(heads), figsize=(3.8 * len(heads), 3.8), squeeze=False)
+    for ax, h in zip(axes[0], heads):
+        im = ax.imshow(P[h].numpy(), cmap="viridis", vmin=0, vmax=1)
+        fig.colorbar(im, ax=ax, fraction=0.046, label="attention probability")
+        ax.set(xlabel="key token", ylabel="query token",
+               title=f"head {h}" + (" (GPT-2 small's Markov head)" if small and h in MARKOV_HEADS else ""))
+        if len(ids) <= 24:
+            ax.set_xticks(range(len(ids)), toks, rotation=90, fontsize=6)
+            ax.set_yticks(range(len(ids)), toks, fontsize=6)
+    out = cfg.out or os.path.join("runs", SCRIPT, "gpt2")
+    os.makedirs(out, exist_ok=True)
+    save_figure(fig, os.path.join(out, "text_attention.png"))
+
+
+ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attention_distance": attention_distance,
+            "importance": importance_analysis}   # flag -> fn(cfg, run): reads the run's checkpoint, never trains
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPT-2 weights: a hand-written safetensors reader, the name mapping, config.json, the cache and the download
+import json  # noqa: E402
 import struct  # noqa: E402
+import sys  # noqa: E402
+import urllib.request  # noqa: E402
 
 SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
                       "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
                       "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1)}
 MAX_HEADER_BYTES = 100 * 1024 * 1024        # the format's own limit (safetensors rejects larger headers)
 GPT2_URL = "https://huggingface.co/openai-community/gpt2/resolve/main/model.safetensors"
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# config.json: each GPT-2 field with its type and the largest value accepted, checked before anything is allocated
+GPT2_LIMITS = dict(vocab_size=1_000_000, n_positions=65_536, n_embd=12_288, n_layer=96, n_head=256)
 
 
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used (missing, truncated, malformed, wrong names or shapes): one sentence."""
+class CheckpointError(data_lib.DataError):
+    """A GPT-2 checkpoint that cannot be used (missing, truncated, malformed, wrong names or shapes): one sentence."""
 
 
 def read_safetensors(path):
@@ -295,8 +955,9 @@ def read_safetensors(path):
                                   f"a safetensors file")
         try:
             header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            raise CheckpointError(f"{path}: the header is not valid JSON; not a safetensors file") from None
+        except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: bad JSON, or an int of > 4300 digits
+            raise CheckpointError(f"{path}: the header is not valid JSON (or holds an absurdly long number); not a "
+                                  f"safetensors file") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: the header is not a JSON object")
         header.pop("__metadata__", None)
@@ -307,15 +968,14 @@ def read_safetensors(path):
                     and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)):
                 raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry")
             if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {info['dtype']!r}")
+                raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {str(info['dtype'])[:20]!r}")
             shape, offs = info["shape"], info["data_offsets"]
-            if not all(type(s) is int and 0 <= s < 2 ** 40 for s in shape) or len(shape) > 16:
-                raise CheckpointError(f"{path}: tensor '{name}' has an invalid shape {shape}")
+            if len(shape) > 16 or not all(type(s) is int and 0 <= s < 2 ** 40 for s in shape):   # bools are not ints
+                raise CheckpointError(f"{path}: tensor '{name}' has an invalid shape {str(shape)[:60]}")
             if len(offs) != 2 or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1] <= data_len:
-                raise CheckpointError(f"{path}: tensor '{name}' has offsets {offs} outside the data ({data_len} "
-                                      f"bytes); the file is truncated or corrupt")
-            numel = math.prod(shape)
-            if numel * SAFETENSORS_DTYPES[info["dtype"]][1] != offs[1] - offs[0]:
+                raise CheckpointError(f"{path}: tensor '{name}' has offsets {str(offs)[:60]} outside the data "
+                                      f"({data_len} bytes); the file is truncated or corrupt")
+            if math.prod(shape) * SAFETENSORS_DTYPES[info["dtype"]][1] != offs[1] - offs[0]:
                 raise CheckpointError(f"{path}: tensor '{name}' ({info['dtype']} {shape}) does not match its "
                                       f"{offs[1] - offs[0]} bytes of data")
             spans.append((offs[0], offs[1], name))
@@ -333,7 +993,7 @@ def read_safetensors(path):
                 raise CheckpointError(f"{path}: file ended while reading '{name}'")
             t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
             t = t.view(dtype) if dtype != torch.uint8 else t
-            if not struct.pack("=H", 1) == struct.pack("<H", 1):      # big-endian host: data are little-endian
+            if sys.byteorder == "big":      # the data are little-endian
                 t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtype)
             out[name] = t.reshape(info["shape"])
         return out
@@ -347,7 +1007,7 @@ def gpt2_state_from_hf(sd, cfg):
         k = k[len("transformer."):] if k.startswith("transformer.") else k
         if k == "lm_head.weight" or k.endswith(".attn.bias") or k.endswith(".attn.masked_bias"):
             continue                             # tied to wte / HF's causal-mask buffers
-        if k.endswith(_CONV1D) and v.dim() == 2:
+        if k.endswith(CONV1D) and v.dim() == 2:
             v = v.t()                            # Conv1D (in, out) -> nn.Linear (out, in)
         out[k] = v.float().contiguous()
     C, V, P = cfg.n_embd, cfg.vocab_size, cfg.n_positions
@@ -370,23 +1030,30 @@ def gpt2_state_from_hf(sd, cfg):
 
 
 def gpt2_config_from_json(path):
-    """HF config.json -> GPT2Config (GPT-2 small defaults for whatever it does not say)."""
+    """HF config.json -> GPT2Config (GPT-2 small's values for whatever it does not say). Types, ranges and sane upper
+    bounds are checked before anything is allocated, so a hostile file (n_layer 10**9) is refused at once."""
     try:
         with open(path) as f:
             hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:   # ValueError: bad JSON, or an int of > 4300 digits
+        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 config.json") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise CheckpointError(f"{path}: activation '{act}' is not GPT-2's tanh GELU")
-    d = GPT2Config()
-    return GPT2Config(vocab_size=int(hf.get("vocab_size", d.vocab_size)),
-                      n_positions=int(hf.get("n_positions", d.n_positions)),
-                      n_embd=int(hf.get("n_embd", d.n_embd)), n_layer=int(hf.get("n_layer", d.n_layer)),
-                      n_head=int(hf.get("n_head", d.n_head)),
-                      layer_norm_epsilon=float(hf.get("layer_norm_epsilon", d.layer_norm_epsilon)))
+        raise CheckpointError(f"{path}: activation {str(act)[:30]!r} is not GPT-2's tanh GELU")
+    d, values = GPT2Config(), {}
+    for name, top in GPT2_LIMITS.items():
+        v = hf.get(name, getattr(d, name))
+        if type(v) is not int or not 1 <= v <= top:
+            raise CheckpointError(f"{path}: {name} must be a whole number from 1 to {top:,}, got {str(v)[:30]}")
+        values[name] = v
+    eps = hf.get("layer_norm_epsilon", d.layer_norm_epsilon)
+    if type(eps) not in (int, float) or not (math.isfinite(eps) and 0 < eps < 1):
+        raise CheckpointError(f"{path}: layer_norm_epsilon must be a small positive number, got {str(eps)[:30]}")
+    if values["n_embd"] % values["n_head"]:
+        raise CheckpointError(f"{path}: n_embd {values['n_embd']} is not divisible by n_head {values['n_head']}")
+    return GPT2Config(**values, layer_norm_epsilon=float(eps))
 
 
 def hf_cache_candidates():
@@ -415,8 +1082,6 @@ def gpt2_cache_dir():
 
 def download(url, dest):
     """Download url to dest once, with a progress line: written to dest + '.part', renamed when complete."""
-    import sys
-    import urllib.request
     os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
     tmp = dest + ".part"
     print(f"downloading {url} -> {dest}", flush=True)
@@ -442,8 +1107,8 @@ def download(url, dest):
 
 
 def find_gpt2_weights(path_or_name="gpt2", allow_download=True):
-    """'gpt2' -> HF cache, then our cache, then download once. A file or folder path -> its model.safetensors."""
-    if path_or_name in ("gpt2", "openai-community/gpt2"):
+    """'gpt2' -> the HF cache, then our cache, then download once. A file or folder path -> its model.safetensors."""
+    if path_or_name in GPT2_NAMES:
         found = hf_cache_candidates()
         if found:
             return found[0]
@@ -462,461 +1127,25 @@ def find_gpt2_weights(path_or_name="gpt2", allow_download=True):
     return p
 
 
+def gpt2_config_of(path_or_name, allow_download=True):
+    """The GPT2Config of a checkpoint: its config.json when there is one beside it, else GPT-2 small's."""
+    cfg_path = os.path.join(os.path.dirname(find_gpt2_weights(path_or_name, allow_download)), "config.json")
+    return gpt2_config_from_json(cfg_path) if os.path.isfile(cfg_path) else GPT2Config()
+
+
 def load_gpt2_checkpoint(path_or_name="gpt2"):
-    """-> (GPT2Config, state dict for GPT2). config.json next to the file is used when present."""
-    path = find_gpt2_weights(path_or_name)
-    cfg_path = os.path.join(os.path.dirname(path), "config.json")
-    cfg = gpt2_config_from_json(cfg_path) if os.path.isfile(cfg_path) else GPT2Config()
-    return cfg, gpt2_state_from_hf(read_safetensors(path), cfg)
+    """-> (GPT2Config, GPT2 state dict: names h.<i>.*, nn.Linear layout), checked name by name and shape by shape."""
+    cfg = gpt2_config_of(path_or_name)
+    return cfg, gpt2_state_from_hf(read_safetensors(find_gpt2_weights(path_or_name)), cfg)
 
 
-# ================================================================================================================
-# GPT2-DT / GPT2-DTMA (torch only)
-# ================================================================================================================
-
-class DecisionGPT2(nn.Module):
-    """Decision Transformer with a GPT-2 body (LaMo / Wiki-RL structure, notes §2.1).
-
-    tokens (R_1, s_1, a_1, ..., R_K, s_K, a_K): linear embeddings of RTG, state, action, plus a learned timestep
-    embedding added to each (DT order: time before embed_ln; LaMo adds it after, we keep canonical DT), no GPT-2 wpe
-    (DT/LaMo drop it: position comes from the timestep). Blocks: GPT-2's, moa=True adds the per-layer gate.
-    Action: tanh(Linear(y_{s_t})), from the state token."""
-
-    def __init__(self, obs_dim, act_dim, max_ep_len, n_embd=768, n_head=12, n_layer=12, dropout=0.1, moa=True,
-                 eps=1e-5):
-        super().__init__()
-        self.arch = dict(obs_dim=obs_dim, act_dim=act_dim, max_ep_len=max_ep_len, n_embd=n_embd, n_head=n_head,
-                         n_layer=n_layer, moa=moa, eps=eps)          # what model_from_checkpoint needs
-        self.obs_dim, self.act_dim, self.max_ep_len = obs_dim, act_dim, max_ep_len
-        self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
-        self.embed_timestep = nn.Embedding(max_ep_len, n_embd)
-        self.embed_return = nn.Linear(1, n_embd)
-        self.embed_state = nn.Linear(obs_dim, n_embd)
-        self.embed_action = nn.Linear(act_dim, n_embd)
-        self.embed_ln = nn.LayerNorm(n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, eps, moa) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd, eps=eps)
-        self.predict_action = nn.Linear(n_embd, act_dim)
-        self.apply(_init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
-            if ".attn.gate." in name:
-                nn.init.zeros_(p)                     # zero gate: GPT2-DTMA == GPT2-DT at step 0
-
-    @property
-    def moa(self):
-        return self.blocks[0].attn.gate is not None
-
-    def load_gpt2_blocks(self, gpt2: GPT2):
-        """Copy the first n_layer pretrained blocks and ln_f (the gates stay zero). Everything else is new."""
-        assert gpt2.cfg.n_embd == self.n_embd and gpt2.cfg.n_head == self.n_head, "width/heads differ from GPT-2's"
-        assert gpt2.cfg.n_layer >= self.n_layer, f"GPT-2 has only {gpt2.cfg.n_layer} blocks"
-        for mine, theirs in zip(self.blocks, gpt2.h):
-            missing, unexpected = mine.load_state_dict(theirs.state_dict(), strict=False)
-            assert not unexpected and all(".gate." in f".{k}" for k in missing), (missing, unexpected)
-        self.ln_f.load_state_dict(gpt2.ln_f.state_dict())
-        return self
-
-    def forward(self, states, actions, rtg, timesteps, mask=None, need_probs=False, head_mask=None):
-        """states (B,K,obs_dim), actions (B,K,act_dim), rtg (B,K,1), timesteps (B,K) int64, mask (B,K) 1 = real.
-        head_mask: (L,N) multipliers of each head's output (or None). Returns predicted actions (B,K,act_dim) and
-        aux: 'gates' list of (B,3K,N) per layer (MoA), 'probs' list of (B,N,3K,3K) when need_probs."""
-        B, K, _ = states.shape
-        t = self.embed_timestep(timesteps.clamp(0, self.max_ep_len - 1))           # (B,K,C)
-        tokens = torch.stack([self.embed_return(rtg) + t,
-                              self.embed_state(states) + t,
-                              self.embed_action(actions) + t], dim=2)              # (B,K,3,C)
-        x = self.drop(self.embed_ln(tokens.reshape(B, 3 * K, self.n_embd)))        # (B,3K,C) R1 s1 a1 R2 ...
-        allowed = None
-        if mask is not None:
-            T = 3 * K
-            key_ok = mask.bool().repeat_interleave(3, dim=1)                       # (B,3K)
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            # padded keys are hidden; every token may see itself, so a padded row never has an empty softmax
-            allowed = (causal & (key_ok[:, None, :] | torch.eye(T, dtype=torch.bool, device=x.device)))[:, None]
-        gates, probs = [], []
-        for i, blk in enumerate(self.blocks):
-            x, aux = blk(x, allowed, need_probs, None if head_mask is None else head_mask[i])
-            gates.append(aux.get("gate"))
-            probs.append(aux.get("probs"))
-        y = self.ln_f(x).reshape(B, K, 3, self.n_embd)                              # (B,K,3,C)
-        a_pred = torch.tanh(self.predict_action(y[:, :, 1]))                       # (B,K,act_dim) from s_t tokens
-        return a_pred, {"gates": gates, "probs": probs}
-
-
-def markov_gate_mass(gates, mask, heads=(1, 5, 10)):
-    """G_Markov ([P-new] Tab. 5/6, Eq. 9): sum of the layer-0 gate weights of the Markov heads, averaged over the
-    unpadded tokens. gates: (B,3K,N) softmax gate of layer 0; mask (B,K). Differentiable (the GPT2-P penalty)."""
-    m = mask.repeat_interleave(3, dim=1).to(gates.dtype)                           # (B,3K)
-    g = gates[..., list(heads)].sum(-1)                                            # (B,3K)
-    return (g * m).sum() / m.sum().clamp_min(1.0)
-
-
-# ================================================================================================================
-# Training, evaluation and the command line (everything below needs numpy and the project's data/evaluate)
-# ================================================================================================================
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-import data as data_lib  # noqa: E402
-import evaluate as eval_lib  # noqa: E402
-
-MARKOV_HEADS = (1, 5, 10)   # layer-0 heads of GPT-2 small ([P-new] Tab. 1, Eq. 9)
-
-
-def pick_device(name):
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-def build_model(cfg, obs_dim, act_dim, max_ep_len, init=None):
-    """GPT2-DT(MA) with the first cfg.layers pretrained GPT-2 blocks, or the same shape from scratch (init='random').
-    The DT embeddings and the head are drawn from torch's RNG: seed it first for a reproducible model."""
-    init = cfg.init if init is None else init
-    if init == "random":
-        return DecisionGPT2(obs_dim, act_dim, max_ep_len, cfg.n_embd, cfg.n_head, cfg.layers, cfg.dropout, cfg.moa)
-    gpt = GPT2.from_pretrained(init)
-    if not 1 <= cfg.layers <= gpt.cfg.n_layer:
-        raise CheckpointError(f"--layers {cfg.layers}: the checkpoint has {gpt.cfg.n_layer} blocks")
-    model = DecisionGPT2(obs_dim, act_dim, max_ep_len, gpt.cfg.n_embd, gpt.cfg.n_head, cfg.layers, cfg.dropout,
-                         cfg.moa, gpt.cfg.layer_norm_epsilon)
-    return model.load_gpt2_blocks(gpt)
-
-
-def model_from_checkpoint(ck):
-    """A trained GPT2-DT(MA) from a ckpt.pt dict, without needing the GPT-2 weights again."""
-    model = DecisionGPT2(**ck["arch"], dropout=0.0)
-    model.load_state_dict(ck["model"])
-    return model.eval()
-
-
-def make_act(model):
-    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position."""
-    def act(batch, live):
-        return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[0][:, -1]
-    return act
-
-
-def loss_fn(model, batch, markov_penalty=0.0, heads=MARKOV_HEADS):
-    """Action MSE over real steps (Eq. 3 is a sum; the DT code's mean is only a scale) + GPT2-P's alpha * G_Markov
-    ([P-new] Eq. 9), G the layer-0 gate of the Markov heads averaged over real tokens. -> (loss, G_Markov or None)."""
-    pred, aux = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
-    err = ((pred - batch["actions"]) ** 2).mean(-1)                                  # (B,K)
-    loss = (err * batch["mask"]).sum() / batch["mask"].sum()
-    g = None
-    if aux["gates"][0] is not None and model.n_head > max(heads):
-        g = markov_gate_mass(aux["gates"][0], batch["mask"], heads)
-        if markov_penalty:
-            loss = loss + markov_penalty * g
-    return loss, g
-
-
-@torch.no_grad()
-def gate_mass(model, batch, heads=MARKOV_HEADS):
-    """G_Markov on a fixed batch in eval mode (Fig. 9, Tabs. 5/6); '' when the model has no gate or no such heads."""
-    if not model.moa or model.n_head <= max(heads):
-        return ""
-    was = model.training
-    model.eval()
-    gates = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[1]["gates"]
-    model.train(was)
-    return f"{markov_gate_mass(gates[0], batch['mask'], heads).item():.4f}"
-
-
-LOG_FIELDS = ["step", "loss", "lr", "g_markov", "target", "eval_return", "eval_return_std", "normalized_score",
-              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def plot_curve(rows, path, title):
-    plt = _plt()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    train_rows = [r for r in rows if r.get("loss", "") != ""]
-    ax1.plot([int(r["step"]) for r in train_rows], [float(r["loss"]) for r in train_rows])
-    ax1.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
-    for target in sorted({r["target"] for r in rows if r.get("target", "") != ""}, key=float):
-        ev = [r for r in rows if r.get("target", "") == target]
-        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-", label=f"target {target}")
-    ax2.set(xlabel="step", ylabel="normalised score", title="evaluation")
-    if ax2.lines:
-        ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_gates(rows, path, title):
-    """[P-new] Fig. 9: the MoA weight of the Markov heads (sum of layer-0 gates of heads 1, 5, 10) vs the rest."""
-    pts = [(int(r["step"]), float(r["g_markov"])) for r in rows if r.get("g_markov", "") != ""]
-    if not pts:
-        return False
-    plt = _plt()
-    s, g = zip(*pts)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(s, g, label="Markov heads 1, 5, 10", color="tab:red")
-    ax.plot(s, [1 - x for x in g], label="other 9 heads", color="tab:blue")
-    ax.axhline(0.25, ls=":", color="gray", label="uniform (3/12)")
-    ax.set(xlabel="step", ylabel="layer-0 MoA weight", title=title, ylim=(0, 1))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def run_evals(model, d, cfg, device, seed):
-    """Evaluate every target return; returns [(target, result dict)]."""
-    targets = [cfg.target_return] if cfg.target_return is not None else d.target_returns
-    model.eval()
-    out = [(g, eval_lib.evaluate(make_act(model), d, cfg.eval_episodes, g, seed, cfg.context, device)) for g in targets]
-    model.train()
-    return out
-
-
-def run_dir(cfg):
-    name = (cfg.dataset or cfg.env).replace("/", "-")
-    return cfg.out or os.path.join("runs", "gpt2_dtma", name, f"seed{cfg.seed}")
-
-
-def resolve_context(cfg, d):
-    if not cfg.context:   # the papers' K: 20 on MuJoCo (Tab. 6 k=20 = Tab. 3), 50 on PointMaze (Tab. 5 k=50 = Tab. 4)
-        cfg.context = 50 if d.goal_reaching else 20
-    return cfg
-
-
-def variant_name(cfg):
-    base = "DT" if cfg.init == "random" else "GPT2-DT"
-    return (base + ("MA" if cfg.moa else "")) + (f"-P(α={cfg.markov_penalty:g})" if cfg.markov_penalty else "")
-
-
-def train(cfg):
-    device = pick_device(cfg.device)
-    data_lib.resolve(cfg.dataset or cfg.env)  # an unknown name fails first,
-    if cfg.init != "random":
-        find_gpt2_weights(cfg.init)            # then a missing checkpoint (or it downloads), before the data load
-    d = data_lib.load_data(cfg.dataset or cfg.env)
-    resolve_context(cfg, d)
-    if cfg.markov_penalty and not cfg.moa:
-        raise CheckpointError("--markov-penalty penalises the MoA gate; it needs the gate (drop --no-moa)")
-    out = run_dir(cfg)
-    os.makedirs(out, exist_ok=True)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; "
-          f"normalised with {d.ref_source}; targets {d.target_returns}; K={cfg.context}; device {device}")
-
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, d.obs_dim, d.act_dim, d.max_ep_len).to(device)
-    n_gate = sum(p.numel() for n, p in model.named_parameters() if ".gate." in n)
-    print(f"{variant_name(cfg)}: {model.n_layer} blocks of width {model.n_embd}, {model.n_head} heads, init "
-          f"'{cfg.init}'; parameters: {sum(p.numel() for p in model.parameters()):,} (MoA gates {n_gate:,})")
-    # no weight decay on the gate: decay pulls W_g to 0, i.e. towards the uniform mixture MoA is there to move away from
-    groups = [{"params": [p for n, p in model.named_parameters() if ".gate." not in n]},
-              {"params": [p for n, p in model.named_parameters() if ".gate." in n], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup_steps, 1.0))
-    rng = np.random.default_rng(cfg.seed)
-    probe = {k: v.to(device) for k, v in d.sample(64, cfg.context, np.random.default_rng(cfg.seed + 20_000)).items()}
-    step, wall, rows = 0, 0.0, []
-
-    if cfg.resume and os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, map_location=device, weights_only=True)
-        try:
-            model.load_state_dict(ck["model"])
-        except RuntimeError:
-            raise data_lib.DataError(f"{ckpt_path} does not fit this model (it was written with config "
-                                     f"{ck.get('config')}); pass the same model flags or another --out") from None
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        step, wall = ck["step"], ck["wall_time"]
-        rng.bit_generator.state = json.loads(ck["numpy_rng"])
-        torch.set_rng_state(ck["torch_rng"])
-        if os.path.exists(os.path.join(out, "log.csv")):  # keep the rows written up to the checkpoint
-            with open(os.path.join(out, "log.csv")) as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
-        print(f"resumed from {ckpt_path} at step {step}")
-    elif cfg.resume:
-        print(f"no checkpoint at {ckpt_path}; starting from scratch")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg) | {"dataset_id": d.dataset_id, "device": device}, f, indent=2)
-    if step == 0 and not rows:
-        rows.append(dict(step=0, g_markov=gate_mass(model, probe), wall_time="0.0"))   # Fig. 9 starts at 0.25
-
-    def save():
-        torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step,
-                        wall_time=wall, numpy_rng=json.dumps(rng.bit_generator.state), torch_rng=torch.get_rng_state(),
-                        config=dataclasses.asdict(cfg), state_mean=torch.from_numpy(d.state_mean),
-                        state_std=torch.from_numpy(d.state_std), return_scale=d.return_scale,
-                        max_ep_len=d.max_ep_len, dataset_id=d.dataset_id, arch=model.arch), ckpt_path + ".tmp")
-        os.replace(ckpt_path + ".tmp", ckpt_path)  # never leave a half-written checkpoint behind
-        with open(os.path.join(out, "log.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS, restval="")
-            w.writeheader()
-            w.writerows(rows)
-
-    last_eval, final = "", None
-    t_log, losses = time.time(), []
-    model.train()
-    title = f"{variant_name(cfg)} {d.dataset_id} seed {cfg.seed}"
-    try:
-        while step < cfg.steps:
-            t0 = time.time()
-            batch = {k: v.to(device) for k, v in d.sample(cfg.batch_size, cfg.context, rng).items()}
-            loss, _ = loss_fn(model, batch, cfg.markov_penalty)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            step += 1
-            wall += time.time() - t0
-            losses.append(loss.item())
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                ms = 1e3 * (time.time() - t_log) / len(losses)
-                g = gate_mass(model, probe)
-                rows.append(dict(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
-                                 g_markov=g, wall_time=f"{wall:.1f}"))
-                print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
-                      f"{ms:.1f} ms/step" + (f" | G_Markov {g}" if g else "") + last_eval, flush=True)
-                t_log, losses = time.time(), []
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                t0 = time.time()
-                results = run_evals(model, d, cfg, device, cfg.seed + 10_000)
-                wall += time.time() - t0
-                for tg, res in results:
-                    rows.append(dict(step=step, target=tg, eval_return=f"{res['returns'].mean():.2f}",
-                                     eval_return_std=f"{res['returns'].std():.2f}",
-                                     normalized_score=f"{res['normalized'].mean():.2f}",
-                                     normalized_score_std=f"{res['normalized'].std():.2f}",
-                                     success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                                     steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
-                                     wall_time=f"{wall:.1f}"))
-                    print(f"eval step {step} target {tg:g}: {eval_lib.summarize(res)} ({time.time() - t0:.0f}s)")
-                final = results[0]
-                last_eval = f" | eval {final[1]['normalized'].mean():.1f}"
-                save()
-                plot_curve(rows, os.path.join(out, "curve.png"), title)
-                plot_gates(rows, os.path.join(out, "gates.png"), title)
-                t_log = time.time()
-    except KeyboardInterrupt:
-        save()
-        print(f"\ninterrupted at step {step}; checkpoint saved, continue with --resume")
-        raise SystemExit(130)
-    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
-        final = run_evals(model, d, cfg, device, cfg.seed + 10_000)[0]
-    res = final[1]
-    if "success" in res:  # the papers' maze metric: steps to the goal (lower is better), the horizon when missed
-        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
-    print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
-          f"episodes={len(res['returns'])}")
-    return model, res
-
-
-# ================================================================================================================
-# Analysis: Markov heads (Def. 4.1), W_q W_k^T heatmaps (Fig. 3), attention maps (Fig. 4), head importance (Fig. 2),
-# MoA gate mass (Fig. 9), Markov heads on real text. Each function is checked on inputs with a known answer.
-# ================================================================================================================
-
-def head_qk_matrix(c_attn_weight, n_head, i, layout="model"):
-    """A_i = W_q^i (W_k^i)^T of head i ([P-new] Def. 4.2), biases and the LN gain ignored as in the papers.
-    c_attn_weight: (3C, C) in nn.Linear layout, so q_i = x @ Wq_i.T with Wq_i (D, C).
-    layout 'model': the C x C bilinear form with q_i . k_j = x_i A x_j^T (Def. 4.1 / Thm 4.3 read literally);
-    layout 'head' : the D x D product Wq_i Wk_i^T (Remark 4.7's "d = 64" reading). Notes §8.1: both are shown."""
-    C = c_attn_weight.shape[1]
-    D = C // n_head
-    Wq = c_attn_weight.detach()[i * D:(i + 1) * D].double()                # (D,C)
-    Wk = c_attn_weight.detach()[C + i * D:C + (i + 1) * D].double()        # (D,C)
-    return Wq.t() @ Wk if layout == "model" else Wq @ Wk.t()      # (C,C) or (D,D)
-
-
-def markov_stats(A, r=20.0, eps=1e-8):
-    """Def. 4.1: A is Markov iff (i) every A_ii > 0 and (ii) mean_i|A_ii| / mean_{i!=j}|A_ij| > r.
-    eps in the denominator: [P-old] Remark 3. r: [P-new] says 8 (Remark 4.7), [P-old] 20; [P-old] Tab. 2 gives head 9
-    a ratio of 15.37 yet [P-new] Tab. 1 marks its (ii) as failed, which only r = 20 explains: default 20."""
-    A = A.double()
-    d = A.shape[0]
-    diag = A.diagonal()
-    mean_diag = diag.abs().mean()
-    mean_off = (A.abs().sum() - diag.abs().sum()) / (d * d - d)
-    ratio = float(mean_diag / (mean_off + eps))
-    cond_i = bool((diag > 0).all())
-    return {"cond_i": cond_i, "ratio": ratio, "cond_ii": ratio > r, "markov": cond_i and ratio > r}
-
-
-def markov_table(c_attn_weight, n_head, rs=(8.0, 20.0)):
-    """Per head of one layer: (i), ratio and Markov-ness for both layouts and each r. -> list of dict rows."""
-    rows = []
-    for i in range(n_head):
-        row = {"head": i}
-        for layout in ("model", "head"):
-            st = markov_stats(head_qk_matrix(c_attn_weight, n_head, i, layout))
-            row[f"{layout}_i"], row[f"{layout}_ratio"] = st["cond_i"], st["ratio"]
-            for r in rs:
-                row[f"{layout}_markov_r{r:g}"] = st["cond_i"] and st["ratio"] > r
-        rows.append(row)
-    return rows
-
-
-def format_markov_table(tables, rs=(8.0, 20.0)):
-    """tables: {label: rows of markov_table} -> a markdown table, one column group per label."""
-    labels = list(tables)
-    head = "| head | " + " | ".join(f"{lab} {lay} (i) | ratio | Markov r={'/'.join(f'{r:g}' for r in rs)}"
-                                     for lab in labels for lay in ("CxC", "DxD")) + " |"
-    lines = [head, "|" + "---|" * (1 + 3 * 2 * len(labels))]
-    for i in range(len(tables[labels[0]])):
-        cells = [str(i)]
-        for lab in labels:
-            row = tables[lab][i]
-            for lay in ("model", "head"):
-                cells += ["✓" if row[f"{lay}_i"] else "×", f"{row[f'{lay}_ratio']:.2f}",
-                          "/".join("✓" if row[f"{lay}_markov_r{r:g}"] else "×" for r in rs)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def diagonal_attention_mass(probs, mask=None):
-    """Mean attention a token pays to itself, per head: probs (B,N,T,T) -> (N,). A Markov head with random
-    embeddings attends to the last input token, i.e. the diagonal (Thm 4.3, Fig. 4). mask (B,T): rows to average."""
-    d = probs.diagonal(dim1=-2, dim2=-1)                                           # (B,N,T)
-    if mask is None:
-        return d.mean(dim=(0, 2))
-    m = mask.to(d.dtype)[:, None, :]                                               # (B,1,T)
-    return (d * m).sum(dim=(0, 2)) / (m.sum() * 1.0).clamp_min(1.0)
-
-
-@torch.no_grad()
-def head_importance(model, batch):
-    """[P-new] §4.1.2 / Fig. 2: importance of head (l, i) = || a - a_{-(l,i)} ||_2, the change of the predicted
-    action at the current (last) step when that head's output is replaced by zeros (before c_proj), on the same
-    context, averaged over the batch. -> (L, N). One forward per layer: the N ablations ride in the batch."""
-    model.eval()
-    s, a, R, t, m = (batch[k] for k in ("states", "actions", "rtg", "timesteps", "mask"))
-    base = model(s, a, R, t, m)[0][:, -1]                                          # (B,act_dim)
-    B, L, N = s.shape[0], model.n_layer, model.n_head
-    rep = lambda x: x.repeat(N, *([1] * (x.dim() - 1)))                            # (N*B, ...) replica h = head h off
-    imp = torch.zeros(L, N)
-    for layer in range(L):
-        hm = torch.ones(L, N * B, N, device=s.device)
-        hm[layer] = 1.0 - torch.eye(N, device=s.device).repeat_interleave(B, dim=0)   # (N*B, N)
-        abl = model(rep(s), rep(a), rep(R), rep(t), rep(m), head_mask=hm)[0][:, -1]    # (N*B, act_dim)
-        imp[layer] = (abl.view(N, B, -1) - base[None]).norm(dim=-1).mean(dim=1).cpu()
-    return imp
+def load_gpt2_lm(path_or_name="gpt2"):
+    """The GPT-2 language model with its pretrained weights (built on the meta device: no init work)."""
+    cfg, sd = load_gpt2_checkpoint(path_or_name)
+    with torch.device("meta"):
+        model = GPT2(cfg)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model
 
 
 def tiktoken_gpt2():
@@ -929,287 +1158,546 @@ def tiktoken_gpt2():
                               f"them)") from None
 
 
-def load_lm(cfg):
-    return GPT2.from_pretrained("gpt2" if cfg.init == "random" else cfg.init).eval()
+# >>> harness: begin ==============================================================================================
+# The run harness: flags, input checks, run folder, lock, checkpoint, exact resume, logging, curves, benchmark.
+# IDENTICAL in dt.py, gpt2_dtma.py, lsdt.py, starformer.py and dema.py (tests/test_harness.py compares the copies):
+# fix it in one file and copy the block to the others. It uses these names from the file around it:
+#   SCRIPT, Config (fields made with arg(..., run=True) do not change what is trained), PRESETS, LOG_EXTRA,
+#   check_model(cfg) -> problem or None, load_dataset(cfg) -> data, configure(cfg, data) -> cfg,
+#   eval_targets(cfg, data), build_model(cfg, info), make_optimizer(model, cfg) -> (optimizer, lr factor of step),
+#   get_batch(data, cfg, rng), loss_fn(model, batch, cfg), make_act(model, cfg), log_extra(model, probe, cfg),
+#   after_eval(model, data, cfg, out, rows, final), tokens_per_step(cfg), ANALYSES {flag: fn(cfg, run)}.
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import csv  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+DataError = data_lib.DataError   # a problem the user can fix: main() prints it as one sentence and exits 1
+LOG_FIELDS = ["step", "loss", "lr", *LOG_EXTRA, "target", "eval_return", "eval_return_std", "normalized_score",
+              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
+CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
+             "pending_losses", "numpy_rng", "torch_rng"}
 
 
-def sample_text(cfg, max_new_tokens=40):
-    model, enc = load_lm(cfg), tiktoken_gpt2()
-    ids = enc.encode(cfg.sample) or [enc.eot_token]
-    g = torch.Generator().manual_seed(cfg.seed)
-    out = model.generate(torch.tensor([ids]), max_new_tokens, generator=g)           # (1, T + new)
-    print(cfg.sample + enc.decode(out[0, len(ids):].tolist()))
-
-
-def _markov_label(heads):
-    return "{" + ", ".join(map(str, heads)) + "}"
-
-
-def _save(fig, path):
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-    print(f"wrote {path}")
-
-
-def text_attention(cfg):
-    """GPT-2 layer 0 on real text: how much each head attends to the current token itself (the 'last input token'
-    of Thm 4.3) and to the previous one. The papers' Markov heads are 1, 5 and 10."""
-    model, enc = load_lm(cfg), tiktoken_gpt2()
-    ids = enc.encode(cfg.text_attention)[: model.cfg.n_positions]
-    if len(ids) < 2:
-        raise CheckpointError("--text-attention needs a text of at least two tokens")
-    with torch.no_grad():
-        probs = model(torch.tensor([ids]), need_probs=True)[1][0]                    # (1,N,T,T) layer 0
-    P = probs[0]
-    self_mass = diagonal_attention_mass(probs)                                     # (N,)
-    prev_mass = P.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)                   # (N,) attention to token t-1
-    first_mass = P[:, 1:, 0].mean(-1)                                              # (N,) to the first token
-    print(f"GPT-2 layer 0 on {len(ids)} tokens: mean attention to the token itself / previous / first token")
-    print("| head | self | previous | first | paper's Markov head |\n|---|---|---|---|---|")
-    for h in range(P.shape[0]):
-        print(f"| {h} | {self_mass[h]:.3f} | {prev_mass[h]:.3f} | {first_mass[h]:.3f} | "
-              f"{'yes' if h in MARKOV_HEADS else ''} |")
-    plt = _plt()
-    heads = [h for h in (*MARKOV_HEADS, 0) if h < P.shape[0]]
-    fig, axes = plt.subplots(1, len(heads), figsize=(3.2 * len(heads), 3.4))
-    toks = [enc.decode([i]) for i in ids]
-    for ax, h in zip(np.atleast_1d(axes), heads):
-        ax.imshow(P[h].numpy(), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"head {h}" + (" (GPT-2 Markov)" if h in MARKOV_HEADS else ""))
-        if len(ids) <= 24:
-            ax.set_xticks(range(len(ids)), toks, rotation=90, fontsize=6)
-            ax.set_yticks(range(len(ids)), toks, fontsize=6)
-    out = cfg.out or os.path.join("runs", "gpt2_dtma", "gpt2")
-    os.makedirs(out, exist_ok=True)
-    _save(fig, os.path.join(out, "text_attention.png"))
-
-
-def _init_attn_weight(cfg, ck=None):
-    """Layer 0's c_attn weight before fine-tuning: GPT-2's, or the seeded random init of --init random (exactly the
-    run's own starting point when its checkpoint is there)."""
-    if cfg.init == "random":
-        torch.manual_seed(cfg.seed)
-        a = ck["arch"] if ck else dict(obs_dim=1, act_dim=1, max_ep_len=1)
-        m = build_model(cfg, a["obs_dim"], a["act_dim"], a["max_ep_len"])
-        return m.blocks[0].attn.c_attn.weight.detach(), m.n_head
-    gpt = GPT2.from_pretrained(cfg.init)
-    return gpt.h[0].attn.c_attn.weight.detach(), gpt.cfg.n_head
-
-
-def _ckpt_config(ck, cfg):
-    """The Config a checkpoint was trained with (analyses rebuild its starting point from it)."""
-    if ck is None:
-        return cfg
-    return Config(**{k: v for k, v in ck["config"].items() if k in Config.__dataclass_fields__})
-
-
-def _load_ckpt(cfg, required):
-    path = os.path.join(run_dir(cfg), "ckpt.pt")
-    if not os.path.exists(path):
-        if required:
-            raise CheckpointError(f"no trained run at {path}: train first with the same --env/--dataset, --seed and "
-                                  f"--out")
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def markov_analysis(cfg):
-    """Def. 4.1 on every layer-0 head, before (--init) and after fine-tuning (the run's ckpt.pt), for both readings
-    of the matrix (C x C and D x D) and r = 8 and 20; Fig. 3 heatmaps of W_q W_k^T. Expected on GPT-2 ([P-old]
-    Tab. 2): heads 1, 5, 10 Markov, ratios 23.61 / 29.67 / 23.7; head 9 passes (ii) at r = 8 (15.37) but fails (i)."""
-    ck = _load_ckpt(cfg, required=False)
-    W0, n_head = _init_attn_weight(_ckpt_config(ck, cfg), ck)
-    tables, weights = {"init": markov_table(W0, n_head)}, {"init": W0}
-    if ck is not None:
-        W1 = ck["model"]["blocks.0.attn.c_attn.weight"]
-        if W1.shape == W0.shape:
-            tables["fine-tuned"], weights["fine-tuned"] = markov_table(W1, n_head), W1
-    print(f"Markov-matrix test of layer-0 heads (init = {_ckpt_config(ck, cfg).init}" +
-          (f"; fine-tuned = {os.path.join(run_dir(cfg), 'ckpt.pt')})" if len(tables) > 1 else ")"))
-    print(format_markov_table(tables))
-    for lab, rows in tables.items():
-        for lay, name in (("model", "C x C"), ("head", "D x D")):
-            sets = {r: [x["head"] for x in rows if x[f"{lay}_markov_r{r:g}"]] for r in (8.0, 20.0)}
-            mine = [x["head"] for x in rows if x[f"{lay}_i"] and x[f"{lay}_ratio"] > cfg.markov_r]
-            print(f"{lab}, {name}: Markov heads r=8 {_markov_label(sets[8.0])}, r=20 {_markov_label(sets[20.0])}, "
-                  f"--markov-r {cfg.markov_r:g} {_markov_label(mine)}")
-    C = W0.shape[1]
-    print(f"Remark 4.7's bound r > ln(d-1)+1: {math.log(C // n_head - 1) + 1:.2f} for d={C // n_head}, "
-          f"{math.log(C - 1) + 1:.2f} for d={C}; the paper's Markov heads: {_markov_label(MARKOV_HEADS)}")
-    plt = _plt()
-    heads = [0, 1] if n_head > 1 else [0]
-    fig, axes = plt.subplots(len(weights), 2 * len(heads), figsize=(3.2 * 2 * len(heads), 3.2 * len(weights)),
-                             squeeze=False)
-    for row, (lab, W) in enumerate(weights.items()):
-        for j, h in enumerate(heads):
-            for k, (lay, crop) in enumerate((("model", 64), ("head", None))):
-                A = head_qk_matrix(W, n_head, h, lay)[:crop, :crop].numpy()
-                v = np.percentile(np.abs(A), 99)
-                ax = axes[row, 2 * j + k]
-                ax.imshow(A, cmap="RdBu_r", vmin=-v, vmax=v)
-                ax.set_title(f"{lab} head {h} {'C×C[:64,:64]' if lay == 'model' else 'D×D'}\nratio "
-                             f"{tables[lab][h][lay + '_ratio']:.2f}", fontsize=8)
-                ax.set_xticks([])
-                ax.set_yticks([])
-    os.makedirs(run_dir(cfg), exist_ok=True)
-    _save(fig, os.path.join(run_dir(cfg), "markov_heads.png"))
-    return tables
-
-
-def _full_windows(d, n, K, seed):
-    """n training windows without left padding (for attention maps), from a fixed RNG."""
-    rng = np.random.default_rng(seed)
-    got = []
-    while sum(len(b["mask"]) for b in got) < n:
-        b = d.sample(4 * n, K, rng)
-        keep = b["mask"].all(dim=1)
-        got.append({k: v[keep] for k, v in b.items()})
-    return {k: torch.cat([b[k] for b in got])[:n] for k in got[0]}
-
-
-def attention_maps(cfg):
-    """[P-new] Fig. 4: layer-0 attention probabilities on dataset windows (3K x 3K, averaged over 32 windows) of
-    the model before fine-tuning (pretrained body + fresh DT embeddings, the 'random embedding' premise of Thm 4.3)
-    and after (the run's ckpt.pt). A Markov head shows a bright diagonal."""
-    ck = _load_ckpt(cfg, required=False)
-    ccfg = _ckpt_config(ck, cfg)
-    d = data_lib.load_data(ccfg.dataset or ccfg.env)
-    resolve_context(ccfg, d)
-    torch.manual_seed(ccfg.seed)                     # exactly the model train() starts from
-    models = {"before": build_model(ccfg, d.obs_dim, d.act_dim, d.max_ep_len).eval()}
-    if ck:
-        models["after"] = model_from_checkpoint(ck)
-    else:
-        print(f"no checkpoint in {run_dir(cfg)}: showing the model before fine-tuning only")
-    b = _full_windows(d, 32, ccfg.context, ccfg.seed + 30_000)
-    P = {}
-    for lab, m in models.items():
-        with torch.no_grad():
-            aux = m(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"], need_probs=True)[1]
-        P[lab] = aux["probs"][0].mean(0)                                           # (N,3K,3K)
-    n_head = P["before"].shape[0]
-    print(f"layer-0 attention of each token to itself (diagonal mass), {len(b['mask'])} windows of K={ccfg.context}")
-    print("| head | " + " | ".join(P) + " | paper's Markov head |\n|---|" + "---|" * (len(P) + 1))
-    for h in range(n_head):
-        print(f"| {h} | " + " | ".join(f"{diagonal_attention_mass(p[None])[h]:.3f}" for p in P.values()) +
-              f" | {'yes' if h in MARKOV_HEADS else ''} |")
-    heads = [h for h in (*MARKOV_HEADS, 0) if h < n_head]
-    plt = _plt()
-    fig, axes = plt.subplots(len(P), len(heads), figsize=(3 * len(heads), 3 * len(P)), squeeze=False)
-    for r, (lab, p) in enumerate(P.items()):
-        for c, h in enumerate(heads):
-            axes[r, c].imshow(p[h].numpy(), cmap="viridis")
-            axes[r, c].set_title(f"{lab}: head {h}" + (" (GPT-2 Markov)" if h in MARKOV_HEADS else ""), fontsize=9)
-            axes[r, c].set_xticks([])
-            axes[r, c].set_yticks([])
-    _save(fig, os.path.join(run_dir(cfg), "attention_maps.png"))
-    return P
-
-
-def importance_analysis(cfg, n_contexts=64):
-    """[P-new] Fig. 2: roll the fine-tuned model out in the env, keep the contexts it acted on, then zero each of the
-    L x N heads in turn on those same contexts and measure || a - a_{-head} ||_2 (notes §3.3)."""
-    ck = _load_ckpt(cfg, required=True)
-    ccfg = _ckpt_config(ck, cfg)
-    d = data_lib.load_data(ck["dataset_id"])
-    model = model_from_checkpoint(ck)
-    seen = []
-
-    def act(batch, live):
-        seen.append({k: v.clone() for k, v in batch.items()})
-        return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[0][:, -1]
-    target = ccfg.target_return if ccfg.target_return is not None else d.target_returns[0]
-    with torch.no_grad():
-        eval_lib.evaluate(act, d, min(cfg.eval_episodes, 5), target, cfg.seed + 40_000, ccfg.context)
-    allc = {k: torch.cat([s[k] for s in seen]) for k in seen[0]}
-    pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(allc["mask"]))[:n_contexts])
-    imp = head_importance(model, {k: v[pick] for k, v in allc.items()})           # (L,N)
-    L, N = imp.shape
-    print(f"head importance ||a - a_-head||_2 on {len(pick)} rollout contexts (rows: layers, columns: heads)")
-    print("| layer | " + " | ".join(map(str, range(N))) + " |\n|---|" + "---|" * N)
-    for layer in range(L):
-        print(f"| {layer} | " + " | ".join(f"{x:.4f}" for x in imp[layer].tolist()) + " |")
-    top = torch.topk(imp.flatten(), min(5, imp.numel())).indices.tolist()
-    print("most important heads (layer, head): " + ", ".join(f"({i // N}, {i % N})" for i in top))
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 0.12 * L * N), 3.5))
-    colors = ["tab:red" if (i // N == 0 and i % N in MARKOV_HEADS) else "tab:blue" for i in range(L * N)]
-    ax.bar(range(L * N), imp.flatten().numpy(), color=colors)
-    ax.set_xticks([layer * N + N / 2 - 0.5 for layer in range(L)], [f"L{layer}" for layer in range(L)])
-    ax.set(ylabel="||a - a_-head||₂", title="head importance (red: layer-0 heads 1, 5, 10)")
-    _save(fig, os.path.join(run_dir(cfg), "head_importance.png"))
-    return imp
-
-
-def bench(cfg, n_steps=None):
-    """ms per training step (forward + backward + AdamW) on random hopper-shaped windows; no data needed."""
-    n_steps = n_steps or (3 if cfg.layers <= 2 else 2)     # a 12-layer step takes tens of seconds on one CPU core
-    K = cfg.context or 20
-    torch.manual_seed(cfg.seed)
-    model = build_model(dataclasses.replace(cfg, init="random"), 11, 3, 1000)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    g = torch.Generator().manual_seed(0)
-    B = cfg.batch_size
-    b = dict(states=torch.randn(B, K, 11, generator=g), actions=torch.rand(B, K, 3, generator=g) * 2 - 1,
-             rtg=torch.randn(B, K, 1, generator=g), timesteps=torch.randint(0, 1000, (B, K), generator=g),
-             mask=torch.ones(B, K))
-    times = []
-    for i in range(n_steps + 1):
-        t0 = time.time()
-        loss, _ = loss_fn(model, b)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        times.append(time.time() - t0)
-    with torch.no_grad():
-        model.eval()
-        t0 = time.time()
-        model(b["states"][:10], b["actions"][:10], b["rtg"][:10], b["timesteps"][:10], b["mask"][:10])
-        t_act = time.time() - t0
-    print(f"{variant_name(cfg)} {model.n_layer} blocks x {model.n_embd}: {sum(p.numel() for p in model.parameters()):,}"
-          f" parameters; batch {B}, K={K}, {torch.get_num_threads()} thread(s): "
-          f"{1e3 * float(np.median(times[1:])):.0f} ms/step (median of {n_steps} after 1 warm-up); "
-          f"one eval act() for 10 envs {1e3 * t_act:.0f} ms")
-
-
-def parse_args(argv, config_cls=Config, presets=PRESETS):
-    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
-    for f in dataclasses.fields(config_cls):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"])
+def parse_flags(argv):
+    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
+    -> (cfg, the names of the fields the command line set, the preset's included)."""
+    p = argparse.ArgumentParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawTextHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
+        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type) if f.default is not None else float
             p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{f.metadata['help']} (default: {f.default})")
+                           help=f"{text} (default: {f.default})")
     given = vars(p.parse_args(argv))
     preset = given.get("preset", "")
-    if preset and preset not in presets:
-        p.error(f"unknown preset '{preset}'; known: {', '.join(presets)}")
-    return config_cls(**({**presets.get(preset, {}), **given}))
+    if preset and preset not in PRESETS:
+        p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
+    values = {**PRESETS.get(preset, {}), **given}
+    if values.get("dataset"):
+        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
+    return Config(**values), set(values)
+
+
+def parse_args(argv):
+    return parse_flags(argv)[0]
+
+
+def device_problem(name):
+    kind, _, index = name.partition(":")
+    if name in ("auto", "cpu"):
+        return None
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu"
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            return f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+        return None
+    if name == "mps":
+        return None if torch.backends.mps.is_available() else "--device mps: MPS is not available here; use --device cpu"
+    return f"unknown --device '{name}'; use auto, cpu, cuda, cuda:N or mps"
+
+
+def check_config(cfg):
+    """Every flag, before any work is done: raises DataError with one sentence about the first bad value."""
+    for f in dataclasses.fields(cfg):
+        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise DataError(f"{flag} must be a finite number, got {v}")
+        if f.name.endswith("dropout") and not 0 <= v < 1:
+            raise DataError(f"{flag} must lie in [0, 1), got {v}")
+    for name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
+                 "n_head"):
+        v = getattr(cfg, name, None)
+        if v is not None and v <= 0:
+            raise DataError(f"--{name.replace('_', '-')} must be a positive whole number, got {v}")
+    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
+                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
+        if not ok:
+            raise DataError(f"--{name} must be {rule}, got {v}")
+    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
+        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
+    chosen = [name for name in ANALYSES if getattr(cfg, name)] + (["bench"] if cfg.bench else [])
+    if len(chosen) > 1:
+        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+    problem = device_problem(cfg.device) or check_model(cfg)
+    if problem:
+        raise DataError(problem)
+    data_lib.resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise DataError(f"--out {cfg.out} is a file, not a folder")
+
+
+def pick_device(name):
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def variant_name(cfg):
+    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
+    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_no-return-token_context5'."""
+    base = {f.name: f.default for f in dataclasses.fields(Config)} | PRESETS.get(cfg.preset, {})
+    parts = [cfg.preset] if cfg.preset else []
+    for f in dataclasses.fields(Config):
+        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
+        if f.metadata["run"] or f.name == "preset" or v == base[f.name]:
+            continue
+        parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}" if isinstance(v, float)
+                     else f"{flag}{v}")
+    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
+
+
+def run_folder(cfg):
+    return cfg.out or os.path.join("runs", SCRIPT, (cfg.dataset or cfg.env).replace("/", "-"), variant_name(cfg),
+                                   f"seed{cfg.seed}")
+
+
+def read_checkpoint(path):
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
+        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
+                        f"move it away or pass another --out") from None
+    if not isinstance(ck, dict) or ck.get("script") != SCRIPT or not CKPT_KEYS <= set(ck):
+        raise DataError(f"{path} is not a checkpoint of {SCRIPT}.py; move it away or pass another --out")
+    return ck
+
+
+def settings_from_checkpoint(cfg, given, ck, path):
+    """The run's own settings, with the flags given now on top. A flag that would change what is trained (or the
+    dataset, or the seed) and differs from the checkpoint is refused in one sentence that names it."""
+    saved = {k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
+    differ = [f"--{f.name.replace('_', '-')} {saved[f.name]} there, {getattr(cfg, f.name)} here"
+              for f in dataclasses.fields(Config)
+              if f.name in given and f.name in saved and (not f.metadata["run"] or f.name == "seed")
+              and f.name != "preset" and getattr(cfg, f.name) != saved[f.name]]
+    if given & {"env", "dataset"} and data_lib.resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
+        differ.append(f"dataset {ck['dataset_id']} there, {data_lib.resolve(cfg.dataset or cfg.env)} here")
+    if differ:
+        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
+                        f"run's own, or pass a fresh --out")
+    return Config(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"}))
+
+
+def lock_folder(out):
+    """Hold <out>/.lock for this process's life. The OS releases it when the process ends, even by kill -9, so a
+    crashed run never leaves its folder locked."""
+    try:
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
+    try:
+        if os.name == "nt":
+            import msvcrt
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def open_run(cfg, given):
+    """-> (cfg, out folder, checkpoint or None, lock). Never replaces a run: a folder that holds one is continued
+    only with --resume (with the run's settings), and a folder in use by another process is refused."""
+    out = run_folder(cfg)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the output folder {out} ({e.strerror})") from None
+    lock = lock_folder(out)
+    try:
+        ckpt_path = os.path.join(out, "ckpt.pt")
+        if not cfg.resume and (os.path.exists(ckpt_path) or os.path.exists(os.path.join(out, "log.csv"))):
+            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
+        ck = read_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
+        if ck is not None:
+            cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+        elif cfg.resume:
+            print(f"no checkpoint at {ckpt_path}; starting from scratch")
+        return cfg, out, ck, lock
+    except BaseException:
+        lock.close()
+        raise
+
+
+def load_run(cfg, given):
+    """For the analyses: the trained model of a run folder (its settings from its checkpoint), never retrained."""
+    out = run_folder(cfg)
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    if not os.path.exists(ckpt_path):
+        raise DataError(f"no checkpoint at {ckpt_path}; train the run first, or pass --out <run folder>")
+    ck = read_checkpoint(ckpt_path)
+    cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+    model = build_model(cfg, ck["info"])
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError:
+        raise DataError(f"{ckpt_path} does not fit {SCRIPT}.py's model with the run's settings") from None
+    model.to(pick_device(cfg.device)).eval()
+    return cfg, dict(model=model, ck=ck, out=out)
+
+
+def write_atomic(path, write):
+    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as RuntimeError
+            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:100]
+            raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
+        raise
+
+
+def write_csv(path, rows):
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, LOG_FIELDS, restval="")
+            w.writeheader()
+            w.writerows(rows)
+    write_atomic(path, write)
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    write_atomic(path, write)
+
+
+def log_row(**values):
+    return dict.fromkeys(LOG_FIELDS, "") | values
+
+
+class StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM during training: finish the current step (and its evaluation), save, exit 128 +
+    signal (130 for Ctrl-C). A second signal quits at once; the last checkpoint stays as it was."""
+
+    def __init__(self):
+        self.signum, self.previous = 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.signal(s, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
+              f"without saving", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def finite_losses(pending, step):
+    """The losses of the steps since the last log line (one device sync), or one sentence at the first non-finite."""
+    values = torch.stack(pending).float().tolist() if pending else []
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise DataError(f"the training loss is {v} at step {step - len(values) + i + 1}, so the run stops there "
+                            f"(its last checkpoint is kept); lower --lr or check the data")
+    return values
+
+
+def train_step(fwd, model, opt, sched, batch, cfg, autocast):
+    """One gradient step: the loss (bf16 autocast if --amp; reductions stay fp32), backward, clip, AdamW, lr."""
+    with autocast:
+        loss = loss_fn(fwd, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    sched.step()
+    return loss.detach()
+
+
+def run_evals(model, d, cfg, device):
+    """Evaluate every target return on cfg.eval_episodes parallel episodes; -> [(target, result dict)]."""
+    model.eval()
+    results = []
+    for g in eval_targets(cfg, d):
+        t0 = time.time()
+        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device)
+        results.append((g, res | {"seconds": time.time() - t0}))
+    model.train()
+    return results
+
+
+def plot_curve(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    losses = [r for r in rows if r["loss"] != ""]
+    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
+    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
+            title="training loss")
+    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
+        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
+        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
+                 label=f"target {target}" if target != "" else None)
+    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
+    if any(line.get_label()[:1] != "_" for line in ax2.lines):
+        ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg, given=frozenset()):
+    """Train (or with --resume continue) the run in cfg's run folder. -> (model, the final evaluation's results)."""
+    cfg, out, ck, lock = open_run(cfg, given)
+    try:
+        return _train(cfg, out, ck)
+    finally:
+        lock.close()
+
+
+def _train(cfg, out, ck):
+    device = pick_device(cfg.device)
+    # the variant of the flags as given, as the run folder's name is (before configure's data-dependent values)
+    variant = ck.get("variant", variant_name(cfg)) if ck else variant_name(cfg)
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    info = ck["info"] if ck else dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len,
+                                      goal_dim=d.goal_dim)
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
+          f"{d.ref_source}; targets {eval_targets(cfg, d)}; device {device}", flush=True)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, info).to(device)
+    opt, lr_factor_of_step = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
+    rng = np.random.default_rng(cfg.seed)
+    probe = {k: v.to(device) for k, v in get_batch(d, cfg, np.random.default_rng(cfg.seed + 20_000)).items()}
+    step, wall0, rows, pending = 0, 0.0, [], []
+    if ck is not None:
+        try:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+        except (RuntimeError, ValueError, KeyError):
+            raise DataError(f"{ckpt_path} does not fit this model and data; pass another --out") from None
+        sched.load_state_dict(ck["scheduler"])
+        step, wall0, rows = ck["step"], ck["wall_time"], list(ck["rows"])
+        pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
+        rng.bit_generator.state = json.loads(ck["numpy_rng"])
+        torch.set_rng_state(ck["torch_rng"])
+        if ck.get("cuda_rng") is not None and torch.device(device).type == "cuda":
+            torch.cuda.set_rng_state_all(ck["cuda_rng"])
+        print(f"resumed from {ckpt_path} at step {step} of {cfg.steps}")
+    print(f"{SCRIPT} {variant}: {sum(p.numel() for p in model.parameters()):,} parameters; run folder {out}",
+          flush=True)
+    write_json(os.path.join(out, "config.json"), dataclasses.asdict(cfg) | dict(
+        script=SCRIPT, variant=variant, dataset_id=d.dataset_id, device=device, info=info))
+    extra = log_extra(model, probe, cfg)
+    if not rows and any(v != "" for v in extra.values()):   # e.g. GPT2-DTMA's G_Markov at step 0
+        rows.append(log_row(step=0, wall_time="0.0", **extra))
+
+    def save():
+        write_csv(os.path.join(out, "log.csv"), rows)  # the log first: it always covers the checkpoint's steps
+        state = dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                     step=step, wall_time=wall(), config=dataclasses.asdict(cfg), variant=variant, dataset_id=d.dataset_id,
+                     info=info,
+                     rows=rows, pending_losses=finite_losses(pending, step), numpy_rng=json.dumps(rng.bit_generator.state),
+                     torch_rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state_all() if torch.device(device).type == "cuda" else None,
+                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
+                     return_scale=d.return_scale)
+        write_atomic(ckpt_path, lambda tmp: torch.save(state, tmp))
+
+    t_start = t_log = time.time()
+    wall = lambda: wall0 + time.time() - t_start  # noqa: E731
+    fwd = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.amp)
+    evals, final, n_log, first_step = [r for r in rows if r["normalized_score"] != ""], None, 0, step
+    model.train()
+    with StopSignal() as stop:
+        while step < cfg.steps and not stop.signum:
+            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg, rng).items()}
+            pending.append(train_step(fwd, model, opt, sched, batch, cfg, autocast))
+            step, n_log = step + 1, n_log + 1
+            if step == first_step + 1 and step % cfg.log_every:   # a first sign of life, before the first log line
+                print(f"step {step:6d} | loss {pending[-1].item():.5f} | first step {time.time() - t_log:.1f} s", flush=True)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                losses = finite_losses(pending, step)
+                extra = log_extra(model, probe, cfg)
+                rows.append(log_row(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
+                                    wall_time=f"{wall():.1f}", **extra))
+                last = [r for r in evals if r["step"] == evals[-1]["step"]][:1]   # the first (headline) target's
+                last = f" | eval {float(last[0]['normalized_score']):.1f}" if last else ""
+                print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
+                      f"{1e3 * (time.time() - t_log) / n_log:.1f} ms/step"
+                      + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
+                pending, t_log, n_log = [], time.time(), 0
+                write_csv(os.path.join(out, "log.csv"), rows)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                final = run_evals(model, d, cfg, device)
+                for g, res in final:
+                    rows.append(log_row(
+                        step=step, target="" if g is None else g, eval_return=f"{res['returns'].mean():.2f}",
+                        eval_return_std=f"{res['returns'].std():.2f}", normalized_score=f"{res['normalized'].mean():.2f}",
+                        normalized_score_std=f"{res['normalized'].std():.2f}",
+                        success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
+                        steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
+                        wall_time=f"{wall():.1f}"))
+                    evals.append(rows[-1])
+                    print(f"eval step {step} target {g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)", flush=True)
+                save()
+                plot_curve(rows, os.path.join(out, "curve.png"), f"{SCRIPT} {variant} {d.dataset_id} seed {cfg.seed}")
+                after_eval(model, d, cfg, out, rows, final=False)
+                t_log, n_log = time.time(), 0
+        if stop.signum and step < cfg.steps:
+            save()
+            print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
+            raise SystemExit(128 + stop.signum)
+    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
+        final = run_evals(model, d, cfg, device)
+    after_eval(model, d, cfg, out, rows, final=True)
+    res = final[0][1]
+    if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
+        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
+    print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
+          f"episodes={len(res['returns'])}")
+    return model, res
+
+
+def bench(cfg):
+    """--bench: ms per training step and tokens/s at this configuration (the preset's with --preset), eager against
+    torch.compile (and compiled + bf16 autocast on CUDA), on synthetic data of hopper's shape. Timed steps:
+    min(--steps, 20), after 3 warm-up steps; the compiled row also gives the time of its first step (the compile)."""
+    device = pick_device(cfg.device)
+    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * (cfg.context or 0)))
+    cfg = configure(cfg, d)
+    info = dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len, goal_dim=d.goal_dim)
+    n = min(cfg.steps, 20)
+    tokens = cfg.batch_size * cfg.context * tokens_per_step(cfg)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    modes = [("eager", False, False), ("compiled", True, False)]
+    modes += [("compiled + amp", True, True)] if torch.device(device).type == "cuda" else []
+    print(f"bench {SCRIPT} {variant_name(cfg)} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, "
+          f"K={cfg.context}, {tokens:,} tokens per batch, {n} timed steps", flush=True)
+    eager_ms = None
+    for label, compiled, amp in modes:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, info).to(device).train()
+        opt, lr_factor_of_step = make_optimizer(model, cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
+        fwd = torch.compile(model) if compiled else model
+        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp)
+        rng = np.random.default_rng(cfg.seed)
+        step = lambda: train_step(fwd, model, opt, sched, {k: v.to(device) for k, v in get_batch(d, cfg, rng).items()},  # noqa: E731
+                                  cfg, autocast)
+        t0 = time.time()
+        step()
+        sync()
+        first = time.time() - t0
+        for _ in range(3):
+            step()
+        sync()
+        t0 = time.time()
+        for _ in range(n):
+            step()
+        sync()
+        ms = 1e3 * (time.time() - t0) / n
+        eager_ms = eager_ms or ms
+        print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   {eager_ms / ms:5.2f}x eager"
+              + (f"   (first step, with compilation: {first:.1f} s)" if compiled else f"   ({sum(p.numel() for p in model.parameters()):,} parameters)"),
+              flush=True)
 
 
 def main(argv=None):
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        cfg, given = parse_flags(sys.argv[1:] if argv is None else argv)
+        check_config(cfg)
+        analysis = next((name for name in ANALYSES if getattr(cfg, name)), None)
+        if cfg.bench:
+            bench(cfg)
+        elif analysis:
+            ANALYSES[analysis](*load_run(cfg, given))
+        else:
+            train(cfg, given)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        raise SystemExit(130)
+# <<< harness: end ================================================================================================
+
+
+run_harness = main   # the harness's main() above; gpt2_dtma.py's main() below hands it every command that needs a run
+
+
+def main(argv=None):
+    """--sample, --text-attention and --markov without a trained run need only the GPT-2 weights: they are run here,
+    after the same flag checks; every other command goes to the harness's main()."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    cfg, _ = parse_flags(argv)
+    no_run = cfg.markov and not os.path.exists(os.path.join(run_folder(cfg), "ckpt.pt"))
+    if not (cfg.sample or cfg.text_attention or no_run):
+        return run_harness(argv)
+    try:
+        check_config(cfg)
         if cfg.sample:
             sample_text(cfg)
         elif cfg.text_attention:
             text_attention(cfg)
-        elif cfg.bench:
-            bench(cfg)
-        elif cfg.markov or cfg.attention_maps or cfg.importance:
-            if cfg.markov:
-                markov_analysis(cfg)
-            if cfg.attention_maps:
-                attention_maps(cfg)
-            if cfg.importance:
-                importance_analysis(cfg)
         else:
-            train(cfg)
-    except (data_lib.DataError, CheckpointError) as e:
+            markov_analysis(cfg)
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
 

@@ -1,72 +1,111 @@
-"""
+r"""
 Long-Short Decision Transformer (LSDT): "Long-Short Decision Transformer: Bridging Global and Local Dependencies
 for Generalized Decision-Making" (anonymous ICLR submission; official code
-github.com/WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER). Decision Convformer (Kim et al. 2023) is in here
+github.com/WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER). Decision Convformer (DC, Kim et al. 2023) is in here
 too, as the paper uses it: a conv-only special case and the source of LSDC's short-term branch.
 
-What is in this file, top to bottom:
-  Config           the paper's defaults (Table 13) + PAPER_TABLE, the per-dataset settings (Tables 5, 14, D.2)
-  model            CausalSelfAttention (long-term branch), DynamicConv (short-term branch, Wu et al. 2019, Eq. 1),
-                   DCConv (Decision Convformer's static per-token-type causal filters), HybridFusion (HFM, B.3),
-                   LongShortMixer (the "Masked Long-Short block", Sec. 3.2.1), Block, LSDT.
-                   Imports only torch, math, dataclasses: copy it alone into another project.
-  training         train(cfg): data.py windows -> masked MSE on actions -> evaluate.py rollouts.
-  analysis         mixing_maps(): the L x L attention / dynamic-kernel matrices and HFM weights (Fig. 3, 9, 11).
-  main()           command line.
+LSDT is dt.py's Decision Transformer with one change in every block (Sec. 3.2.1, Fig. 4): the token mixer splits the
+D channels, (1 - xi) D go to causal self-attention (long-term branch) and xi D to a causal dynamic convolution over
+the last k_m tokens (short-term branch, Eq. 1); the two outputs are concatenated, re-weighted by the Hybrid Fusion
+Module (HFM, App. B.3) and projected by W_O. xi = 0 is DT's attention, xi = 1 a convolution-only DT (CDT).
+    X[..., :D_a] -> causal multi-head attention (long-term)  --\
+                                                               concat -> HFM -> W_O -> + X -> LN -> MLP ...
+    X[..., D_a:] -> causal DynamicConv, k_m taps (short-term) --/
 
-One layer in a picture (X: B x L x D tokens R_1, s_1, a_1, R_2, ...; xi = --conv-ratio):
-    X[..., :(1-xi)D] -> causal multi-head attention (long-term)  --\
-                                                                    concat -> HFM -> W_O -> + X -> LN -> MLP ...
-    X[..., (1-xi)D:] -> causal DynamicConv, k_m taps (short-term) --/
-xi = 0 is DT's attention block, xi = 1 is a convolution-only DT (CDT). --conv dc swaps DynamicConv for DC's
-static filters (the paper's LSDC); --arch dc / dc_h is Decision Convformer itself (all-conv MetaFormer, and its
-hybrid with attention in the last block), the baselines the paper "integrates" its branches into.
+    python lsdt.py --env hopper-medium               # the paper's hopper-medium row: xi=1, D=256, no action tokens
+    python lsdt.py --env hopper-medium --preset cpu  # small configuration for a 2-core laptop
+    MINARI_DATASETS_PATH=../shared/datasets python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --preset cpu
+    python lsdt.py --out <run folder> --plot-mixing  # the run's attention / kernel / HFM maps (never retrains)
 
-Run:
-    python lsdt.py --env hopper-medium                         # the paper's hopper-medium row: xi=1, D=256, no a-tokens
-    python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --preset cpu
-    python lsdt.py --env hopper-medium --conv dc               # LSDC;  --arch dc: Decision Convformer
-    python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --no-goal-state   # the LSDT vs LSDT-gs ablation
-    python -m pytest -q tests/test_lsdt.py
+What each flag reproduces:
+    --conv-ratio XI          Fig. 7 and Table 14 (the xi sweep; 0 = DT, 1 = CDT)
+    --no-goal-state          Table 2 (LSDT vs LSDT-gs, DC_h vs DC_h-gs) and Table 4 (goal-state conditioning, Sec. 3.3)
+    --conv dc                Table 3 and Fig. 2, 6 (LSDC: DC's static filters as the short-term branch, D.3)
+    --arch dc / dc_h         Tables 1-3 (the Decision Convformer baselines, Table 12)
+    --fusion concat          Fig. 10 (HFM vs direct concatenation, B.3)
+    --dropkey P              Table 6 (DropKey in place of attention dropout, B.8)
+    --kernel K_M             Table 7 (kernel size, B.7 / B.9)
+    --no-action-tokens       D.2 (hopper-medium is trained on (R, s) tokens only)
+    --norm pre               Figure 1 as drawn (pre-LN; the official code is post-LN)
+    --plot-mixing            Fig. 3 and 9 (attention and dynamic-kernel matrices), Fig. 11 (HFM weights)
+    --plot-paths             Fig. 8 (maze paths of the run's policy over the dataset's goals, B.1)
+
+Glossary (paper symbol -> code name; R_t, s_t, a_t, t, B and mask as in dt.py):
+    K       context: timesteps the model sees (Table 5)                        Config.context
+    L       tokens per window: 3K for (R, s, a), 2K without action tokens     n * K, n = tokens per timestep
+    D       token width (Table 13: 128; 256 for hopper-medium/-medium-replay)  Config.n_embd
+    xi      share of D for the short-term (conv) branch (Sec. 3.2.1)           Config.conv_ratio
+    D_c     conv-branch channels, round(xi D) (per block: conv_dims())         LongShortMixer.dc
+    D_a     attention-branch channels, D - D_c                                 LongShortMixer.da
+    N_h     attention heads of the long-term branch; d = D_a / N_h per head    Config.n_head; hs
+    k_m     causal taps of a dynamic kernel, the current token included (B.7)  Config.kernel, DynamicConv.k
+    k       the code's centred kernel, 2 k_m - 1 taps, future half masked      (not stored: the same function)
+    H_c     dynamic kernels per token, D_c / 4 (4 channels share one)          DynamicConv.heads
+    U       GLU(X_2 W_1), the conv branch's input                              u (B, L, D_c)
+    alpha   softmax-normalised dynamic kernels, Eq. 1                          alpha (B, L, k_m, H_c)
+    P       attention probabilities softmax(Q K^T / sqrt(d))                   probs (B, N_h, L, L), analysis path
+    A       HFM weights softmax(Z), over channels (Eq. 4)                      HybridFusion.weights (B, L, D)
+    W_O     output projection after the concat                                 LongShortMixer.c_proj
+    L_w     DC's static filter window (6 tokens)                               Config.kernel with --conv dc
+    g       goal (x, y) appended to the state (goal-state conditioning, 3.3)   the last goal_dim entries of states
+
+Under --amp (bf16 autocast) the Linears and matmuls (W_1, W_w, W_2, Q K^T, P V, HFM, W_O, MLP) run in bf16 and
+autocast's own rules keep its fp32 ops; nothing in LSDT is a recurrence, and the loss is reduced in fp32.
+
+Layout: docstring -> Config -> the model (only torch, math, dataclasses) -> the mixing maps (Fig. 3, 9, 11) -> what
+LSDT plugs into the harness (the paper's per-dataset table, data, schedule, loss, policy) -> the --plot-mixing
+analysis -> the harness (identical in every model file) -> main(). Outputs go to runs/lsdt/<env>/<variant>/seed<N>/.
 """
 import math
 from dataclasses import dataclass, field
 
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-def arg(default, help):
-    return field(default=default, metadata={"help": help})
+
+def arg(default, help, run=False):
+    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
+    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    return field(default=default, metadata={"help": help, "run": run})
 
 
 @dataclass
 class Config:
     # data and run
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)")
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation")
-    steps: int = arg(100_000, "gradient steps (Table 13: 1e5)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (Table 13: 1e5; LSDT's cosine ends at --steps: resume with the same)",
+                     run=True)
     batch_size: int = arg(64, "windows per batch (Table 13: 64 locomotion, 256 mazes)")
     context: int = arg(10, "K, timesteps the model sees (Table 5)")
     lr: float = arg(1e-4, "AdamW learning rate (Table 13: 1e-4 locomotion, 2e-4 mazes)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
-    warmup_steps: int = arg(10_000, "linear warmup, then cosine decay to 0 at --steps (official code)")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end")
-    eval_episodes: int = arg(10, "episodes per target return, run in parallel")
-    target_return: float = arg(None, "return-to-go prompt in raw units; default: the paper's (Table 5), "
-                                     "else the dataset's targets")
-    log_every: int = arg(100, "print and log the training loss every this many steps")
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, mps")
-    out: str = arg("", "output folder; default runs/lsdt/<env>/seed<N>")
-    resume: bool = arg(False, "continue from <out>/ckpt.pt")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (Tables 12, 13)")
+    warmup_steps: int = arg(10_000, "linear warmup; then LSDT: cosine to 0 at --steps (Table 13); DC: constant")
+    grad_clip: float = arg(0.25, "gradient-norm clip (Tables 12, 13)")
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end", run=True)
+    eval_episodes: int = arg(10, "episodes per target return, run in parallel (the paper: 20 locomotion, 100 mazes)",
+                             run=True)
+    target_return: float = arg(None, "return-to-go prompt in raw units; default: the paper's (Table 5), else the "
+                                     "dataset's targets", run=True)
+    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/lsdt/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
-    paper_table: bool = arg(True, "apply PAPER_TABLE's row for the dataset (K, xi, RTG, width, ...) under the flags")
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
+    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
+                      run=True)
+    paper_table: bool = arg(True, "apply PAPER_TABLE's row for the dataset (K, xi, RTG, width...) under the flags")
     # model (Table 13 and the official code)
     arch: str = arg("lsdt", "lsdt | dc (Decision Convformer) | dc_h (DC with attention in the last block)")
     n_layer: int = arg(3, "blocks")
     n_embd: int = arg(128, "token width D (256 for hopper-medium / -medium-replay)")
     n_head: int = arg(1, "heads of the attention (long-term) branch")
     conv_ratio: float = arg(0.5, "xi: share of D for the conv (short-term) branch; 0 = DT, 1 = conv only (CDT)")
-    kernel: int = arg(6, "k_m, causal taps of the conv branch incl. the current token (3 for mazes; DC: window)")
+    kernel: int = arg(6, "k_m, causal taps of the conv branch incl. the current token (3 for Maze2d; DC: window)")
     conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv, LSDT) | dc (DC's static filters, LSDC)")
     fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
     norm: str = arg("post", "post (official code) | pre (the paper's Figure 1, and DC)")
@@ -74,77 +113,28 @@ class Config:
     attn_dropout: float = arg(0.1, "dropout on the attention output P V (official code)")
     conv_dropout: float = arg(0.2, "dropout on the dynamic-kernel logits before the softmax (official code)")
     embd_dropout: float = arg(0.0, "dropout on the token embeddings (none in LSDT, 0.1 in DC)")
+    dropkey: float = arg(0.0, "DropKey (B.8, Table 6): drop attention logits with this probability while training, "
+                              "in place of --attn-dropout")
     action_tokens: bool = arg(True, "a_t tokens in the sequence; --no-action-tokens: (R, s) only (D.2, hopper-medium)")
     goal_state: bool = arg(True, "goal-state conditioning (Sec. 3.3): keep desired_goal in the state on goal tasks")
-    plot_mixing: bool = arg(False, "write mixing.png: attention / dynamic-kernel maps and HFM weights (Fig. 3, 9, 11)")
-    # set from the dataset by train(); the model reads them
-    state_dim: int = arg(0, "(set from the dataset)")
-    act_dim: int = arg(0, "(set from the dataset)")
-    max_ep_len: int = arg(1000, "(set from the dataset)")
+    # analysis (reads the run's checkpoint, never trains)
+    plot_mixing: bool = arg(False, "write mixing.png from the run's checkpoint: attention / dynamic-kernel maps and "
+                                   "HFM weights of block 1 (Fig. 3, 9, 11)", run=True)
+    plot_paths: bool = arg(False, "write paths.png from the run's checkpoint: --eval-episodes maze rollouts drawn over "
+                                  "the dataset's goals (Fig. 8)", run=True)
 
 
-# A small LSDT for a 2-core CPU, at the budget of dt.py's cpu preset (width 64, 2 blocks, batch 64, 6000 steps,
-# lr 1e-3 with a 500-step warmup). The dataset's row of PAPER_TABLE still sets xi, K, RTG, heads, kernel, tokens.
-PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, context=10, lr=1e-3, warmup_steps=500, steps=6000,
-                       eval_every=2000, eval_episodes=10)}
+# A small LSDT for a 2-core CPU at dt.py's cpu-preset budget. The preset wins over the dataset's PAPER_TABLE row for
+# what sets the compute (width, depth, batch, lr, schedule); the row still sets the paper's per-dataset modelling
+# choices: K, xi, k_m, heads, action tokens and the RTG target (Config < row < --arch < --preset < flags).
+PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000,
+                       eval_episodes=10)}
 
 
-# The paper's per-dataset settings: K and RTG target (Table 5), best xi (Table 14), width (Table 13 / D.2), heads,
-# batch, lr, kernel (Table 13), action tokens (D.2: hopper-medium is trained without them). Keys are the D4RL
-# names; paper_row() maps Minari ids onto them (mujoco/hopper/medium-v0, replica/pointmaze/medium-dense-v0, ...).
-# Maze rows are the paper's Maze2d rows (D4RL maze2d-*-v1), used for Minari's PointMaze. Their RTG target (300)
-# is on the scale of D4RL maze2d's never-ending sparse episodes; Minari's maze episodes stop at the goal (returns
-# ~1 sparse, ~20 dense), so None there means "data.py's target, the dataset's best episode return".
-_LOCO = dict(n_embd=128, n_head=1, batch_size=64, lr=1e-4, kernel=6, action_tokens=True)
-_MAZE = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=3, action_tokens=True, context=20,
-             target_return=None)
-_ANT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True, context=10,
-            target_return=100.0)
-PAPER_TABLE = {
-    "halfcheetah-medium":        dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
-    "hopper-medium":             dict(_LOCO, context=10, conv_ratio=1.0, target_return=7000.0, n_embd=256,
-                                      action_tokens=False),
-    "walker2d-medium":           dict(_LOCO, context=5, conv_ratio=0.125, target_return=7000.0),
-    "halfcheetah-medium-replay": dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
-    "hopper-medium-replay":      dict(_LOCO, context=20, conv_ratio=1.0, target_return=7000.0, n_embd=256),
-    "walker2d-medium-replay":    dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
-    "halfcheetah-medium-expert": dict(_LOCO, context=10, conv_ratio=0.75, target_return=15000.0),
-    "hopper-medium-expert":      dict(_LOCO, context=20, conv_ratio=0.75, target_return=10000.0),
-    "walker2d-medium-expert":    dict(_LOCO, context=10, conv_ratio=0.125, target_return=10000.0),
-    "antmaze-umaze":             dict(_ANT, conv_ratio=0.5, n_head=1),
-    "antmaze-umaze-diverse":     dict(_ANT, conv_ratio=0.75),
-    "antmaze-medium-play":       dict(_ANT, conv_ratio=0.75),
-    "antmaze-medium-diverse":    dict(_ANT, conv_ratio=0.5, lr=1e-4),
-    "pointmaze-umaze":           dict(_MAZE, conv_ratio=0.5),
-    "pointmaze-medium":          dict(_MAZE, conv_ratio=0.125),
-    "pointmaze-large":           dict(_MAZE, conv_ratio=0.25),  # Table 14 prints "Maze2d-medium" twice; 2nd = large
-}
-# Decision Convformer as the paper ran it (Table 12 and the DC code): pre-LN MetaFormer, conv mixer without output
-# projection, embedding dropout, final LayerNorm; DC_h puts 2-head attention in the last block.
-ARCH_DEFAULTS = {
-    "dc": dict(conv="dc", conv_ratio=1.0, norm="pre", dropout=0.1, embd_dropout=0.1, context=8, kernel=6,
-               n_embd=128, n_head=1, batch_size=64, lr=1e-4, weight_decay=1e-4),
-    "dc_h": dict(conv="dc", conv_ratio=1.0, norm="pre", dropout=0.1, embd_dropout=0.1, context=8, kernel=6,
-                 n_embd=128, n_head=2, batch_size=64, lr=1e-4, weight_decay=1e-4),
-}
-
-
-def paper_row(name):
-    """PAPER_TABLE key for a short name or Minari id ('hopper-medium', 'mujoco/hopper/medium-v0',
-    'replica/pointmaze/medium-dense-v0', 'D4RL/antmaze/medium-play-v1'), or None when the paper has no such row."""
-    parts = name.lower().split("/")
-    if len(parts) >= 3:                                   # namespace/env/level-vN
-        env, level = parts[-2], parts[-1].rsplit("-v", 1)[0]
-    else:                                                 # short name env-level
-        env, _, level = parts[-1].partition("-")
-    env = "pointmaze" if env == "maze2d" else env
-    level = level.removesuffix("-dense").removesuffix("-sparse")  # the paper's Maze2d rows are sparse; dense too
-    key = f"{env}-{level}"
-    return key if key in PAPER_TABLE else None
-
+# >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 
 def conv_dims(cfg):
-    """Channels D_c = round(xi * D) that each layer gives its short-term branch (the rest, D_a, go to attention)."""
+    """D_c per block: round(xi D) for LSDT / LSDC (Sec. 3.2.1); D for DC; DC_h: D, ..., D, 0 (attention last)."""
     if cfg.arch in ("dc", "dc_h"):
         dims = [cfg.n_embd] * cfg.n_layer
         if cfg.arch == "dc_h":
@@ -153,66 +143,47 @@ def conv_dims(cfg):
     return [int(round(cfg.conv_ratio * cfg.n_embd))] * cfg.n_layer
 
 
-def check_config(cfg):
-    """Returns a one-sentence problem with the model settings, or None."""
-    if not 0.0 <= cfg.conv_ratio <= 1.0:
-        return f"--conv-ratio must lie in [0, 1], got {cfg.conv_ratio}"
-    if cfg.kernel < 1:
-        return f"--kernel must be >= 1, got {cfg.kernel}"
-    for dc in set(conv_dims(cfg)):
-        da = cfg.n_embd - dc
-        if da and da % cfg.n_head:
-            return (f"the attention branch gets {da} of {cfg.n_embd} channels (conv ratio {cfg.conv_ratio}), "
-                    f"which {cfg.n_head} heads cannot split evenly")
-        if dc and cfg.conv == "dynamic" and dc % 4:
-            return (f"the dynamic-conv branch gets {dc} channels (conv ratio {cfg.conv_ratio} of {cfg.n_embd}), "
-                    f"not a multiple of 4 (4 channels share each kernel, Table 13)")
-    return None
-
-
-# ============================================================================================================
-# Model (torch only)
-# ============================================================================================================
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-
 class CausalSelfAttention(nn.Module):
-    """Long-term branch (Sec. 3.2.1): causal multi-head self-attention over the first D_a channels. The output
-    projection is the mixer's shared W_O. With keep=True (analysis) the probabilities are computed explicitly and
-    kept for plotting (Fig. 3); training uses torch's fused attention."""
+    """Long-term branch (Sec. 3.2.1): causal multi-head self-attention over the first D_a channels. Its output
+    projection is the mixer's shared W_O. The probabilities are computed explicitly for the analysis (keep=True, Fig. 3)
+    and for DropKey; otherwise torch's fused attention computes the same softmax(q k^T / sqrt(hs)) v."""
 
-    def __init__(self, dim, n_head, attn_dropout):
+    def __init__(self, dim, n_head, attn_dropout, dropkey):
         super().__init__()
         assert dim % n_head == 0, f"{dim} attention channels do not split into {n_head} heads"
-        self.n_head = n_head
-        self.c_attn = nn.Linear(dim, 3 * dim)  # W_Q || W_K || W_V (the code's three Linears, fused)
-        self.drop = nn.Dropout(attn_dropout)   # official code: dropout on P V, not on P
-        self.keep = False                      # analysis: keep the last probabilities in self.probs
+        self.n_head, self.dropkey = n_head, dropkey
+        self.c_attn = nn.Linear(dim, 3 * dim)          # W_Q || W_K || W_V (the code's three Linears, fused)
+        # official code: dropout on P V, not on P; B.8: DropKey replaces it
+        self.drop = nn.Dropout(0.0 if dropkey else attn_dropout)
+        self.keep = False                              # analysis: keep the last probabilities in self.probs
         self.probs = None
 
-    def forward(self, x, allowed):
-        # x: (B, L, Da); allowed: (B, 1, L, L) bool, query i may read key j (causal, and j is not padding)
-        B, L, C = x.shape
-        h = self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)                          # 3 x (B, L, Da)
-        q, k, v = (z.view(B, L, h, C // h).transpose(1, 2) for z in (q, k, v))  # (B, h, L, dh)
-        if self.keep:  # analysis path: the probabilities themselves (Fig. 3, 9)
-            scores = q @ k.transpose(-2, -1) / math.sqrt(C // h)          # (B, h, L, L)
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, h, L, L)
-            self.probs = probs.detach()
-            y = probs @ v                                                 # (B, h, L, dh)
-        else:          # the same softmax(q k^T / sqrt(dh)) v, fused (a test checks both paths agree)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, h, L, dh)
-        y = y.transpose(1, 2).reshape(B, L, C)                            # (B, L, Da)
+    def forward(self, x, attn_mask):
+        B, T, C = x.shape                                                  # x: (B, L, D_a); attn_mask (B, 1, L, L)
+        q, k, v = self.c_attn(x).split(C, dim=2)                          # 3 x (B, L, D_a)
+        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, L, hs)
+        dropkey = self.training and self.dropkey > 0
+        if self.keep or dropkey:
+            att = q @ k.transpose(-2, -1) / math.sqrt(k.size(-1))         # (B, nh, L, L) Q K^T / sqrt(d)
+            att = att.masked_fill(~attn_mask, float("-inf"))
+            if dropkey:  # B.8, DropKey (Li et al. 2022): drop keys, i.e. logits, before the softmax (no rescaling:
+                # the softmax renormalises); a token's own key is never dropped, so no row of the softmax is empty
+                drop = torch.rand(att.shape, device=att.device) < self.dropkey
+                att = att.masked_fill(drop & ~torch.eye(T, dtype=torch.bool, device=x.device), float("-inf"))
+            att = att.softmax(-1)                                          # (B, nh, L, L) P
+            if self.keep:
+                self.probs = att.detach()
+            y = att @ v                                                    # (B, nh, L, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, nh, L, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)                   # (B, L, D_a)
         return self.drop(y)
 
 
 class DynamicConv(nn.Module):
     """Short-term branch: causal DynamicConv (Wu et al. 2019; paper Eq. 1), as the official code (ESPnet's
     DynamicConvolution with a kernel mask) computes it:
-        U = GLU(X W_1)                                  input GLU, (B, L, Dc)
+        U = GLU(X W_1)                                  input GLU, (B, L, D_c)
         alpha[i, h, :] = softmax(dropout(U_i W_w))      one kernel of k_m taps per token i and head h
         Y[i, c] = sum_j alpha[i, h(c), j] U[i-k_m+1+j, c] + b_c,  h(c) = c // 4   (4 channels share a kernel)
         out = Y W_2
@@ -235,21 +206,20 @@ class DynamicConv(nn.Module):
         self.alpha = None
 
     def forward(self, x, real):
-        # x: (B, L, Dc); real: (B, L) bool, False on left padding
-        B, L, C = x.shape
+        B, L, C = x.shape                                                  # x: (B, L, D_c); real: (B, L) bool
         k, H = self.k, self.heads
-        u = F.glu(self.glu_in(x), dim=-1)                                  # (B, L, Dc), u * sigmoid(v)
-        logits = F.dropout(self.w_gen(u), self.p, self.training)           # (B, L, k*H), dropout before softmax
+        u = F.glu(self.glu_in(x), dim=-1)                                  # (B, L, D_c), u * sigmoid(v)
+        logits = F.dropout(self.w_gen(u), self.p, self.training)           # (B, L, k*H), dropout before softmax (code)
         logits = logits.view(B, L, k, H)                                   # tap j of token i reads token i-k+1+j
         src_real = F.pad(real, (k - 1, 0)).unfold(1, k, 1)                 # (B, L, k) False before 0 / on padding
         src_real = src_real | (torch.arange(k, device=x.device) == k - 1)  # a token always reads itself
-        alpha = logits.masked_fill(~src_real[..., None], float("-inf")).softmax(2)  # (B, L, k, H), over taps
+        alpha = logits.masked_fill(~src_real[..., None], float("-inf")).softmax(2)  # (B, L, k, H), over taps: Eq. 1
         if self.keep:
             self.alpha = alpha.detach().transpose(2, 3)                    # (B, L, H, k)
-        up = F.pad(u, (0, 0, k - 1, 0))                                    # (B, L+k-1, Dc)
-        win = torch.stack([up[:, j:j + L] for j in range(k)], dim=2)       # (B, L, k, Dc): U[i-k+1+j], a loop over taps
-        y = (win.view(B, L, k, H, self.cpk) * alpha[..., None]).sum(2)     # (B, L, H, 4)
-        return self.out(y.reshape(B, L, C) + self.bias)                    # (B, L, Dc)
+        up = F.pad(u, (0, 0, k - 1, 0))                                    # (B, L+k-1, D_c)
+        win = torch.stack([up[:, j:j + L] for j in range(k)], dim=2)       # (B, L, k, D_c): U[i-k+1+j], tap by tap
+        y = (win.view(B, L, k, H, self.cpk) * alpha[..., None]).sum(2)     # (B, L, H, 4): Eq. 1's sum over taps
+        return self.out(y.reshape(B, L, C) + self.bias)                    # (B, L, D_c)
 
 
 class DCConv(nn.Module):
@@ -265,14 +235,13 @@ class DCConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_types, dim).uniform_(-bound, bound))
 
     def forward(self, x, real):
-        # x: (B, L, Dc); real: (B, L) bool
-        B, L, C = x.shape
+        B, L, C = x.shape                                                  # x: (B, L, D_c); real: (B, L) bool
         # Padding tokens enter as zeros, exactly the zeros DC pads a sequence with, so a left-padded window gives
         # the same outputs as the shorter unpadded one (DC's code convolves over embedded padding tokens instead).
         x = x * real[..., None]
-        win = F.pad(x, (0, 0, self.w - 1, 0)).unfold(1, self.w, 1)        # (B, L, Dc, w): x[i-w+1 .. i]
+        win = F.pad(x, (0, 0, self.w - 1, 0)).unfold(1, self.w, 1)        # (B, L, D_c, w): x[i-w+1 .. i]
         types = torch.arange(L, device=x.device) % self.n_types           # (L,) 0 = R, 1 = s, 2 = a
-        y = torch.einsum("blcw,lcw->blc", win, self.weight[types])        # (B, L, Dc)
+        y = torch.einsum("blcw,lcw->blc", win, self.weight[types])        # (B, L, D_c)
         return y + self.bias[types]
 
 
@@ -290,359 +259,145 @@ class HybridFusion(nn.Module):
         # y: (B, L, D) = concat(Y_att, Y_conv)
         # Eq. 4: the text says softmax over the "time dimension"; the official code (and Fig. 11, weights per
         # channel) take it over channels, so each token's D weights sum to 1. We follow the code.
-        a = self.expand(F.relu(self.reduce(y))).softmax(-1)  # (B, L, D)
+        a = self.expand(F.relu(self.reduce(y))).softmax(-1)  # (B, L, D) A = softmax(Z), Eqs. 2-4
         if self.keep:
             self.weights = a.detach()
-        return a * y
+        return a * y                                         # (B, L, D) Y_o, Eq. 4
 
 
 class LongShortMixer(nn.Module):
-    """Masked Long-Short block's token mixer (Sec. 3.2.1, Fig. 4): split channels (1-xi)D | xi D, attention on the
-    first part, causal conv on the second, concatenate, fuse (HFM), project (W_O), dropout."""
+    """The Masked Long-Short block's token mixer (Sec. 3.2.1, Fig. 4), in place of DT's attention: split the channels
+    (1-xi)D | xi D, attention on the first part, causal conv on the second, concatenate, fuse (HFM), W_O, dropout."""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
         D = cfg.n_embd
         self.dc, self.da = conv_dim, D - conv_dim
         n_types = 3 if cfg.action_tokens else 2
-        self.attn = CausalSelfAttention(self.da, cfg.n_head, cfg.attn_dropout) if self.da else None
+        self.attn = CausalSelfAttention(self.da, cfg.n_head, cfg.attn_dropout, cfg.dropkey) if self.da else None
         self.conv = None
         if self.dc:
             self.conv = (DynamicConv(self.dc, cfg.kernel, cfg.conv_dropout) if cfg.conv == "dynamic"
                          else DCConv(self.dc, cfg.kernel, n_types))
-        # HFM only when both branches exist (code); xi = 0 is then exactly DT's attention + W_O.
+        # HFM only when both branches exist (code); xi = 0 is then exactly DT's attention + W_O. The paper does not
+        # define xi = 0 (the official code fails there: ESPnet's DynamicConv with 0 channels).
         self.fuse = HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None
         # DC's conv mixer has no output projection and no dropout (x = x + conv(LN(x)), DC code); everything else
         # (LSDT, LSDC, DC_h's attention) has W_O followed by dropout.
-        self.proj = None if (cfg.arch in ("dc", "dc_h") and not self.da) else nn.Linear(D, D)
-        self.drop = nn.Dropout(cfg.dropout) if self.proj is not None else nn.Identity()
+        self.c_proj = None if (cfg.arch in ("dc", "dc_h") and not self.da) else nn.Linear(D, D)
+        self.resid_drop = nn.Dropout(cfg.dropout) if self.c_proj is not None else nn.Identity()
 
-    def forward(self, x, allowed, real):
-        # x: (B, L, D)
-        x1, x2 = x.split([self.da, self.dc], dim=-1)          # Sec. 3.2.1: attention gets the first (1-xi)D
+    def forward(self, x, attn_mask, real):
+        x1, x2 = x.split([self.da, self.dc], dim=-1)          # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c)
         ys = []
         if self.attn is not None:
-            ys.append(self.attn(x1, allowed))                 # (B, L, Da)
+            ys.append(self.attn(x1, attn_mask))               # (B, L, D_a) long-term branch
         if self.conv is not None:
-            ys.append(self.conv(x2, real))                    # (B, L, Dc)
-        y = torch.cat(ys, dim=-1)                             # (B, L, D), attention channels first
+            ys.append(self.conv(x2, real))                    # (B, L, D_c) short-term branch
+        y = torch.cat(ys, dim=-1)                             # (B, L, D), attention channels first (Eq. 2's Concat)
         if self.fuse is not None:
-            y = self.fuse(y)
-        if self.proj is not None:
-            y = self.proj(y)                                  # W_O
-        return self.drop(y)
+            y = self.fuse(y)                                  # Eqs. 2-4
+        if self.c_proj is not None:
+            y = self.c_proj(y)                                # W_O
+        return self.resid_drop(y)
 
 
 class Block(nn.Module):
     """One layer. 'post' (official code, min-decision-transformer): x = LN(x + mixer(x)); x = LN(x + MLP(x)).
-    'pre' (the paper's Figure 1 and DC): x = x + mixer(LN(x)); x = x + MLP(LN(x))."""
+    'pre' (the paper's Figure 1, dt.py's GPT-2 block, and DC): x = x + mixer(LN(x)); x = x + MLP(LN(x))."""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
         D = cfg.n_embd
         self.pre = cfg.norm == "pre"
-        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.ln_1 = nn.LayerNorm(D)
         self.mixer = LongShortMixer(cfg, conv_dim)
+        self.ln_2 = nn.LayerNorm(D)
+        # GELU (Table 13; DT's gym code uses ReLU)
         self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D), nn.Dropout(cfg.dropout))
 
-    def forward(self, x, allowed, real):
+    def forward(self, x, attn_mask, real):
         if self.pre:
-            x = x + self.mixer(self.ln_1(x), allowed, real)
+            x = x + self.mixer(self.ln_1(x), attn_mask, real)
             return x + self.mlp(self.ln_2(x))
-        x = self.ln_1(x + self.mixer(x, allowed, real))
+        x = self.ln_1(x + self.mixer(x, attn_mask, real))
         return self.ln_2(x + self.mlp(x))
 
 
 class LSDT(nn.Module):
-    """Tokens (R_1, s_1, a_1, R_2, ...) (or (R_t, s_t) without action tokens) -> blocks -> a_t = tanh(W h(s_t)).
-    Embeddings as DT: Linear per token type + a learned timestep embedding on every token, then LayerNorm."""
+    """dt.py's DecisionTransformer with LongShortMixer blocks: tokens (R_1, s_1, a_1, R_2, ...), or (R_t, s_t) without
+    action tokens (D.2) -> blocks -> a_t = tanh(W h(s_t)). Also DC / DC_h (--arch), which differ only in the blocks'
+    mixers, norm placement and init. obs_dim is the state width the model embeds (goal included for LSDT-gs)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
         super().__init__()
         D = cfg.n_embd
-        self.cfg = cfg
-        self.n_types = 3 if cfg.action_tokens else 2
-        self.embed_t = nn.Embedding(cfg.max_ep_len, D)
-        self.embed_rtg = nn.Linear(1, D)
-        self.embed_s = nn.Linear(cfg.state_dim, D)
-        self.embed_a = nn.Linear(cfg.act_dim, D) if cfg.action_tokens else None
+        self.embed_timestep = nn.Embedding(max_ep_len, D)   # as DT: one learned embedding per timestep, on every token
+        self.embed_return = nn.Linear(1, D)
+        self.embed_state = nn.Linear(obs_dim, D)
+        self.action_tokens = cfg.action_tokens
+        self.embed_action = nn.Linear(act_dim, D) if cfg.action_tokens else None
         self.embed_ln = nn.LayerNorm(D)
-        self.drop = nn.Dropout(cfg.embd_dropout)
+        self.drop = nn.Dropout(cfg.embd_dropout)             # none in the LSDT code; DC's GPT-2 embd_pdrop 0.1
         self.blocks = nn.ModuleList(Block(cfg, dc) for dc in conv_dims(cfg))
         self.ln_f = nn.LayerNorm(D) if cfg.norm == "pre" else nn.Identity()  # no final LN in the post-LN code
-        self.head = nn.Sequential(nn.Linear(D, cfg.act_dim), nn.Tanh())
-        # Official LSDT code: Xavier-uniform weights, zero biases for every Linear and Embedding; DC's code keeps
-        # GPT-2's N(0, 0.02) (its conv filters keep nn.Conv1d's default, as DCConv does).
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                if cfg.arch in ("dc", "dc_h"):
-                    nn.init.normal_(m.weight, std=0.02)
-                else:
+        self.predict_action = nn.Sequential(nn.Linear(D, act_dim), nn.Tanh())  # actions live in [-1, 1]
+        if cfg.arch == "lsdt":
+            # official LSDT code: Xavier-uniform weights and zero biases for every Linear and Embedding
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
                     nn.init.xavier_uniform_(m.weight)
-                if getattr(m, "bias", None) is not None:
+                if isinstance(m, nn.Linear):
+                    nn.init.zeros_(m.bias)
+        else:
+            # DC's code: GPT-2's N(0, 0.02) with zero biases inside the blocks only (its GPT2Model's init); the
+            # embeddings, embed_ln and predict_action keep PyTorch's default init, its conv filters nn.Conv1d's
+            for m in self.blocks.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, mean=0.0, std=0.02)
                     nn.init.zeros_(m.bias)
 
-    def forward(self, states, actions, rtg, timesteps, mask=None):
-        # states (B, K, state_dim), actions (B, K, act_dim), rtg (B, K, 1), timesteps (B, K), mask (B, K) 1 = real
+    def forward(self, states, actions, rtg, timesteps, mask):
+        """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions (B,K,act).
+        The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only."""
         B, K, _ = states.shape
-        P = self.n_types
-        t = self.embed_t(timesteps.clamp(0, self.embed_t.num_embeddings - 1))   # (B, K, D)
-        tok = [self.embed_rtg(rtg) + t, self.embed_s(states) + t]
-        if P == 3:
-            tok.append(self.embed_a(actions) + t)
-        x = torch.stack(tok, dim=2).reshape(B, P * K, -1)                        # (B, L, D), L = P K interleaved
-        x = self.drop(self.embed_ln(x))
-        L = P * K
-        real = (torch.ones(B, K, dtype=torch.bool, device=x.device) if mask is None
-                else mask.bool()).repeat_interleave(P, dim=1)                    # (B, L)
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()     # (L, L)
-        eye = torch.eye(L, dtype=torch.bool, device=x.device)
-        # query i reads key j <= i unless j is padding; padding queries read themselves only (never used)
-        allowed = (causal & (real[:, None, :] | eye))[:, None]                  # (B, 1, L, L)
+        time = self.embed_timestep(timesteps.clamp(max=self.embed_timestep.num_embeddings - 1))  # (B, K, D)
+        tokens = [self.embed_return(rtg) + time,                               # R_t
+                  self.embed_state(states) + time]                             # s_t
+        if self.action_tokens:
+            tokens.append(self.embed_action(actions) + time)                   # a_t
+        n = len(tokens)                                                         # tokens per step: 3 (2 without a_t)
+        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                   # (B, L, D): R_1, s_1, a_1, R_2, ...
+        x = self.drop(self.embed_ln(x))                                         # (B, L, D)
+        # causal mask, and no attention to left padding; a padding query may see itself (its output is never used),
+        # so that no row of the softmax is empty
+        real = mask.bool().repeat_interleave(n, dim=1)                          # (B, L)
+        causal = torch.ones(n * K, n * K, dtype=torch.bool, device=x.device).tril()
+        eye = torch.eye(n * K, dtype=torch.bool, device=x.device)
+        attn_mask = (causal & (real[:, None, :] | eye))[:, None]               # (B, 1, L, L)
         for block in self.blocks:
-            x = block(x, allowed, real)
-        x = self.ln_f(x).view(B, K, P, -1)                                       # (B, K, P, D)
-        return self.head(x[:, :, 1])                                            # (B, K, act_dim), from s_t tokens
+            x = block(x, attn_mask, real)
+        x = self.ln_f(x).reshape(B, K, n, -1)                                   # (B, K, n, D)
+        return self.predict_action(x[:, :, 1])       # a_t predicted from the s_t token (token 1 of a step): (B, K, act)
 
     def keep_maps(self, on=True):
         """Analysis: make the attention / dynamic-conv / HFM modules keep their last weights."""
         for m in self.modules():
             if hasattr(m, "keep"):
                 m.keep = on
+# <<< model: end
 
 
-# ============================================================================================================
-# Training (numpy, data.py, evaluate.py from here on)
-# ============================================================================================================
-
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-import data as data_lib  # noqa: E402
-import evaluate as eval_lib  # noqa: E402
-
-
-def pick_device(name):
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-def model_inputs(batch, n_state):
-    """The model's view of a data.py / evaluate.py batch; n_state < obs_dim drops the goal (LSDT vs LSDT-gs)."""
-    return batch["states"][..., :n_state], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"]
-
-
-def make_act(model, n_state):
-    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position."""
-    def act(batch, live):
-        return model(*model_inputs(batch, n_state))[:, -1]
-    return act
-
-
-def loss_fn(model, batch, n_state):
-    pred = model(*model_inputs(batch, n_state))                     # (B, K, act)
-    err = ((pred - batch["actions"]) ** 2).mean(-1)                  # (B, K)
-    return (err * batch["mask"]).sum() / batch["mask"].sum()         # MSE over real (unpadded) steps (code)
-
-
-def lr_lambda(cfg):
-    """Official code: linear warmup for warmup_steps updates, then one cosine cycle down to 0 at --steps."""
-    def f(s):
-        if s < cfg.warmup_steps:
-            return (s + 1) / cfg.warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))))
-    return f
-
-
-LOG_FIELDS = ["step", "loss", "lr", "target", "eval_return", "eval_return_std", "normalized_score",
-              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
-
-
-def plot_curve(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    train_rows = [r for r in rows if r["loss"] != ""]
-    ax1.plot([int(r["step"]) for r in train_rows], [float(r["loss"]) for r in train_rows])
-    ax1.set(xlabel="step", ylabel="action MSE", yscale="log", title="training loss")
-    for target in sorted({r["target"] for r in rows if r["target"] != ""}, key=float):
-        ev = [r for r in rows if r["target"] == target]
-        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-", label=f"target {target}")
-    ax2.set(xlabel="step", ylabel="normalised score", title="evaluation")
-    if ax2.lines:
-        ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def eval_targets(cfg, d):
-    """--target-return, else the paper's (Table 5) for the dataset, else data.py's targets."""
-    if cfg.target_return is not None:
-        return [cfg.target_return]
-    row = PAPER_TABLE.get(paper_row(cfg.dataset or cfg.env)) if cfg.paper_table else None
-    if row and row.get("target_return") is not None:
-        return [row["target_return"]]
-    return d.target_returns
-
-
-def run_evals(model, d, cfg, device, seed, n_state):
-    """Evaluate every target return; returns [(target, result dict)]."""
-    model.eval()
-    out = [(g, eval_lib.evaluate(make_act(model, n_state), d, cfg.eval_episodes, g, seed, cfg.context, device))
-           for g in eval_targets(cfg, d)]
-    model.train()
-    return out
-
-
-def train(cfg):
-    problem = check_config(cfg)
-    if problem:
-        raise data_lib.DataError(problem)
-    device = pick_device(cfg.device)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
-    name = (cfg.dataset or cfg.env).replace("/", "-")
-    out = cfg.out or os.path.join("runs", "lsdt", name, f"seed{cfg.seed}")
-    os.makedirs(out, exist_ok=True)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    n_goal = d.goal_dim  # data.py flattens dict observations to observation ++ desired_goal
-    n_state = d.obs_dim - (0 if cfg.goal_state else n_goal)
-    cfg = dataclasses.replace(cfg, state_dim=n_state, act_dim=d.act_dim, max_ep_len=d.max_ep_len)
-    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; "
-          f"normalised with {d.ref_source}; eval targets {eval_targets(cfg, d)}; device {device}")
-    row = paper_row(cfg.dataset or cfg.env)
-    print(f"model: {cfg.arch}, conv {cfg.conv}, xi={cfg.conv_ratio} (conv channels per block {conv_dims(cfg)} of "
-          f"{cfg.n_embd}), K={cfg.context}, k_m={cfg.kernel}, fusion {cfg.fusion}, {cfg.norm}-LN, "
-          f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens; paper row: {row if cfg.paper_table else 'off'}"
-          + (f"; goal-state {'on' if cfg.goal_state else 'OFF (goal dims dropped)'} ({n_goal} goal dims)"
-             if n_goal else ""))
-
-    torch.manual_seed(cfg.seed)
-    model = LSDT(cfg).to(device)
-    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    rng = np.random.default_rng(cfg.seed)
-    step, wall, rows = 0, 0.0, []
-
-    if cfg.resume and os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, map_location=device, weights_only=True)
-        try:
-            model.load_state_dict(ck["model"])
-        except RuntimeError:
-            raise data_lib.DataError(f"{ckpt_path} does not fit this model (it was written with config "
-                                     f"{ck.get('config')}); pass the same model flags or another --out") from None
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        step, wall = ck["step"], ck["wall_time"]
-        rng.bit_generator.state = json.loads(ck["numpy_rng"])
-        torch.set_rng_state(ck["torch_rng"])
-        if os.path.exists(os.path.join(out, "log.csv")):  # keep the rows written up to the checkpoint
-            with open(os.path.join(out, "log.csv")) as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
-        print(f"resumed from {ckpt_path} at step {step}")
-    elif cfg.resume:
-        print(f"no checkpoint at {ckpt_path}; starting from scratch")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg) | {"dataset_id": d.dataset_id, "device": device, "paper_row": row}, f,
-                  indent=2)
-
-    def save():
-        torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step,
-                        wall_time=wall, numpy_rng=json.dumps(rng.bit_generator.state), torch_rng=torch.get_rng_state(),
-                        config=dataclasses.asdict(cfg), state_mean=torch.from_numpy(d.state_mean),
-                        state_std=torch.from_numpy(d.state_std), return_scale=d.return_scale,
-                        max_ep_len=d.max_ep_len, dataset_id=d.dataset_id), ckpt_path + ".tmp")
-        os.replace(ckpt_path + ".tmp", ckpt_path)  # never leave a half-written checkpoint behind
-        with open(os.path.join(out, "log.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS)
-            w.writeheader()
-            w.writerows(rows)
-
-    last_eval, final = "", None
-    t_log, losses = time.time(), []
-    model.train()
-    try:
-        while step < cfg.steps:
-            t0 = time.time()
-            batch = {k: v.to(device) for k, v in d.sample(cfg.batch_size, cfg.context, rng).items()}
-            loss = loss_fn(model, batch, n_state)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            step += 1
-            wall += time.time() - t0
-            losses.append(loss.item())
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                ms = 1e3 * (time.time() - t_log) / len(losses)
-                rows.append(dict.fromkeys(LOG_FIELDS, "") | dict(step=step, loss=f"{np.mean(losses):.6f}",
-                                                                 lr=f"{sched.get_last_lr()[0]:.3e}",
-                                                                 wall_time=f"{wall:.1f}"))
-                print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
-                      f"{ms:.1f} ms/step{last_eval}", flush=True)
-                t_log, losses = time.time(), []
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                t0 = time.time()
-                results = run_evals(model, d, cfg, device, cfg.seed + 10_000, n_state)
-                wall += time.time() - t0
-                for g, res in results:
-                    rows.append(dict.fromkeys(LOG_FIELDS, "") | dict(
-                        step=step, target=g, eval_return=f"{res['returns'].mean():.2f}",
-                        eval_return_std=f"{res['returns'].std():.2f}",
-                        normalized_score=f"{res['normalized'].mean():.2f}",
-                        normalized_score_std=f"{res['normalized'].std():.2f}",
-                        success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                        steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
-                        wall_time=f"{wall:.1f}"))
-                    print(f"eval step {step} target {g:g}: {eval_lib.summarize(res)} ({time.time() - t0:.0f}s)")
-                final = results[0]
-                last_eval = f" | eval {final[1]['normalized'].mean():.1f}"
-                save()
-                plot_curve(rows, os.path.join(out, "curve.png"), f"lsdt {d.dataset_id} seed {cfg.seed}")
-                t_log = time.time()
-    except KeyboardInterrupt:
-        save()
-        print(f"\ninterrupted at step {step}; checkpoint saved, continue with --resume")
-        raise SystemExit(130)
-    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
-        final = run_evals(model, d, cfg, device, cfg.seed + 10_000, n_state)[0]
-    if cfg.plot_mixing:
-        batch = d.sample(8, cfg.context, np.random.default_rng(cfg.seed + 1))
-        path = plot_mixing(model, {k: v.to(device) for k, v in batch.items()}, n_state, os.path.join(out, "mixing.png"))
-        print(f"mixing maps: {path}" if path else "mixing maps: nothing to plot (no attention, dynamic conv or HFM)")
-    res = final[1]
-    print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
-          f"episodes={len(res['returns'])}")
-    return model, res
-
-
-# ============================================================================================================
-# Analysis: what each branch mixes (paper Fig. 3 / 9: attention and kernel matrices; Fig. 11: HFM weights)
-# ============================================================================================================
-
-def mixing_maps(model, batch, n_state, layer=0, index=0):
-    """L x L matrices of one window (batch element `index`, block `layer`), heads averaged:
-    'attention' = the long-term branch's probabilities P, 'kernel' = the dynamic kernels alpha laid out as a banded
-    L x L matrix (row i: weights on tokens i-k_m+1 .. i), 'hfm' = the HFM weights A (L x D). Missing branches absent."""
+def mixing_maps(model, batch, layer=0, index=0):
+    """What each branch of one block mixes, for window `index` of a batch (keys states, actions, rtg, timesteps, mask),
+    heads averaged: 'attention' = the long-term branch's P (L, L) (Fig. 3, 9); 'kernel' = the dynamic kernels alpha
+    laid out as a banded (L, L) matrix, row i holding the weights on tokens i-k_m+1 .. i (Fig. 3, 9); 'hfm' = the HFM
+    weights A (L, D) (Fig. 11). Branches the block does not have are absent."""
     was = model.training
     model.eval()
     model.keep_maps(True)
     with torch.no_grad():
-        model(*model_inputs(batch, n_state))
+        model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
     model.keep_maps(False)
     model.train(was)
     mixer = model.blocks[layer].mixer
@@ -661,81 +416,833 @@ def mixing_maps(model, batch, n_state, layer=0, index=0):
     return maps
 
 
-def plot_mixing(model, batch, n_state, path):
+# ----------------------------------------------------------------------------------------------------------------
+# what LSDT plugs into the harness below: the paper's per-dataset settings, data, schedule, loss, policy
+
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import data as data_lib  # noqa: E402
+import evaluate as eval_lib  # noqa: E402
+
+SCRIPT = "lsdt"
+LOG_EXTRA = []          # extra log.csv columns (none for LSDT)
+CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm", "concat"), norm=("post", "pre"))
+
+# The paper's per-dataset settings: K and RTG target (Table 5), best xi (Table 14), width (Table 13 / D.2), heads,
+# batch, lr, kernel (Table 13), action tokens (D.2: hopper-medium is trained without them). Keys are the D4RL
+# names; paper_row() maps Minari ids onto them (mujoco/hopper/medium-v0, replica/pointmaze/medium-dense-v0, ...).
+# Maze rows are the paper's Maze2d rows (D4RL maze2d-*-v1), used for Minari's PointMaze. Their RTG target (300)
+# is on the scale of D4RL maze2d's never-ending sparse episodes; Minari's maze episodes stop at the goal (returns
+# ~1 sparse, ~20 dense), so None there means "data.py's target, the dataset's best episode return".
+_LOCO = dict(n_embd=128, n_head=1, batch_size=64, lr=1e-4, kernel=6, action_tokens=True)
+_MAZE = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=3, action_tokens=True, context=20,
+             target_return=None)
+# AntMaze RTG 100 is on D4RL's 0/1 scale; Minari's (maze_v4.py) pays 1 per step at the goal: returns 0..700/1000
+_ANT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True, context=10,
+            target_return=100.0)
+PAPER_TABLE = {
+    "halfcheetah-medium":        dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
+    "hopper-medium":             dict(_LOCO, context=10, conv_ratio=1.0, target_return=7000.0, n_embd=256,
+                                      action_tokens=False),
+    "walker2d-medium":           dict(_LOCO, context=5, conv_ratio=0.125, target_return=7000.0),
+    "halfcheetah-medium-replay": dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
+    "hopper-medium-replay":      dict(_LOCO, context=20, conv_ratio=1.0, target_return=7000.0, n_embd=256),
+    "walker2d-medium-replay":    dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
+    "halfcheetah-medium-expert": dict(_LOCO, context=10, conv_ratio=0.75, target_return=15000.0),
+    "hopper-medium-expert":      dict(_LOCO, context=20, conv_ratio=0.75, target_return=10000.0),
+    "walker2d-medium-expert":    dict(_LOCO, context=10, conv_ratio=0.125, target_return=10000.0),
+    "antmaze-umaze":             dict(_ANT, conv_ratio=0.5, n_head=1),
+    "antmaze-umaze-diverse":     dict(_ANT, conv_ratio=0.75),
+    "antmaze-medium-play":       dict(_ANT, conv_ratio=0.75),
+    "antmaze-medium-diverse":    dict(_ANT, conv_ratio=0.5, lr=1e-4),
+    "pointmaze-umaze":           dict(_MAZE, conv_ratio=0.5),
+    "pointmaze-medium":          dict(_MAZE, conv_ratio=0.125),
+    "pointmaze-large":           dict(_MAZE, conv_ratio=0.25),  # Table 14 prints "Maze2d-medium" twice; 2nd = large
+}
+# Decision Convformer as the paper ran it (Table 12 and the DC code): pre-LN MetaFormer, conv mixer without output
+# projection, embedding dropout, final LayerNorm, window L_w = 6; DC_h puts 2-head attention in the last block.
+_DC = dict(conv="dc", conv_ratio=1.0, norm="pre", dropout=0.1, embd_dropout=0.1, context=8, kernel=6, n_embd=128,
+           n_head=1, batch_size=64, lr=1e-4, weight_decay=1e-4)
+ARCH_DEFAULTS = {"dc": _DC, "dc_h": dict(_DC, n_head=2)}
+
+# The flags this command set (parse_flags' `given`): main() below records them before the harness runs, and
+# configure() lays the paper's settings under them. A command that reads an existing run (--resume of a run with a
+# checkpoint, an analysis) records every field: that run's checkpoint already holds its settings, row included.
+GIVEN = frozenset()
+
+
+def paper_row(name):
+    """PAPER_TABLE key for a short name or Minari id ('hopper-medium', 'mujoco/hopper/medium-v0',
+    'replica/pointmaze/medium-dense-v0', 'D4RL/antmaze/medium-play-v1'), or None when the paper has no such row."""
+    parts = name.lower().split("/")
+    if len(parts) >= 3:                                   # namespace/env/level-vN
+        env, level = parts[-2], parts[-1].rsplit("-v", 1)[0]
+    else:                                                 # short name env-level
+        env, _, level = parts[-1].partition("-")
+    env = "pointmaze" if env == "maze2d" else env
+    level = level.removesuffix("-dense").removesuffix("-sparse")  # the paper's Maze2d rows are sparse; dense too
+    key = f"{env}-{level}"
+    return key if key in PAPER_TABLE else None
+
+
+def paper_settings(cfg, given):
+    """cfg with the dataset's PAPER_TABLE row and --arch's defaults laid under the flags in `given` and the preset's:
+    Config defaults < row < ARCH_DEFAULTS < --preset < flags. -> (cfg, the fields the row and --arch set)."""
+    row = PAPER_TABLE.get(paper_row(cfg.dataset or cfg.env), {}) if cfg.paper_table else {}
+    layers = row | ARCH_DEFAULTS.get(cfg.arch, {})
+    kept = set(given) | set(PRESETS.get(cfg.preset, {}))
+    conv = cfg.conv if "conv" in kept else layers.get("conv", cfg.conv)
+    if conv == "dc" and "kernel" in row:
+        # LSDC and DC keep DC's window of 6 tokens (the official LSDC code hard-codes it) where the maze row sets
+        # LSDT's k_m = 3 (Table 13's "3, Maze2d" is DynamicConv's kernel)
+        layers = dict(layers, kernel=ARCH_DEFAULTS["dc"]["kernel"])
+    changes = {k: v for k, v in layers.items() if k not in kept and getattr(cfg, k) != v}
+    return dataclasses.replace(cfg, **changes), changes
+
+
+def settings_source(cfg):
+    """Where paper_settings' values come from, in words: the dataset's row, --arch's defaults, or both."""
+    row = paper_row(cfg.dataset or cfg.env) if cfg.paper_table else None
+    return " and ".join(([f"the paper's row for {row}"] if row else []) +
+                        ([f"--arch {cfg.arch}'s defaults"] if cfg.arch in ARCH_DEFAULTS else [])) or "nothing"
+
+
+def check_model(cfg):
+    """A one-sentence problem with LSDT's own flags (after the paper's row and --arch, see paper_settings), or None."""
+    for name, ok in CHOICES.items():
+        if getattr(cfg, name) not in ok:
+            return f"unknown --{name} '{getattr(cfg, name)}'; use {', '.join(ok[:-1])} or {ok[-1]}"
+    try:
+        data_lib.resolve(cfg.dataset or cfg.env)
+    except data_lib.DataError as e:
+        return str(e)
+    c, changes = paper_settings(cfg, GIVEN)
+
+    def why(*names):  # name the values the paper's row or --arch set, where the problem involves them
+        set_by = ", ".join(f"--{k.replace('_', '-')} {changes[k]}" for k in names if k in changes)
+        return f" ({set_by} from {settings_source(cfg)}; override with flags)" if set_by else ""
+
+    if not 0.0 <= c.conv_ratio <= 1.0:
+        return f"--conv-ratio must lie in [0, 1], got {c.conv_ratio}"
+    if c.kernel < 1:
+        return f"--kernel must be a positive number of taps, got {c.kernel}"
+    if not 0.0 <= c.dropkey < 1.0:
+        return f"--dropkey must lie in [0, 1), got {c.dropkey}"
+    dims = conv_dims(c)
+    if c.dropkey and all(dc == c.n_embd for dc in dims):
+        return (f"--dropkey acts on the attention branch, which this model does not have (--arch {c.arch}, conv ratio "
+                f"{c.conv_ratio}){why('conv_ratio')}")
+    for dc in sorted(set(dims)):
+        da = c.n_embd - dc
+        if da and da % c.n_head:
+            return (f"--n-head {c.n_head} does not divide the {da} attention channels (of --n-embd {c.n_embd}, conv "
+                    f"ratio {c.conv_ratio}){why('n_head', 'n_embd', 'conv_ratio')}")
+        if dc and c.conv == "dynamic" and dc % 4:
+            return (f"the dynamic-conv branch gets {dc} channels (--conv-ratio {c.conv_ratio} of --n-embd {c.n_embd}), "
+                    f"not a multiple of 4 (4 channels share each kernel, Table 13){why('n_embd', 'conv_ratio')}")
+    return None
+
+
+def load_dataset(cfg):
+    return data_lib.load_data(cfg.dataset or cfg.env)
+
+
+def configure(cfg, d):
+    """The paper's per-dataset row and --arch's defaults under the command's flags (paper_settings); prints them."""
+    cfg, changes = paper_settings(cfg, GIVEN)
+    print(f"{cfg.arch}: conv {cfg.conv}, xi={cfg.conv_ratio} (conv channels per block {conv_dims(cfg)} of "
+          f"{cfg.n_embd}), K={cfg.context}, k_m={cfg.kernel}, {cfg.fusion}, {cfg.norm}-LN, "
+          f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens"
+          + (f"; goal-state {'on' if cfg.goal_state else 'OFF'} ({d.goal_dim} goal dims)" if d.goal_dim else "")
+          + (f"; set by {settings_source(cfg)}: {changes}" if changes else ""), flush=True)
+    return cfg
+
+
+def eval_targets(cfg, d):
+    """Return-to-go prompts, raw units: --target-return, else the paper's (Table 5, via configure), else data.py's."""
+    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+
+
+def build_model(cfg, info):
+    """The state the model embeds: observation ++ goal (goal-state conditioning, Sec. 3.3), or the observation alone
+    with --no-goal-state (data.py puts the goal_dim goal entries last)."""
+    return LSDT(cfg, info["obs_dim"] - (0 if cfg.goal_state else info["goal_dim"]), info["act_dim"],
+                info["max_ep_len"])
+
+
+def lr_factor(s, cfg):
+    """Multiplier of --lr at step s: linear warmup over --warmup-steps ((s + 1) / warmup, both codes), then LSDT: one
+    cosine cycle down to 0 at --steps (Table 13, official code); DC / DC_h: constant (Table 12, DC's code)."""
+    if s < cfg.warmup_steps or cfg.arch != "lsdt":
+        return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
+    progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model, cfg):
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # both codes: AdamW, all
+    return opt, lambda s: lr_factor(s, cfg)
+
+
+def get_batch(d, cfg, rng):
+    """data.py's windows (episodes in proportion to length, left padding; the official code samples episodes
+    uniformly and pads on the right, which a causal model cannot tell apart); --no-goal-state drops the goal."""
+    b = d.sample(cfg.batch_size, cfg.context, rng)
+    if not cfg.goal_state and d.goal_dim:
+        b["states"] = b["states"][..., :-d.goal_dim]
+    return b
+
+
+def loss_fn(model, batch, cfg):
+    pred = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])  # (B, K, act)
+    err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                             # (B, K)
+    return (err * batch["mask"]).sum() / batch["mask"].sum()      # MSE on actions over real (unpadded) steps (code)
+
+
+def make_act(model, cfg):
+    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position. The state
+    is cut to the width the model embeds (without the goal under --no-goal-state)."""
+    n_state = model.embed_state.in_features
+
+    def act(batch, live):
+        return model(batch["states"][..., :n_state], batch["actions"], batch["rtg"], batch["timesteps"],
+                     batch["mask"])[:, -1]
+    return act
+
+
+def log_extra(model, probe, cfg):
+    """Extra log.csv values at each log step (LOG_EXTRA); none for LSDT."""
+    return {}
+
+
+def after_eval(model, d, cfg, out, rows, final):
+    """Extra figures after each evaluation; none for LSDT (its maps come from --plot-mixing on the checkpoint)."""
+
+
+def tokens_per_step(cfg):
+    return 3 if cfg.action_tokens else 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# figures and analyses (read a run's checkpoint, never train)
+
+def plot_mixing(model, batch, path, index=0):
+    """Fig. 3 / 9 / 11 for one window: block 1's attention P, dynamic kernels alpha (as L x L) and HFM weights A."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    maps = mixing_maps(model, batch, n_state)
+    maps = mixing_maps(model, batch, index=index)
     if not maps:
         return None
-    P = model.n_types
-    real = int(batch["mask"][0].sum().item()) * P
-    labels = ["R", "s", "a"][:P]
-    fig, axes = plt.subplots(1, len(maps), figsize=(5 * len(maps), 4.5), squeeze=False)
+    n = 3 if model.action_tokens else 2
+    real = int(batch["mask"][index].sum().item()) * n                              # tokens after the left padding
+    labels = ["R", "s", "a"][:n]
+    colorbar = {"attention": "attention weight P", "kernel": "dynamic-kernel weight alpha", "hfm": "HFM weight A"}
+    fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 4.8), squeeze=False)
     for ax, (name, m) in zip(axes[0], maps.items()):
-        m = m[-real:, -real:] if name != "hfm" else m[-real:]                          # drop left padding
-        im = ax.imshow(m.numpy(), cmap="viridis", aspect="auto" if name == "hfm" else "equal")
-        ticks = list(range(0, m.shape[0], P))
+        m = m[-real:, -real:] if name != "hfm" else m[-real:]                      # drop left padding
+        im = ax.imshow(m.float().numpy(), cmap="viridis", aspect="auto" if name == "hfm" else "equal")
+        ticks = list(range(0, m.shape[0], n))
         ax.set_yticks(ticks, [f"{labels[0]}{i}" for i in range(len(ticks))])
+        ax.set_ylabel("query token (R_i, s_i" + (", a_i)" if n == 3 else ")") + " of the window")
         if name != "hfm":
             ax.set_xticks(ticks, [f"{labels[0]}{i}" for i in range(len(ticks))], rotation=90)
-        else:  # attention channels | conv channels
+            ax.set_xlabel("key token (each timestep's R_i tick)")
+        else:
             ax.axvline(model.blocks[0].mixer.da - 0.5, color="white", lw=1)
             ax.set_xlabel("channel (attention | conv)")
         ax.set_title({"attention": "long-term branch: attention P", "kernel": "short-term branch: dynamic kernels",
                       "hfm": "HFM weights (tokens x channels)"}[name] + " (block 1)")
-        fig.colorbar(im, ax=ax)
+        fig.colorbar(im, ax=ax, label=colorbar[name])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-# ============================================================================================================
-# Command line
-# ============================================================================================================
+def mixing_analysis(cfg, run):
+    """--plot-mixing (Fig. 3, 9, 11): the run's maps on the fullest of 8 windows of its dataset -> mixing.png."""
+    d = load_dataset(cfg)
+    device = next(run["model"].parameters()).device
+    b = get_batch(d, dataclasses.replace(cfg, batch_size=8), np.random.default_rng(cfg.seed + 1))
+    b = {k: v.to(device) for k, v in b.items()}
+    path = plot_mixing(run["model"], b, os.path.join(run["out"], "mixing.png"), index=int(b["mask"].sum(1).argmax()))
+    print(f"mixing maps: {path}" if path else "mixing maps: nothing to plot (no attention, dynamic conv or HFM)")
 
-def parse_args(argv):
-    """Every Config field is a flag (--conv-ratio for conv_ratio). Layers, later ones win: Config defaults ->
-    PAPER_TABLE row of the dataset -> --arch defaults -> --preset -> explicit flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
+
+def paths_analysis(cfg, run):
+    """--plot-paths (Fig. 8, B.1): --eval-episodes rollouts of the run's checkpoint in the maze, each episode's (x, y)
+    path (green: reached the goal) over the goals of the dataset's episodes (grey) and the eval goals (stars)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    d = load_dataset(cfg)
+    if not d.goal_reaching:
+        raise DataError(f"--plot-paths draws maze paths, and {d.dataset_id} is not a goal-reaching maze dataset")
+    model, seed, target = run["model"], cfg.seed + 10_000, eval_targets(cfg, d)[0]
+    res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, target, seed, cfg.context,
+                            next(model.parameters()).device)
+    data_goals = np.concatenate([e["observations"][:, -d.goal_dim:] for e in d.episodes])      # (N, 2) raw x, y
+    env = d.make_env()
+    eval_goals = np.array([env.reset(seed=seed + i)[0]["desired_goal"] for i in range(cfg.eval_episodes)])  # evaluate's
+    fig, ax = plt.subplots(figsize=(6, 6))
+    ax.scatter(*data_goals[:, :2].T, s=4, c="lightgrey", label="goals in the dataset")
+    for path, ok in zip(res["positions"], res["success"]):
+        ax.plot(*path.T, color="tab:green" if ok else "tab:red", lw=1, alpha=0.8)
+        ax.plot(*path[0], "o", color="black", ms=3)
+    ax.scatter(*eval_goals[:, :2].T, marker="*", s=200, c="gold", edgecolors="black", label="evaluation goal", zorder=3)
+    ax.plot([], [], color="tab:green", label="path that reached the goal")
+    ax.plot([], [], color="tab:red", label="path that did not")
+    ax.set(xlabel="x (maze units)", ylabel="y (maze units)", aspect="equal",
+           title=f"{SCRIPT} {'with' if cfg.goal_state else 'without'} goal-state conditioning, target {target:g}: "
+                 f"{100 * res['success'].mean():.0f}% reached")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path = os.path.join(run["out"], "paths.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"paths: {path} ({eval_lib.summarize(res)})")
+
+
+ANALYSES = {"plot_mixing": mixing_analysis, "plot_paths": paths_analysis}  # flag -> fn(cfg, run): reads the checkpoint
+
+
+# >>> harness: begin ==============================================================================================
+# The run harness: flags, input checks, run folder, lock, checkpoint, exact resume, logging, curves, benchmark.
+# IDENTICAL in dt.py, gpt2_dtma.py, lsdt.py, starformer.py and dema.py (tests/test_harness.py compares the copies):
+# fix it in one file and copy the block to the others. It uses these names from the file around it:
+#   SCRIPT, Config (fields made with arg(..., run=True) do not change what is trained), PRESETS, LOG_EXTRA,
+#   check_model(cfg) -> problem or None, load_dataset(cfg) -> data, configure(cfg, data) -> cfg,
+#   eval_targets(cfg, data), build_model(cfg, info), make_optimizer(model, cfg) -> (optimizer, lr factor of step),
+#   get_batch(data, cfg, rng), loss_fn(model, batch, cfg), make_act(model, cfg), log_extra(model, probe, cfg),
+#   after_eval(model, data, cfg, out, rows, final), tokens_per_step(cfg), ANALYSES {flag: fn(cfg, run)}.
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import csv  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+DataError = data_lib.DataError   # a problem the user can fix: main() prints it as one sentence and exits 1
+LOG_FIELDS = ["step", "loss", "lr", *LOG_EXTRA, "target", "eval_return", "eval_return_std", "normalized_score",
+              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
+CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
+             "pending_losses", "numpy_rng", "torch_rng"}
+
+
+def parse_flags(argv):
+    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
+    -> (cfg, the names of the fields the command line set, the preset's included)."""
+    p = argparse.ArgumentParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawTextHelpFormatter)
     for f in dataclasses.fields(Config):
-        if f.name in ("state_dim", "act_dim", "max_ep_len"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f.metadata["help"])
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
+        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type) if f.default is not None else float
             p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{f.metadata['help']} (default: {f.default})")
+                           help=f"{text} (default: {f.default})")
     given = vars(p.parse_args(argv))
-    preset, arch = given.get("preset", ""), given.get("arch", "lsdt")
+    preset = given.get("preset", "")
     if preset and preset not in PRESETS:
         p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
-    if arch not in ("lsdt", *ARCH_DEFAULTS):
-        p.error(f"unknown --arch '{arch}'; known: lsdt, {', '.join(ARCH_DEFAULTS)}")
-    for name, known in (("conv", ("dynamic", "dc")), ("fusion", ("hfm", "concat")), ("norm", ("post", "pre"))):
-        if name in given and given[name] not in known:
-            p.error(f"unknown --{name} '{given[name]}'; known: {', '.join(known)}")
-    layers = {}
-    if given.get("paper_table", True):
-        row = PAPER_TABLE.get(paper_row(given.get("dataset") or given.get("env", Config.env)), {})
-        layers.update({k: v for k, v in row.items() if k != "target_return"})  # the target is read in eval_targets
-    layers.update(ARCH_DEFAULTS.get(arch, {}))
-    layers.update(PRESETS.get(preset, {}))
-    layers.update(given)
-    return Config(**layers)
+    values = {**PRESETS.get(preset, {}), **given}
+    if values.get("dataset"):
+        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
+    return Config(**values), set(values)
+
+
+def parse_args(argv):
+    return parse_flags(argv)[0]
+
+
+def device_problem(name):
+    kind, _, index = name.partition(":")
+    if name in ("auto", "cpu"):
+        return None
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu"
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            return f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+        return None
+    if name == "mps":
+        return None if torch.backends.mps.is_available() else "--device mps: MPS is not available here; use --device cpu"
+    return f"unknown --device '{name}'; use auto, cpu, cuda, cuda:N or mps"
+
+
+def check_config(cfg):
+    """Every flag, before any work is done: raises DataError with one sentence about the first bad value."""
+    for f in dataclasses.fields(cfg):
+        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise DataError(f"{flag} must be a finite number, got {v}")
+        if f.name.endswith("dropout") and not 0 <= v < 1:
+            raise DataError(f"{flag} must lie in [0, 1), got {v}")
+    for name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
+                 "n_head"):
+        v = getattr(cfg, name, None)
+        if v is not None and v <= 0:
+            raise DataError(f"--{name.replace('_', '-')} must be a positive whole number, got {v}")
+    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
+                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
+        if not ok:
+            raise DataError(f"--{name} must be {rule}, got {v}")
+    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
+        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
+    chosen = [name for name in ANALYSES if getattr(cfg, name)] + (["bench"] if cfg.bench else [])
+    if len(chosen) > 1:
+        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+    problem = device_problem(cfg.device) or check_model(cfg)
+    if problem:
+        raise DataError(problem)
+    data_lib.resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise DataError(f"--out {cfg.out} is a file, not a folder")
+
+
+def pick_device(name):
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def variant_name(cfg):
+    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
+    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_no-return-token_context5'."""
+    base = {f.name: f.default for f in dataclasses.fields(Config)} | PRESETS.get(cfg.preset, {})
+    parts = [cfg.preset] if cfg.preset else []
+    for f in dataclasses.fields(Config):
+        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
+        if f.metadata["run"] or f.name == "preset" or v == base[f.name]:
+            continue
+        parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}" if isinstance(v, float)
+                     else f"{flag}{v}")
+    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
+
+
+def run_folder(cfg):
+    return cfg.out or os.path.join("runs", SCRIPT, (cfg.dataset or cfg.env).replace("/", "-"), variant_name(cfg),
+                                   f"seed{cfg.seed}")
+
+
+def read_checkpoint(path):
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
+        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
+                        f"move it away or pass another --out") from None
+    if not isinstance(ck, dict) or ck.get("script") != SCRIPT or not CKPT_KEYS <= set(ck):
+        raise DataError(f"{path} is not a checkpoint of {SCRIPT}.py; move it away or pass another --out")
+    return ck
+
+
+def settings_from_checkpoint(cfg, given, ck, path):
+    """The run's own settings, with the flags given now on top. A flag that would change what is trained (or the
+    dataset, or the seed) and differs from the checkpoint is refused in one sentence that names it."""
+    saved = {k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
+    differ = [f"--{f.name.replace('_', '-')} {saved[f.name]} there, {getattr(cfg, f.name)} here"
+              for f in dataclasses.fields(Config)
+              if f.name in given and f.name in saved and (not f.metadata["run"] or f.name == "seed")
+              and f.name != "preset" and getattr(cfg, f.name) != saved[f.name]]
+    if given & {"env", "dataset"} and data_lib.resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
+        differ.append(f"dataset {ck['dataset_id']} there, {data_lib.resolve(cfg.dataset or cfg.env)} here")
+    if differ:
+        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
+                        f"run's own, or pass a fresh --out")
+    return Config(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"}))
+
+
+def lock_folder(out):
+    """Hold <out>/.lock for this process's life. The OS releases it when the process ends, even by kill -9, so a
+    crashed run never leaves its folder locked."""
+    try:
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
+    try:
+        if os.name == "nt":
+            import msvcrt
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def open_run(cfg, given):
+    """-> (cfg, out folder, checkpoint or None, lock). Never replaces a run: a folder that holds one is continued
+    only with --resume (with the run's settings), and a folder in use by another process is refused."""
+    out = run_folder(cfg)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the output folder {out} ({e.strerror})") from None
+    lock = lock_folder(out)
+    try:
+        ckpt_path = os.path.join(out, "ckpt.pt")
+        if not cfg.resume and (os.path.exists(ckpt_path) or os.path.exists(os.path.join(out, "log.csv"))):
+            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
+        ck = read_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
+        if ck is not None:
+            cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+        elif cfg.resume:
+            print(f"no checkpoint at {ckpt_path}; starting from scratch")
+        return cfg, out, ck, lock
+    except BaseException:
+        lock.close()
+        raise
+
+
+def load_run(cfg, given):
+    """For the analyses: the trained model of a run folder (its settings from its checkpoint), never retrained."""
+    out = run_folder(cfg)
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    if not os.path.exists(ckpt_path):
+        raise DataError(f"no checkpoint at {ckpt_path}; train the run first, or pass --out <run folder>")
+    ck = read_checkpoint(ckpt_path)
+    cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+    model = build_model(cfg, ck["info"])
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError:
+        raise DataError(f"{ckpt_path} does not fit {SCRIPT}.py's model with the run's settings") from None
+    model.to(pick_device(cfg.device)).eval()
+    return cfg, dict(model=model, ck=ck, out=out)
+
+
+def write_atomic(path, write):
+    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as RuntimeError
+            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:100]
+            raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
+        raise
+
+
+def write_csv(path, rows):
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, LOG_FIELDS, restval="")
+            w.writeheader()
+            w.writerows(rows)
+    write_atomic(path, write)
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    write_atomic(path, write)
+
+
+def log_row(**values):
+    return dict.fromkeys(LOG_FIELDS, "") | values
+
+
+class StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM during training: finish the current step (and its evaluation), save, exit 128 +
+    signal (130 for Ctrl-C). A second signal quits at once; the last checkpoint stays as it was."""
+
+    def __init__(self):
+        self.signum, self.previous = 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.signal(s, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
+              f"without saving", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def finite_losses(pending, step):
+    """The losses of the steps since the last log line (one device sync), or one sentence at the first non-finite."""
+    values = torch.stack(pending).float().tolist() if pending else []
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise DataError(f"the training loss is {v} at step {step - len(values) + i + 1}, so the run stops there "
+                            f"(its last checkpoint is kept); lower --lr or check the data")
+    return values
+
+
+def train_step(fwd, model, opt, sched, batch, cfg, autocast):
+    """One gradient step: the loss (bf16 autocast if --amp; reductions stay fp32), backward, clip, AdamW, lr."""
+    with autocast:
+        loss = loss_fn(fwd, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    sched.step()
+    return loss.detach()
+
+
+def run_evals(model, d, cfg, device):
+    """Evaluate every target return on cfg.eval_episodes parallel episodes; -> [(target, result dict)]."""
+    model.eval()
+    results = []
+    for g in eval_targets(cfg, d):
+        t0 = time.time()
+        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device)
+        results.append((g, res | {"seconds": time.time() - t0}))
+    model.train()
+    return results
+
+
+def plot_curve(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    losses = [r for r in rows if r["loss"] != ""]
+    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
+    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
+            title="training loss")
+    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
+        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
+        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
+                 label=f"target {target}" if target != "" else None)
+    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
+    if any(line.get_label()[:1] != "_" for line in ax2.lines):
+        ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg, given=frozenset()):
+    """Train (or with --resume continue) the run in cfg's run folder. -> (model, the final evaluation's results)."""
+    cfg, out, ck, lock = open_run(cfg, given)
+    try:
+        return _train(cfg, out, ck)
+    finally:
+        lock.close()
+
+
+def _train(cfg, out, ck):
+    device = pick_device(cfg.device)
+    # the variant of the flags as given, as the run folder's name is (before configure's data-dependent values)
+    variant = ck.get("variant", variant_name(cfg)) if ck else variant_name(cfg)
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    info = ck["info"] if ck else dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len,
+                                      goal_dim=d.goal_dim)
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
+          f"{d.ref_source}; targets {eval_targets(cfg, d)}; device {device}", flush=True)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, info).to(device)
+    opt, lr_factor_of_step = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
+    rng = np.random.default_rng(cfg.seed)
+    probe = {k: v.to(device) for k, v in get_batch(d, cfg, np.random.default_rng(cfg.seed + 20_000)).items()}
+    step, wall0, rows, pending = 0, 0.0, [], []
+    if ck is not None:
+        try:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+        except (RuntimeError, ValueError, KeyError):
+            raise DataError(f"{ckpt_path} does not fit this model and data; pass another --out") from None
+        sched.load_state_dict(ck["scheduler"])
+        step, wall0, rows = ck["step"], ck["wall_time"], list(ck["rows"])
+        pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
+        rng.bit_generator.state = json.loads(ck["numpy_rng"])
+        torch.set_rng_state(ck["torch_rng"])
+        if ck.get("cuda_rng") is not None and torch.device(device).type == "cuda":
+            torch.cuda.set_rng_state_all(ck["cuda_rng"])
+        print(f"resumed from {ckpt_path} at step {step} of {cfg.steps}")
+    print(f"{SCRIPT} {variant}: {sum(p.numel() for p in model.parameters()):,} parameters; run folder {out}",
+          flush=True)
+    write_json(os.path.join(out, "config.json"), dataclasses.asdict(cfg) | dict(
+        script=SCRIPT, variant=variant, dataset_id=d.dataset_id, device=device, info=info))
+    extra = log_extra(model, probe, cfg)
+    if not rows and any(v != "" for v in extra.values()):   # e.g. GPT2-DTMA's G_Markov at step 0
+        rows.append(log_row(step=0, wall_time="0.0", **extra))
+
+    def save():
+        write_csv(os.path.join(out, "log.csv"), rows)  # the log first: it always covers the checkpoint's steps
+        state = dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                     step=step, wall_time=wall(), config=dataclasses.asdict(cfg), variant=variant, dataset_id=d.dataset_id,
+                     info=info,
+                     rows=rows, pending_losses=finite_losses(pending, step), numpy_rng=json.dumps(rng.bit_generator.state),
+                     torch_rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state_all() if torch.device(device).type == "cuda" else None,
+                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
+                     return_scale=d.return_scale)
+        write_atomic(ckpt_path, lambda tmp: torch.save(state, tmp))
+
+    t_start = t_log = time.time()
+    wall = lambda: wall0 + time.time() - t_start  # noqa: E731
+    fwd = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.amp)
+    evals, final, n_log, first_step = [r for r in rows if r["normalized_score"] != ""], None, 0, step
+    model.train()
+    with StopSignal() as stop:
+        while step < cfg.steps and not stop.signum:
+            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg, rng).items()}
+            pending.append(train_step(fwd, model, opt, sched, batch, cfg, autocast))
+            step, n_log = step + 1, n_log + 1
+            if step == first_step + 1 and step % cfg.log_every:   # a first sign of life, before the first log line
+                print(f"step {step:6d} | loss {pending[-1].item():.5f} | first step {time.time() - t_log:.1f} s", flush=True)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                losses = finite_losses(pending, step)
+                extra = log_extra(model, probe, cfg)
+                rows.append(log_row(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
+                                    wall_time=f"{wall():.1f}", **extra))
+                last = [r for r in evals if r["step"] == evals[-1]["step"]][:1]   # the first (headline) target's
+                last = f" | eval {float(last[0]['normalized_score']):.1f}" if last else ""
+                print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
+                      f"{1e3 * (time.time() - t_log) / n_log:.1f} ms/step"
+                      + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
+                pending, t_log, n_log = [], time.time(), 0
+                write_csv(os.path.join(out, "log.csv"), rows)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                final = run_evals(model, d, cfg, device)
+                for g, res in final:
+                    rows.append(log_row(
+                        step=step, target="" if g is None else g, eval_return=f"{res['returns'].mean():.2f}",
+                        eval_return_std=f"{res['returns'].std():.2f}", normalized_score=f"{res['normalized'].mean():.2f}",
+                        normalized_score_std=f"{res['normalized'].std():.2f}",
+                        success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
+                        steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
+                        wall_time=f"{wall():.1f}"))
+                    evals.append(rows[-1])
+                    print(f"eval step {step} target {g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)", flush=True)
+                save()
+                plot_curve(rows, os.path.join(out, "curve.png"), f"{SCRIPT} {variant} {d.dataset_id} seed {cfg.seed}")
+                after_eval(model, d, cfg, out, rows, final=False)
+                t_log, n_log = time.time(), 0
+        if stop.signum and step < cfg.steps:
+            save()
+            print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
+            raise SystemExit(128 + stop.signum)
+    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
+        final = run_evals(model, d, cfg, device)
+    after_eval(model, d, cfg, out, rows, final=True)
+    res = final[0][1]
+    if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
+        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
+    print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
+          f"episodes={len(res['returns'])}")
+    return model, res
+
+
+def bench(cfg):
+    """--bench: ms per training step and tokens/s at this configuration (the preset's with --preset), eager against
+    torch.compile (and compiled + bf16 autocast on CUDA), on synthetic data of hopper's shape. Timed steps:
+    min(--steps, 20), after 3 warm-up steps; the compiled row also gives the time of its first step (the compile)."""
+    device = pick_device(cfg.device)
+    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * (cfg.context or 0)))
+    cfg = configure(cfg, d)
+    info = dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len, goal_dim=d.goal_dim)
+    n = min(cfg.steps, 20)
+    tokens = cfg.batch_size * cfg.context * tokens_per_step(cfg)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    modes = [("eager", False, False), ("compiled", True, False)]
+    modes += [("compiled + amp", True, True)] if torch.device(device).type == "cuda" else []
+    print(f"bench {SCRIPT} {variant_name(cfg)} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, "
+          f"K={cfg.context}, {tokens:,} tokens per batch, {n} timed steps", flush=True)
+    eager_ms = None
+    for label, compiled, amp in modes:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, info).to(device).train()
+        opt, lr_factor_of_step = make_optimizer(model, cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
+        fwd = torch.compile(model) if compiled else model
+        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp)
+        rng = np.random.default_rng(cfg.seed)
+        step = lambda: train_step(fwd, model, opt, sched, {k: v.to(device) for k, v in get_batch(d, cfg, rng).items()},  # noqa: E731
+                                  cfg, autocast)
+        t0 = time.time()
+        step()
+        sync()
+        first = time.time() - t0
+        for _ in range(3):
+            step()
+        sync()
+        t0 = time.time()
+        for _ in range(n):
+            step()
+        sync()
+        ms = 1e3 * (time.time() - t0) / n
+        eager_ms = eager_ms or ms
+        print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   {eager_ms / ms:5.2f}x eager"
+              + (f"   (first step, with compilation: {first:.1f} s)" if compiled else f"   ({sum(p.numel() for p in model.parameters()):,} parameters)"),
+              flush=True)
 
 
 def main(argv=None):
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        train(cfg)
-    except data_lib.DataError as e:
+        cfg, given = parse_flags(sys.argv[1:] if argv is None else argv)
+        check_config(cfg)
+        analysis = next((name for name in ANALYSES if getattr(cfg, name)), None)
+        if cfg.bench:
+            bench(cfg)
+        elif analysis:
+            ANALYSES[analysis](*load_run(cfg, given))
+        else:
+            train(cfg, given)
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        raise SystemExit(130)
+# <<< harness: end ================================================================================================
+
+
+run_harness = main   # the harness's main() above; lsdt.py's main() below records the command's flags, then calls it
+
+
+def main(argv=None):
+    """Records which flags this command sets (GIVEN, for configure's paper rows), then runs the harness's main()."""
+    global GIVEN
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg, given = parse_flags(argv)
+    reads_a_run = any(getattr(cfg, a) for a in ANALYSES) or (
+        cfg.resume and os.path.exists(os.path.join(run_folder(cfg), "ckpt.pt")))
+    GIVEN = frozenset(f.name for f in dataclasses.fields(Config)) if reads_a_run else frozenset(given)
+    return run_harness(argv)
 
 
 if __name__ == "__main__":

@@ -3,27 +3,58 @@ StARformer (Shang & Ryoo, "StARformer: Transformer with State-Action-Reward Repr
 later ECCV 2022 "...for Visual Reinforcement Learning"; official code github.com/elicassion/StARformer).
 
 Each timestep's group (a_{t-1}, r_{t-1}, s_t) goes through a Step Transformer (no mask; one token per state
-dimension, or per image patch), which makes a StAR representation g_t per layer. A causal Sequence Transformer reads
-{g_1, h_1, ..., g_T, h_T}, where h_t is a whole-state token, keeps only the h tokens after each layer, and predicts
-a_t from the last layer's h_t. It conditions on the previous step-wise reward r_{t-1}, not on a return-to-go: there
-is no target return.
+dimension, or per image patch), which makes a StAR representation g_t^l at every layer l. A causal Sequence
+Transformer reads {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}, where h_t is a whole-state token, keeps only the h tokens
+after each layer, and predicts a_t from the last layer's h_t. It conditions on the previous step-wise reward r_{t-1},
+not on a return-to-go: by default there is no target return.
 
-    python starformer.py --env hopper-medium                   # paper Table-6 sizes (3.9M parameters), 100k steps
-    python starformer.py --env hopper-medium --preset code     # the official gym code's sizes (0.7M)
+    python starformer.py --env hopper-expert                   # paper Table-6 sizes (3.9M parameters), 100k steps
+    python starformer.py --env hopper-expert --preset code     # the official gym code's sizes (0.7M)
+    python starformer.py --env hopper-expert --no-reward-token # Table 1's imitation setting: no reward tokens
+    python starformer.py --env hopper-expert --reward-input rtg            # Table 2: return-to-go in the reward slot
     MINARI_DATASETS_PATH=../shared/datasets python starformer.py --dataset replica/hopper/medium-v0 --preset cpu
-    python starformer.py --preset cpu --bench                  # ms/step and parameters, random data
+
+The paper's Gym numbers (Table 1) are on D4RL's expert datasets (its dataset statistics, Hopper 3511 +- 328.6, are
+hopper-expert-v2's), although its text calls the data sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert.
+The paper's variants, each a flag (tests/test_starformer.py checks the property each one claims):
+    --no-reward-token     Table 1, imitation: the Step group is (a_{t-1}, s_t), n = n_state + 1 tokens, no rewards
+    --reward-input rtg    Table 2, "SF RTG": R_t in the reward slot instead of r_{t-1}, with a target return
+
+Glossary (paper symbol -> code name, shape):
+    T          context: the timesteps the model sees                      Config.context
+    B          batch size (windows per gradient step)                     Config.batch_size
+    L          layers of the Step and of the Sequence Transformer, paired Config.n_layer
+    d, D       Step ("short-term") and Sequence ("long-term") widths      Config.step_embd, Config.n_embd
+    s_t        state, normalised by the dataset's mean and std            states (B, T, obs_dim) [image: (B, T, c, H, W)]
+    a_{t-1}    previous action; a_0 = null (-10 per dim, or index |A|)    prev_a (B, T, act_dim) [discrete: (B, T) long]
+    r_{t-1}    previous step-wise reward; r_0 = 0                         prev_r (B, T, 1)
+    R_t        return-to-go (times return_scale), --reward-input rtg     rtg (B, T, 1)
+    n_state    state tokens per group: obs_dim, or (H/p)(W/p) patches     n_state
+    n          tokens per group: n_state + 2 (+ 1 without reward tokens)  n_tok
+    z_{s_t^i}  state token of dimension/patch i, FC(s_t^i) + e_i^spatial  embed_patch(...) + e_spatial (B, T, n_state, d)
+    z_{a_{t-1}}, z_{r_{t-1}}  action token FC(a), reward token Tanh(FC(r))  embed_action, embed_reward (B, T, 1, d)
+    Z_t^l      group t's Step Transformer tokens after layer l (Z^0: input) Z (B, T, n, d)
+    e^spatial  learned spatial embedding, shared over t                   e_spatial (n_state, d)
+    e^temporal learned temporal embedding, shared by g^l (all l) and h^0  e_temporal (T, D)
+    g_t^l      StAR representation FC([Z_t^l]) + e_t^temporal            g (B, T, D)
+    h_t^l      integrated state token; h_t^0 = FC(s_t) + e_t^temporal     h (B, T, D)
+    Y_in^l     {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}                  y (B, 2T, D)
+    phi        prediction head, a_t = phi(h_t^L)                          predict_action
+    mask       1 = a real step, 0 = left padding before an episode's start mask (B, T)
 
 One layer l at one timestep t:
-    Step Transformer   (no mask)   over G_t = {a_{t-1}, r_{t-1}, s_t^1 .. s_t^n}       -> Z_t^l      (Sec. 3.2.2)
-    StAR representation            g_t^l = FC([Z_t^l]) + e_t^temporal                  -> (D,)       eq. (1)
-    Sequence Transformer (causal)  over {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}      -> keep h     eq. (2)
-    action                         a_t = Tanh(FC(h_t^L)) (Gym) or logits (Atari)                     Sec. 3.3.3
+    Step Transformer   (no mask)   over Z_t^{l-1} = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n_state}} -> Z_t^l  Sec. 3.2.2
+    StAR representation            g_t^l = FC([Z_t^l]) + e_t^temporal                     -> (D,)        Sec. 3.2.2
+    Sequence Transformer (causal)  over {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}         -> keep h      Eq. (2)
+    action                         a_t = Tanh(FC(h_t^L)) (Gym) or logits (Atari)                         Sec. 3.3.3
 
-Layout: Config (paper defaults) -> model (needs only torch: Block, StepSeqLayer, NatureCNN, StARformer,
-step_inputs) -> train() -> analysis helpers (bench) -> main(). Outputs in runs/starformer/<env>/seed<N>/.
-The image (Atari) variant is a model option (patch tokens + Nature-DQN encoder + discrete head), tested on random
-frames; the DQN-Replay Atari data is not available here, so it is not trained by this script.
+Layout: docstring -> Config -> the model (only torch, math, dataclasses) -> what StARformer plugs into the harness
+(data, optimiser, loss, policy) -> the harness (identical in every model file) -> main(). Outputs go to
+runs/starformer/<env>/<variant>/seed<N>/. The image (Atari) variant is a model option (patch tokens + Nature-DQN
+encoder + discrete head), tested on random frames; the DQN-Replay Atari data is not available here, so this script
+does not train it.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,43 +62,54 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def arg(default, help):
-    return field(default=default, metadata={"help": help})
+def arg(default, help, run=False):
+    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
+    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    return field(default=default, metadata={"help": help, "run": run})
 
 
 @dataclass
 class Config:
-    # data and run
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)")
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation")
-    steps: int = arg(100_000, "gradient steps (official gym code: 10 iterations x 10k)")
+    # data and run (dt.py's flags)
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (official gym code: 10 iterations x 10k)", run=True)
     batch_size: int = arg(64, "windows per batch")
-    context: int = arg(20, "T, the number of timesteps the model sees (paper Sec. 5.1: 20 for Gym, 30 for Atari)")
-    # DT-Gym optimisation, as the official gym code: Table 6's 6e-4 / 0.1 / 1.0 are DT's *Atari* values (notes 7.3)
+    context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1: 20 for Gym, 30 for Atari)")
+    # DT-Gym optimisation, as the official gym code: Table 6's lr 6e-4, decay 0.1 and clip 1.0 are exactly DT's
+    # *Atari* values, and the paper keeps DT's settings otherwise (A.3)
     lr: float = arg(1e-4, "AdamW learning rate")
-    weight_decay: float = arg(1e-4, "AdamW weight decay (Linear weights only)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
-    lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (official Atari code; as dt.py)")
+    lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (official Atari code; as dt.py; resume with the same --steps)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end")
-    eval_episodes: int = arg(10, "episodes per evaluation, run in parallel")
-    log_every: int = arg(100, "print and log the training loss every this many steps")
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, mps")
-    out: str = arg("", "output folder; default runs/starformer/<env>/seed<N>")
-    resume: bool = arg(False, "continue from <out>/ckpt.pt")
-    preset: str = arg("", "'cpu': small configuration for a 2-core machine; 'code': the official gym code's sizes")
-    # model: paper Table 6 (Step = "short-term", Sequence = "long-term")
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end", run=True)
+    eval_episodes: int = arg(10, "episodes per evaluation, run in parallel (official gym code: 100)", run=True)
+    target_return: float = arg(None, "--reward-input rtg only: return-to-go prompt in raw return units; default: the dataset's targets", run=True)
+    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/starformer/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
+    preset: str = arg("", "'cpu': the small configuration for a 2-core machine; 'code': the official gym code's sizes")
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
+    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
+    # model: Table 6 (Step = "short-term", Sequence = "long-term"; the table labels both "long-term", and the
+    # official code confirms 8 heads / 192 for Sequence, 4 heads / 64 for Step)
     n_layer: int = arg(6, "L, layers of the Step and of the Sequence Transformer (paired layer by layer)")
     n_embd: int = arg(192, "D, Sequence Transformer width")
     n_head: int = arg(8, "Sequence Transformer heads")
     step_embd: int = arg(64, "d, Step Transformer width")
     step_head: int = arg(4, "Step Transformer heads")
     dropout: float = arg(0.1, "dropout on tokens, attention and residuals")
-    state_mlp: bool = arg(False, "h^0 = 2-layer MLP(s_t) (paper: 'multiple FC layers') instead of Linear (code)")
-    reward_scale: float = arg(1.0, "r_{t-1} enters as Tanh(FC(reward_scale * r)); 1 = raw rewards, as the code")
+    state_mlp: bool = arg(False, "h^0 = 2-layer MLP(s_t) (Sec. 3.3.1: 'multiple FC layers') instead of one Linear (code)")
+    reward_scale: float = arg(1.0, "the reward slot gets Tanh(FC(reward_scale * r)); 1 = raw rewards, as the code")
     patch_size: int = arg(7, "image states: p x p patches (7 on 4x84x84 -> 144 tokens, official Atari code)")
-    bench: bool = arg(False, "time training steps on random data (this config), print ms/step and parameters, exit")
+    # the paper's settings (Table 1 imitation, Table 2 reward -> return-to-go)
+    reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: groups (a_{t-1}, s_t), Table 1's imitation setting")
+    reward_input: str = arg("reward", "what fills the reward slot of group t: 'reward' r_{t-1} (the method) or "
+                                      "'rtg' the return-to-go R_t (Table 2; evaluated with --target-return)")
 
 
 PRESETS = {
@@ -81,57 +123,72 @@ PRESETS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# model: needs only torch
+# >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
+# Under --amp (bf16 autocast) the matrix products (Linear, attention, convolutions) run in bf16; nothing here needs
+# fp32 (no recurrence or long sum), and the loss is reduced in fp32 outside the model.
 
-
-class Block(nn.Module):
-    """Pre-LN transformer layer, paper Sec. 2.1: Z' = MSA(LN(X)) + X ; Z = MLP(LN(Z')) + Z' (GELU, 4x)."""
+class SelfAttention(nn.Module):
+    """Multi-head self-attention (Sec. 2.1), causal only through the mask it is given: the Step Transformer gives
+    none (full attention inside a group), the Sequence Transformer a causal one."""
 
     def __init__(self, width, n_head, dropout):
         super().__init__()
         assert width % n_head == 0, f"width {width} is not divisible by {n_head} heads"
         self.n_head, self.dropout = n_head, dropout
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
-                                 nn.Dropout(dropout))
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x, attn_mask=None):        # x (N, S, W); attn_mask bool (N, 1, S, S), True = may attend
+    def forward(self, x, attn_mask=None):
         N, S, W = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(W, dim=2)                       # 3 x (N, S, W)
-        q, k, v = (t.view(N, S, self.n_head, W // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (N, H, S, W/H)
-        y = y.transpose(1, 2).reshape(N, S, W)
-        x = x + self.resid_drop(self.proj(y))
-        return x + self.mlp(self.ln2(x))
+        q, k, v = self.c_attn(x).split(W, dim=2)                          # 3 x (N, S, W)
+        q, k, v = (z.view(N, S, self.n_head, W // self.n_head).transpose(1, 2) for z in (q, k, v))  # (N, nh, S, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,   # Sec. 2.1: softmax(Q K^T / sqrt(hs)) V
+                                           dropout_p=self.dropout if self.training else 0.0)  # (N, nh, S, hs)
+        y = y.transpose(1, 2).contiguous().view(N, S, W)                   # (N, S, W)
+        return self.resid_drop(self.c_proj(y))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer layer, Sec. 2.1: Z' = MSA(LN(X)) + X ; Z = MLP(LN(Z')) + Z' (GELU, Table 6; 4x, code)."""
+
+    def __init__(self, width, n_head, dropout):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = SelfAttention(width, n_head, dropout)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x, attn_mask=None):        # x (N, S, W); attn_mask bool (N, 1, S, S), True = may attend
+        x = x + self.attn(self.ln_1(x), attn_mask)
+        return x + self.mlp(self.ln_2(x))
 
 
 class StepSeqLayer(nn.Module):
-    """One Step Transformer layer paired with one Sequence Transformer layer (paper Fig. 2a)."""
+    """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a)."""
 
     def __init__(self, n_tok, d, D, step_head, seq_head, dropout):
         super().__init__()
-        self.step = Block(d, step_head, dropout)                    # full attention inside a step group
-        self.ln_tok = nn.LayerNorm(d)                               # LNs around FC: official code (notes 7.5)
-        self.fc = nn.Linear(n_tok * d, D)
+        self.step = Block(d, step_head, dropout)                    # F_step^l: full attention inside a group
+        # The LayerNorms around FC are the official code's; the paper writes FC alone (cheap, and they steady a
+        # 9,344 -> 192 projection at Atari sizes)
+        self.ln_tok = nn.LayerNorm(d)
+        self.fc = nn.Linear(n_tok * d, D)                           # FC_l, one per layer: R^{n d} -> R^D
         self.ln_g = nn.LayerNorm(D)
-        self.seq = Block(D, seq_head, dropout)                      # causal over the interleaved 2T tokens
+        self.seq = Block(D, seq_head, dropout)                      # F_sequence^l: causal over the 2T tokens
 
     def forward(self, Z, h, e_temp, seq_mask):   # Z (B,T,n,d), h (B,T,D), e_temp (B,T,D), seq_mask (B,1,2T,2T)
         B, T, n, d = Z.shape
-        Z = self.step(Z.reshape(B * T, n, d)).reshape(B, T, n, d)             # Z_t^l = F_step^l(Z_t^{l-1})
-        g = self.ln_g(self.fc(self.ln_tok(Z).reshape(B, T, n * d))) + e_temp  # eq. (1): g_t^l = FC([Z_t^l]) + e_t
-        y = torch.stack([g, h], dim=2).reshape(B, 2 * T, -1)                  # eq. (2): g_1,h_1,g_2,h_2,... (B,2T,D)
-        y = self.seq(y, seq_mask)                                             # F_seq^l, causal
-        return Z, y[:, 1::2]                                                  # keep the h slots only (B,T,D)
+        Z = self.step(Z.reshape(B * T, n, d)).reshape(B, T, n, d)             # Sec. 3.2.2: Z_t^l = F_step^l(Z_t^{l-1})
+        g = self.ln_g(self.fc(self.ln_tok(Z).reshape(B, T, n * d))) + e_temp  # Sec. 3.2.2: g_t^l = FC([Z_t^l]) + e_t
+        y = torch.stack([g, h], dim=2).reshape(B, 2 * T, -1)                  # Eq. (2): g_1,h_1,g_2,h_2,... (B,2T,D)
+        y = self.seq(y, seq_mask)                                             # Sec. 3.3.2: Y_out^l = F_seq^l(Y_in^l)
+        return Z, y[:, 1::2]                    # Sec. 3.3.2: h_t^l = y_out;2t^l, the g slots are dropped (B,T,D)
 
 
 class NatureCNN(nn.Module):
-    """Mnih et al. (2015) encoder for integrated image-state tokens h^0 (paper Sec. 3.3.1; code ends in Tanh)."""
+    """Mnih et al. (2015) encoder for integrated image-state tokens h^0 (Sec. 3.3.1; the code ends in Tanh)."""
 
     def __init__(self, image_shape, D):
         super().__init__()
@@ -146,43 +203,69 @@ class NatureCNN(nn.Module):
         return self.fc(self.conv(x))
 
 
+NULL_ACTION = -10.0   # Gym null action a_0 in every dimension, following DT (A.2)
+
+
+def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_action=NULL_ACTION):
+    """
+    The (a_{t-1}, r_{t-1}) of every group of a window (Sec. 2.2: group t is (a_{t-1}, r_{t-1}, s_t)), from data.py's
+    window: actions (B,T,A) [discrete: (B,T) long], rewards (B,T,1) are the window's own a_t, r_t; prev_action (B,A)
+    [(B,)], prev_reward (B,1) the step before the window. At an episode's first step (timesteps == 0) the group gets
+    the null action and r_0 = 0 (fn. 1, A.2): -10 per dimension, or the extra index |A| for discrete actions.
+    Left padding only ever precedes an episode's first step (data.py, evaluate.py), so the first real step after
+    padding gets the null action, never a padded slot. -> prev_a (B,T,A) [(B,T) long], prev_r (B,T,1).
+    """
+    prev_a = torch.cat([prev_action.unsqueeze(1), actions[:, :-1]], dim=1)   # a_{t-1}: (B,T,A) [(B,T)]
+    prev_r = torch.cat([prev_reward.unsqueeze(1), rewards[:, :-1]], dim=1)   # r_{t-1}: (B,T,1)
+    start = timesteps == 0                                                   # (B,T) an episode's first step
+    prev_a = torch.where(start.view(*start.shape, *([1] * (actions.dim() - 2))), null_action, prev_a)
+    prev_r = torch.where(start.unsqueeze(-1), 0.0, prev_r)
+    return prev_a, prev_r
+
+
 class StARformer(nn.Module):
     """
     obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, patch tokens).
     act_dim:   action dimension (continuous, Tanh head, MSE) or number of discrete actions (discrete=True,
-               logits head, cross-entropy; the null action is the extra index act_dim, paper A.2).
-    forward(states, prev_actions, prev_rewards, mask) -> (B, T, act_dim) actions (or logits) for every step t,
-    where step t sees only s_1..s_t, a_0..a_{t-1}, r_0..r_{t-1}.
+               logits head, cross-entropy; the null action is the extra index act_dim, A.2).
     """
 
     def __init__(self, cfg, obs_shape, act_dim, discrete=False):
         super().__init__()
-        self.cfg, self.act_dim, self.discrete = cfg, act_dim, discrete
+        self.act_dim, self.discrete = act_dim, discrete
         self.image = not isinstance(obs_shape, int)
+        self.reward_token, self.reward_input, self.reward_scale = cfg.reward_token, cfg.reward_input, cfg.reward_scale
+        self.patch_size = cfg.patch_size
+        self.null_action = act_dim if discrete else NULL_ACTION
         d, D = cfg.step_embd, cfg.n_embd
-        # Step-group tokens, Sec. 3.2.1
+        # Sec. 3.2.1: state tokens z_{s_t^i} = FC(s_t^i) + e_i^spatial, one FC shared by all patches and all t
         if self.image:
             c, H, W = obs_shape
             p = cfg.patch_size
             assert H % p == 0 and W % p == 0, f"image {H}x{W} is not divisible into {p}x{p} patches"
             n_state = (H // p) * (W // p)
-            self.state_tok = nn.Linear(c * p * p, d)                          # FC_patch, shared by all patches
-            self.state_enc = NatureCNN(obs_shape, D)                          # integrated token, Sec. 3.3.1
-            self.action_tok = nn.Embedding(act_dim + 1, d)                    # +1: null action (A.2)
+            self.embed_patch = nn.Linear(c * p * p, d)                        # FC(Flatten(s_t^i)): R^{hwC} -> R^d
+            self.embed_state = NatureCNN(obs_shape, D)                        # Sec. 3.3.1: h^0 = Conv(s_t)
+            self.embed_action = nn.Embedding(act_dim + 1, d)                  # FC on one-hot a; +1: null action (A.2)
         else:
             n_state = obs_shape
-            self.state_tok = nn.Linear(1, d)                                  # FC_scalar: one token per state dim
-            self.state_enc = (nn.Sequential(nn.Linear(obs_shape, D), nn.GELU(), nn.Linear(D, D))
-                              if cfg.state_mlp else nn.Linear(obs_shape, D))
-            self.action_tok = nn.Linear(act_dim, d)                           # one token for the whole action
-        self.reward_tok = nn.Sequential(nn.Linear(1, d), nn.Tanh())           # z_r = Tanh(FC(r))
+            self.embed_patch = nn.Linear(1, d)                                # FC(s_t^i): R^1 -> R^d, per dimension
+            # Sec. 3.3.1: h^0 = FC(s_t) + e_t; the paper says "multiple fully-connected layers", the code uses one
+            self.embed_state = (nn.Sequential(nn.Linear(obs_shape, D), nn.GELU(), nn.Linear(D, D))
+                                if cfg.state_mlp else nn.Linear(obs_shape, D))
+            self.embed_action = nn.Linear(act_dim, d)                         # Sec. 3.2.1: z_a = FC(a), whole action
+        if self.reward_token:                                                 # absent in imitation (Table 1)
+            self.embed_reward = nn.Sequential(nn.Linear(1, d), nn.Tanh())     # Sec. 3.2.1: z_r = Tanh(FC(r))
+        self.n_tok = n_state + 1 + int(self.reward_token)                     # n: a, (r), n_state state tokens
         self.e_spatial = nn.Parameter(torch.zeros(n_state, d))                # shared over t, zero-init (code)
-        self.e_temporal = nn.Parameter(torch.zeros(cfg.context, D))           # shared by g^l (all l) and h^0
-        self.drop_tok, self.drop_h = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(StepSeqLayer(n_state + 2, d, D, cfg.step_head, cfg.n_head, cfg.dropout)
+        # Sec. 3.3.1: "exactly the same" e^temporal on g^l (every l) and h^0; indexed by position in the window (code)
+        self.e_temporal = nn.Parameter(torch.zeros(cfg.context, D))
+        self.drop = nn.Dropout(cfg.dropout)                                   # on Z^0 and h^0 (code)
+        self.blocks = nn.ModuleList(StepSeqLayer(self.n_tok, d, D, cfg.step_head, cfg.n_head, cfg.dropout)
                                     for _ in range(cfg.n_layer))
-        self.ln_head = nn.LayerNorm(D)
-        self.head = nn.Linear(D, act_dim)                                     # phi, Sec. 3.3.3
+        self.ln_f = nn.LayerNorm(D)                                           # the code's LayerNorm before the head
+        # Sec. 3.3.3, A.1: phi = Linear, then Tanh into [-1, 1] for continuous actions; logits for discrete ones
+        self.predict_action = nn.Sequential(nn.Linear(D, act_dim), *([] if discrete else [nn.Tanh()]))
         self.apply(self._init_weights)
 
     @staticmethod
@@ -192,47 +275,51 @@ class StARformer(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def state_tokens(self, states):              # -> (B, T, n_state, d)
+    def state_tokens(self, states):              # Sec. 3.2.1 -> (B, T, n_state, d)
         if self.image:
             B, T, c, H, W = states.shape
-            p = self.cfg.patch_size
+            p = self.patch_size
             x = states.reshape(B * T, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)  # (BT,H/p,W/p,c,p,p)
-            x = x.reshape(B, T, (H // p) * (W // p), c * p * p)                            # flatten patches
-            return self.state_tok(x) + self.e_spatial
-        return self.state_tok(states.unsqueeze(-1)) + self.e_spatial          # (B,T,C,1) -> (B,T,C,d)
+            x = x.reshape(B, T, (H // p) * (W // p), c * p * p)                            # flattened patches
+            return self.embed_patch(x) + self.e_spatial
+        return self.embed_patch(states.unsqueeze(-1)) + self.e_spatial        # (B,T,C,1) -> (B,T,C,d)
 
-    def forward(self, states, prev_actions, prev_rewards, mask=None):
-        # states (B,T,C) or (B,T,c,H,W); prev_actions (B,T,A) float or (B,T) long; prev_rewards (B,T,1);
-        # mask (B,T) 1 = real step, 0 = left padding (None: all real)
+    def forward(self, states, actions, rewards, rtg, timesteps, mask, prev_action, prev_reward):
+        """One data.py window (its keys, in its order; model(**batch) works): states (B,T,obs) [or (B,T,c,H,W)],
+        actions (B,T,act) [discrete: (B,T) long], rewards (B,T,1), rtg (B,T,1) (read only with --reward-input rtg),
+        timesteps, mask (B,T), prev_action (B,act) [(B,)], prev_reward (B,1) -> a_t for every t (B,T,act) (logits
+        when discrete). Position t sees s_1..s_t, a_0..a_{t-1}, r_0..r_{t-1} (or R_1..R_t) only: a_t and r_t enter
+        group t + 1."""
         B, T = states.shape[:2]
-        if mask is None:
-            mask = torch.ones(B, T, device=states.device)
-        real = mask > 0                                                        # (B,T) bool
+        real = mask > 0                                                        # (B,T)
         # Temporal position counted from the first real step, so a left-padded window gives exactly what the
-        # unpadded window gives (paper: tau starts at s_1; the code indexes by window slot and never pads Atari).
+        # unpadded window gives (the paper's tau starts at s_1; the code indexes by window slot and never pads Atari)
         pos = (real.long().cumsum(1) - 1).clamp(min=0)                         # (B,T)
         e_temp = self.e_temporal[pos]                                          # (B,T,D)
-        # Step-group input Z^0_t = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n}} (paper order; code puts r last)
-        a_tok = self.action_tok(prev_actions).unsqueeze(2)                     # (B,T,1,d)
-        r_tok = self.reward_tok(prev_rewards * self.cfg.reward_scale).unsqueeze(2)  # (B,T,1,d)
-        Z = self.drop_tok(torch.cat([a_tok, r_tok, self.state_tokens(states)], dim=2))  # (B,T,n,d)
-        # Integrated state tokens h^0_t = FC(s_t) (or Conv(s_t)) + e_t^temporal, Sec. 3.3.1
+        # Sec. 3.2.1: Z_t^0 = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n}} (the paper's order; the code puts r last,
+        # which only permutes FC_l's weights)
+        prev_a, prev_r = step_inputs(actions, rewards, timesteps, prev_action, prev_reward, self.null_action)
+        tokens = [self.embed_action(prev_a).unsqueeze(2)]                      # (B,T,1,d)
+        if self.reward_token:
+            r = rtg if self.reward_input == "rtg" else prev_r                  # Table 2: R_t in place of r_{t-1}
+            tokens.append(self.embed_reward(self.reward_scale * r).unsqueeze(2))  # (B,T,1,d)
+        Z = self.drop(torch.cat([*tokens, self.state_tokens(states)], dim=2))  # (B,T,n,d)
+        # Sec. 3.3.1: integrated state tokens h^0_t = FC(s_t) (or Conv(s_t)) + e_t^temporal
         if self.image:
-            h = self.state_enc(states.reshape(B * T, *states.shape[2:])).reshape(B, T, -1)
+            h = self.embed_state(states.reshape(B * T, *states.shape[2:])).reshape(B, T, -1)
         else:
-            h = self.state_enc(states)
-        h = self.drop_h(h + e_temp)                                            # (B,T,D)
-        # Sequence mask over the 2T interleaved tokens: causal (paper Sec. 3.3.2: no token attends to a later
-        # timestep) and no padded key; every token may see itself so padded rows are not all -inf (no NaN).
-        # The official code's extra loop `mask[i, i-1] = 1` is left out: it only touches a discarded g row.
-        causal = torch.tril(torch.ones(2 * T, 2 * T, dtype=torch.bool, device=states.device))  # (2T,2T)
+            h = self.embed_state(states)
+        h = self.drop(h + e_temp)                                              # (B,T,D)
+        # Sequence mask over the 2T interleaved tokens: causal (Sec. 3.3.2: no token attends to a later timestep)
+        # and no padded key; every token may see itself so that no softmax row is empty. The official code's extra
+        # loop `mask[i, i-1] = 1` is left out: besides no-ops it only sets mask[0, -1], a g row that is dropped.
+        causal = torch.ones(2 * T, 2 * T, dtype=torch.bool, device=states.device).tril()  # (2T,2T)
         key_ok = real.repeat_interleave(2, dim=1)                              # (B,2T)
         eye = torch.eye(2 * T, dtype=torch.bool, device=states.device)
-        seq_mask = ((causal & key_ok[:, None, :]) | eye).unsqueeze(1)          # (B,1,2T,2T)
-        for layer in self.layers:
-            Z, h = layer(Z, h, e_temp, seq_mask)
-        out = self.head(self.ln_head(h))                                       # (B,T,act_dim)
-        return out if self.discrete else torch.tanh(out)                      # Gym: actions in [-1, 1]
+        seq_mask = ((causal & key_ok[:, None, :]) | eye)[:, None]              # (B,1,2T,2T)
+        for block in self.blocks:
+            Z, h = block(Z, h, e_temp, seq_mask)
+        return self.predict_action(self.ln_f(h))                               # Sec. 3.3.3: a_t = phi(h_t^L) (B,T,act)
 
     def optim_groups(self, weight_decay):
         """Decay Linear/Conv weights only (minGPT / official code); not biases, LayerNorms, embeddings."""
@@ -240,50 +327,216 @@ class StARformer(nn.Module):
         params = list(self.parameters())
         return [{"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
                 {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
-
-
-NULL_ACTION = -10.0   # Gym null action a_0 in every dimension, following DT (paper A.2)
-
-
-def step_inputs(actions, rewards, mask, timesteps, prev_action, prev_reward, n_actions=None):
-    """
-    The group inputs (a_{t-1}, r_{t-1}) of every step of a left-padded window (paper Sec. 2.2: group t is
-    (a_{t-1}, r_{t-1}, s_t)). actions (B,T,A) [or (B,T) long], rewards (B,T,1): the window's own a_t, r_t;
-    prev_action (B,A) [or (B,)], prev_reward (B,1): the step before the window's first real step.
-    At an episode's first step (timesteps == 0) the group gets the null action and r_0 = 0 (paper fn. 1, A.2):
-    -10 per dimension for continuous actions, the extra index n_actions for discrete ones.
-    Returns prev_actions (B,T,A) [or (B,T) long], prev_rewards (B,T,1).
-    """
-    real = mask > 0                                                            # (B,T)
-    first_real = real & ~torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)  # (B,T)
-    shifted_a = torch.cat([prev_action.unsqueeze(1), actions[:, :-1]], dim=1)  # a_{t-1}: (B,T,...)
-    shifted_r = torch.cat([prev_reward.unsqueeze(1), rewards[:, :-1]], dim=1)  # r_{t-1}: (B,T,1)
-    fa = first_real.view(*first_real.shape, *([1] * (actions.dim() - 2)))
-    prev_a = torch.where(fa, prev_action.unsqueeze(1).expand_as(shifted_a), shifted_a)
-    prev_r = torch.where(first_real.unsqueeze(-1), prev_reward.unsqueeze(1).expand_as(shifted_r), shifted_r)
-    start = real & (timesteps == 0)                                            # the episode's first step
-    null = n_actions if n_actions is not None else NULL_ACTION
-    prev_a = torch.where(start.view_as(fa), torch.full_like(prev_a, null), prev_a)
-    prev_r = torch.where(start.unsqueeze(-1), torch.zeros_like(prev_r), prev_r)
-    return prev_a, prev_r
+# <<< model: end
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# training, evaluation and the command line (everything below needs numpy and the project's data/evaluate)
+# what StARformer plugs into the harness below: data, optimiser, loss, policy (needs numpy and the project's
+# data/evaluate)
 
+import data as data_lib  # noqa: E402
+import evaluate as eval_lib  # noqa: E402
+
+SCRIPT = "starformer"
+LOG_EXTRA = []          # extra log.csv columns (none for StARformer)
+REWARD_INPUTS = ("reward", "rtg")
+
+
+def check_model(cfg):
+    """A one-sentence problem with StARformer's own flags, or None."""
+    for name in ("step_embd", "step_head", "patch_size"):
+        if getattr(cfg, name) <= 0:
+            return f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(cfg, name)}"
+    if cfg.step_embd % cfg.step_head:
+        return f"--step-head {cfg.step_head} does not divide --step-embd {cfg.step_embd}"
+    if cfg.reward_scale <= 0:
+        return f"--reward-scale must be > 0, got {cfg.reward_scale} (--no-reward-token drops the rewards)"
+    if cfg.reward_input not in REWARD_INPUTS:
+        return f"--reward-input must be one of {', '.join(REWARD_INPUTS)}, got '{cfg.reward_input}'"
+    if cfg.reward_input == "rtg" and not cfg.reward_token:
+        return "--reward-input rtg needs the reward token; drop --no-reward-token"
+    if cfg.target_return is not None and cfg.reward_input != "rtg":
+        return "--target-return is read only with --reward-input rtg (StARformer conditions on r_{t-1}, not on a target)"
+    return None
+
+
+def load_dataset(cfg):
+    return data_lib.load_data(cfg.dataset or cfg.env)
+
+
+def configure(cfg, d):
+    """Settings that depend on the data (none for StARformer)."""
+    return cfg
+
+
+def eval_targets(cfg, d):
+    """--reward-input rtg: return-to-go prompts in raw units (--target-return, else DT's two per environment).
+    With r_{t-1} input there is no target: [None] (log.csv's target column stays empty)."""
+    if cfg.reward_input == "rtg":
+        return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+    return [None]
+
+
+def build_model(cfg, info):
+    return StARformer(cfg, info["obs_dim"], info["act_dim"])
+
+
+def lr_factor(s, cfg):
+    """Multiplier of --lr at step s: linear warmup, then constant, or with --lr-decay a cosine down to 0.1."""
+    if s < cfg.warmup_steps or not cfg.lr_decay:
+        return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
+    progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model, cfg):
+    opt = torch.optim.AdamW(model.optim_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))  # Table 6 betas
+    return opt, lambda s: lr_factor(s, cfg)
+
+
+def get_batch(d, cfg, rng):
+    return d.sample(cfg.batch_size, cfg.context, rng)
+
+
+def predict(model, b):
+    """A data.py / evaluate.py batch -> the predicted a_t at every position (B, K, act). Training and evaluation
+    both come through here, so group t holds (a_{t-1}, r_{t-1}, s_t) in both (the official gym code trains on r_t,
+    the consequence of the target a_t, and evaluates on r_{t-1})."""
+    return model(b["states"], b["actions"], b["rewards"], b["rtg"], b["timesteps"], b["mask"], b["prev_action"],
+                 b["prev_reward"])
+
+
+def loss_fn(model, batch, cfg):
+    pred = predict(model, batch)                                                        # (B, K, act)
+    err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                            # (B, K)
+    return (err * batch["mask"]).sum() / batch["mask"].sum()   # Sec. 3.4: MSE averaged over the T (real) steps
+
+
+def make_act(model, cfg):
+    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position. The
+    current step's reward in the batch is 0 (unknown) and is never read: group t holds r_{t-1} (Sec. 3.4)."""
+    def act(batch, live):
+        return predict(model, batch)[:, -1]
+    return act
+
+
+def log_extra(model, probe, cfg):
+    """Extra log.csv values at each log step (LOG_EXTRA); none for StARformer."""
+    return {}
+
+
+def after_eval(model, d, cfg, out, rows, final):
+    """Extra figures after each evaluation (final=True: after training); none (the paper draws no analysis figure)."""
+
+
+def tokens_per_step(cfg):
+    """Sequence Transformer tokens per timestep (g_t, h_t); the Step Transformer's n tokens per group are extra."""
+    return 2
+
+
+ANALYSES = {}   # flag -> fn(cfg, run): reads the run's checkpoint, never trains (none for StARformer)
+
+
+# >>> harness: begin ==============================================================================================
+# The run harness: flags, input checks, run folder, lock, checkpoint, exact resume, logging, curves, benchmark.
+# IDENTICAL in dt.py, gpt2_dtma.py, lsdt.py, starformer.py and dema.py (tests/test_harness.py compares the copies):
+# fix it in one file and copy the block to the others. It uses these names from the file around it:
+#   SCRIPT, Config (fields made with arg(..., run=True) do not change what is trained), PRESETS, LOG_EXTRA,
+#   check_model(cfg) -> problem or None, load_dataset(cfg) -> data, configure(cfg, data) -> cfg,
+#   eval_targets(cfg, data), build_model(cfg, info), make_optimizer(model, cfg) -> (optimizer, lr factor of step),
+#   get_batch(data, cfg, rng), loss_fn(model, batch, cfg), make_act(model, cfg), log_extra(model, probe, cfg),
+#   after_eval(model, data, cfg, out, rows, final), tokens_per_step(cfg), ANALYSES {flag: fn(cfg, run)}.
 import argparse  # noqa: E402
-import math  # noqa: E402
+import contextlib  # noqa: E402
 import csv  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-import data as data_lib  # noqa: E402
-import evaluate as eval_lib  # noqa: E402
+DataError = data_lib.DataError   # a problem the user can fix: main() prints it as one sentence and exits 1
+LOG_FIELDS = ["step", "loss", "lr", *LOG_EXTRA, "target", "eval_return", "eval_return_std", "normalized_score",
+              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
+CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
+             "pending_losses", "numpy_rng", "torch_rng"}
+
+
+def parse_flags(argv):
+    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
+    -> (cfg, the names of the fields the command line set, the preset's included)."""
+    p = argparse.ArgumentParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawTextHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
+        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+            p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                           help=f"{text} (default: {f.default})")
+    given = vars(p.parse_args(argv))
+    preset = given.get("preset", "")
+    if preset and preset not in PRESETS:
+        p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
+    values = {**PRESETS.get(preset, {}), **given}
+    if values.get("dataset"):
+        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
+    return Config(**values), set(values)
+
+
+def parse_args(argv):
+    return parse_flags(argv)[0]
+
+
+def device_problem(name):
+    kind, _, index = name.partition(":")
+    if name in ("auto", "cpu"):
+        return None
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu"
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            return f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+        return None
+    if name == "mps":
+        return None if torch.backends.mps.is_available() else "--device mps: MPS is not available here; use --device cpu"
+    return f"unknown --device '{name}'; use auto, cpu, cuda, cuda:N or mps"
+
+
+def check_config(cfg):
+    """Every flag, before any work is done: raises DataError with one sentence about the first bad value."""
+    for f in dataclasses.fields(cfg):
+        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise DataError(f"{flag} must be a finite number, got {v}")
+        if f.name.endswith("dropout") and not 0 <= v < 1:
+            raise DataError(f"{flag} must lie in [0, 1), got {v}")
+    for name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
+                 "n_head"):
+        v = getattr(cfg, name, None)
+        if v is not None and v <= 0:
+            raise DataError(f"--{name.replace('_', '-')} must be a positive whole number, got {v}")
+    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
+                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
+        if not ok:
+            raise DataError(f"--{name} must be {rule}, got {v}")
+    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
+        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
+    chosen = [name for name in ANALYSES if getattr(cfg, name)] + (["bench"] if cfg.bench else [])
+    if len(chosen) > 1:
+        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+    problem = device_problem(cfg.device) or check_model(cfg)
+    if problem:
+        raise DataError(problem)
+    data_lib.resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise DataError(f"--out {cfg.out} is a file, not a folder")
 
 
 def pick_device(name):
@@ -294,38 +547,211 @@ def pick_device(name):
     return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
-def predict(model, batch):
-    """A data.py / evaluate.py batch -> predicted a_t for every step (B, K, act). Training and evaluation both come
-    through here, so step t is fed (a_{t-1}, r_{t-1}, s_t) in both (the official gym code trains on r_t instead)."""
-    prev_a, prev_r = step_inputs(batch["actions"], batch["rewards"], batch["mask"], batch["timesteps"],
-                                 batch["prev_action"], batch["prev_reward"])
-    return model(batch["states"], prev_a, prev_r, batch["mask"])
+def variant_name(cfg):
+    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
+    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_no-return-token_context5'."""
+    base = {f.name: f.default for f in dataclasses.fields(Config)} | PRESETS.get(cfg.preset, {})
+    parts = [cfg.preset] if cfg.preset else []
+    for f in dataclasses.fields(Config):
+        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
+        if f.metadata["run"] or f.name == "preset" or v == base[f.name]:
+            continue
+        parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}" if isinstance(v, float)
+                     else f"{flag}{v}")
+    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
 
 
-def make_act(model):
-    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position. The
-    current step's reward in the batch is 0 (unknown) and is never read: step t only uses r_{t-1}."""
-    def act(batch, live):
-        return predict(model, batch)[:, -1]
-    return act
+def run_folder(cfg):
+    return cfg.out or os.path.join("runs", SCRIPT, (cfg.dataset or cfg.env).replace("/", "-"), variant_name(cfg),
+                                   f"seed{cfg.seed}")
 
 
-def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup, then constant, or with --lr-decay a cosine down to 0.1."""
-    if s < cfg.warmup_steps or not cfg.lr_decay:
-        return min((s + 1) / cfg.warmup_steps, 1.0)
-    progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def read_checkpoint(path):
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
+        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
+                        f"move it away or pass another --out") from None
+    if not isinstance(ck, dict) or ck.get("script") != SCRIPT or not CKPT_KEYS <= set(ck):
+        raise DataError(f"{path} is not a checkpoint of {SCRIPT}.py; move it away or pass another --out")
+    return ck
 
 
-def loss_fn(model, batch):
-    pred = predict(model, batch)                                               # (B, K, act)
-    err = ((pred - batch["actions"]) ** 2).mean(-1)                            # (B, K)
-    return (err * batch["mask"]).sum() / batch["mask"].sum()   # MSE over real steps, averaged over T (Sec. 3.4)
+def settings_from_checkpoint(cfg, given, ck, path):
+    """The run's own settings, with the flags given now on top. A flag that would change what is trained (or the
+    dataset, or the seed) and differs from the checkpoint is refused in one sentence that names it."""
+    saved = {k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
+    differ = [f"--{f.name.replace('_', '-')} {saved[f.name]} there, {getattr(cfg, f.name)} here"
+              for f in dataclasses.fields(Config)
+              if f.name in given and f.name in saved and (not f.metadata["run"] or f.name == "seed")
+              and f.name != "preset" and getattr(cfg, f.name) != saved[f.name]]
+    if given & {"env", "dataset"} and data_lib.resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
+        differ.append(f"dataset {ck['dataset_id']} there, {data_lib.resolve(cfg.dataset or cfg.env)} here")
+    if differ:
+        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
+                        f"run's own, or pass a fresh --out")
+    return Config(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"}))
 
 
-LOG_FIELDS = ["step", "loss", "lr", "eval_return", "eval_return_std", "normalized_score", "normalized_score_std",
-              "success_rate", "steps_to_goal", "wall_time"]
+def lock_folder(out):
+    """Hold <out>/.lock for this process's life. The OS releases it when the process ends, even by kill -9, so a
+    crashed run never leaves its folder locked."""
+    try:
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
+    try:
+        if os.name == "nt":
+            import msvcrt
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def open_run(cfg, given):
+    """-> (cfg, out folder, checkpoint or None, lock). Never replaces a run: a folder that holds one is continued
+    only with --resume (with the run's settings), and a folder in use by another process is refused."""
+    out = run_folder(cfg)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the output folder {out} ({e.strerror})") from None
+    lock = lock_folder(out)
+    try:
+        ckpt_path = os.path.join(out, "ckpt.pt")
+        if not cfg.resume and (os.path.exists(ckpt_path) or os.path.exists(os.path.join(out, "log.csv"))):
+            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
+        ck = read_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
+        if ck is not None:
+            cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+        elif cfg.resume:
+            print(f"no checkpoint at {ckpt_path}; starting from scratch")
+        return cfg, out, ck, lock
+    except BaseException:
+        lock.close()
+        raise
+
+
+def load_run(cfg, given):
+    """For the analyses: the trained model of a run folder (its settings from its checkpoint), never retrained."""
+    out = run_folder(cfg)
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    if not os.path.exists(ckpt_path):
+        raise DataError(f"no checkpoint at {ckpt_path}; train the run first, or pass --out <run folder>")
+    ck = read_checkpoint(ckpt_path)
+    cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
+    model = build_model(cfg, ck["info"])
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError:
+        raise DataError(f"{ckpt_path} does not fit {SCRIPT}.py's model with the run's settings") from None
+    model.to(pick_device(cfg.device)).eval()
+    return cfg, dict(model=model, ck=ck, out=out)
+
+
+def write_atomic(path, write):
+    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as RuntimeError
+            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:100]
+            raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
+        raise
+
+
+def write_csv(path, rows):
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, LOG_FIELDS, restval="")
+            w.writeheader()
+            w.writerows(rows)
+    write_atomic(path, write)
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    write_atomic(path, write)
+
+
+def log_row(**values):
+    return dict.fromkeys(LOG_FIELDS, "") | values
+
+
+class StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM during training: finish the current step (and its evaluation), save, exit 128 +
+    signal (130 for Ctrl-C). A second signal quits at once; the last checkpoint stays as it was."""
+
+    def __init__(self):
+        self.signum, self.previous = 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.signal(s, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
+              f"without saving", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def finite_losses(pending, step):
+    """The losses of the steps since the last log line (one device sync), or one sentence at the first non-finite."""
+    values = torch.stack(pending).float().tolist() if pending else []
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise DataError(f"the training loss is {v} at step {step - len(values) + i + 1}, so the run stops there "
+                            f"(its last checkpoint is kept); lower --lr or check the data")
+    return values
+
+
+def train_step(fwd, model, opt, sched, batch, cfg, autocast):
+    """One gradient step: the loss (bf16 autocast if --amp; reductions stay fp32), backward, clip, AdamW, lr."""
+    with autocast:
+        loss = loss_fn(fwd, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    sched.step()
+    return loss.detach()
+
+
+def run_evals(model, d, cfg, device):
+    """Evaluate every target return on cfg.eval_episodes parallel episodes; -> [(target, result dict)]."""
+    model.eval()
+    results = []
+    for g in eval_targets(cfg, d):
+        t0 = time.time()
+        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device)
+        results.append((g, res | {"seconds": time.time() - t0}))
+    model.train()
+    return results
 
 
 def plot_curve(rows, path, title):
@@ -333,207 +759,202 @@ def plot_curve(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    train_rows = [r for r in rows if r.get("loss", "") != ""]
-    ax1.plot([int(r["step"]) for r in train_rows], [float(r["loss"]) for r in train_rows])
-    ax1.set(xlabel="step", ylabel="action MSE", yscale="log", title="training loss")
-    ev = [r for r in rows if r.get("normalized_score", "") != ""]
-    ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-")
-    ax2.set(xlabel="step", ylabel="normalised score", title="evaluation")
+    losses = [r for r in rows if r["loss"] != ""]
+    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
+    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
+            title="training loss")
+    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
+        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
+        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
+                 label=f"target {target}" if target != "" else None)
+    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
+    if any(line.get_label()[:1] != "_" for line in ax2.lines):
+        ax2.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def run_eval(model, d, cfg, device, seed):
-    """StARformer has no return target: evaluate.py's rtg is built but never read (target_return=0)."""
-    model.eval()
-    res = eval_lib.evaluate(make_act(model), d, cfg.eval_episodes, 0.0, seed, cfg.context, device)
-    model.train()
-    return res
+def train(cfg, given=frozenset()):
+    """Train (or with --resume continue) the run in cfg's run folder. -> (model, the final evaluation's results)."""
+    cfg, out, ck, lock = open_run(cfg, given)
+    try:
+        return _train(cfg, out, ck)
+    finally:
+        lock.close()
 
 
-def train(cfg):
+def _train(cfg, out, ck):
     device = pick_device(cfg.device)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
-    name = (cfg.dataset or cfg.env).replace("/", "-")
-    out = cfg.out or os.path.join("runs", "starformer", name, f"seed{cfg.seed}")
-    os.makedirs(out, exist_ok=True)
+    # the variant of the flags as given, as the run folder's name is (before configure's data-dependent values)
+    variant = ck.get("variant", variant_name(cfg)) if ck else variant_name(cfg)
+    d = load_dataset(cfg)
+    cfg = configure(cfg, d)
+    info = ck["info"] if ck else dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len,
+                                      goal_dim=d.goal_dim)
     ckpt_path = os.path.join(out, "ckpt.pt")
-    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; "
-          f"normalised with {d.ref_source}; device {device}")
-
+    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
+          f"{d.ref_source}; targets {eval_targets(cfg, d)}; device {device}", flush=True)
     torch.manual_seed(cfg.seed)
-    model = StARformer(cfg, d.obs_dim, d.act_dim).to(device)
-    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-    opt = torch.optim.AdamW(model.optim_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))  # Table 6 betas
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    model = build_model(cfg, info).to(device)
+    opt, lr_factor_of_step = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
     rng = np.random.default_rng(cfg.seed)
-    step, wall, rows = 0, 0.0, []
-
-    if cfg.resume and os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, map_location=device, weights_only=True)
+    probe = {k: v.to(device) for k, v in get_batch(d, cfg, np.random.default_rng(cfg.seed + 20_000)).items()}
+    step, wall0, rows, pending = 0, 0.0, [], []
+    if ck is not None:
         try:
             model.load_state_dict(ck["model"])
-        except RuntimeError:
-            raise data_lib.DataError(f"{ckpt_path} does not fit this model (it was written with config "
-                                     f"{ck.get('config')}); pass the same model flags or another --out") from None
-        opt.load_state_dict(ck["optimizer"])
+            opt.load_state_dict(ck["optimizer"])
+        except (RuntimeError, ValueError, KeyError):
+            raise DataError(f"{ckpt_path} does not fit this model and data; pass another --out") from None
         sched.load_state_dict(ck["scheduler"])
-        step, wall = ck["step"], ck["wall_time"]
+        step, wall0, rows = ck["step"], ck["wall_time"], list(ck["rows"])
+        pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
         rng.bit_generator.state = json.loads(ck["numpy_rng"])
         torch.set_rng_state(ck["torch_rng"])
-        if os.path.exists(os.path.join(out, "log.csv")):  # keep the rows written up to the checkpoint
-            with open(os.path.join(out, "log.csv")) as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
-        print(f"resumed from {ckpt_path} at step {step}")
-    elif cfg.resume:
-        print(f"no checkpoint at {ckpt_path}; starting from scratch")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg) | {"dataset_id": d.dataset_id, "device": device}, f, indent=2)
+        if ck.get("cuda_rng") is not None and torch.device(device).type == "cuda":
+            torch.cuda.set_rng_state_all(ck["cuda_rng"])
+        print(f"resumed from {ckpt_path} at step {step} of {cfg.steps}")
+    print(f"{SCRIPT} {variant}: {sum(p.numel() for p in model.parameters()):,} parameters; run folder {out}",
+          flush=True)
+    write_json(os.path.join(out, "config.json"), dataclasses.asdict(cfg) | dict(
+        script=SCRIPT, variant=variant, dataset_id=d.dataset_id, device=device, info=info))
+    extra = log_extra(model, probe, cfg)
+    if not rows and any(v != "" for v in extra.values()):   # e.g. GPT2-DTMA's G_Markov at step 0
+        rows.append(log_row(step=0, wall_time="0.0", **extra))
 
     def save():
-        torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step,
-                        wall_time=wall, numpy_rng=json.dumps(rng.bit_generator.state), torch_rng=torch.get_rng_state(),
-                        config=dataclasses.asdict(cfg), state_mean=torch.from_numpy(d.state_mean),
-                        state_std=torch.from_numpy(d.state_std), max_ep_len=d.max_ep_len,
-                        dataset_id=d.dataset_id), ckpt_path + ".tmp")
-        os.replace(ckpt_path + ".tmp", ckpt_path)  # never leave a half-written checkpoint behind
-        with open(os.path.join(out, "log.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(os.path.join(out, "log.csv"), rows)  # the log first: it always covers the checkpoint's steps
+        state = dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                     step=step, wall_time=wall(), config=dataclasses.asdict(cfg), variant=variant, dataset_id=d.dataset_id,
+                     info=info,
+                     rows=rows, pending_losses=finite_losses(pending, step), numpy_rng=json.dumps(rng.bit_generator.state),
+                     torch_rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state_all() if torch.device(device).type == "cuda" else None,
+                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
+                     return_scale=d.return_scale)
+        write_atomic(ckpt_path, lambda tmp: torch.save(state, tmp))
 
-    last_eval, res = "", None
-    t_log, losses = time.time(), []
+    t_start = t_log = time.time()
+    wall = lambda: wall0 + time.time() - t_start  # noqa: E731
+    fwd = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.amp)
+    evals, final, n_log, first_step = [r for r in rows if r["normalized_score"] != ""], None, 0, step
     model.train()
-    try:
-        while step < cfg.steps:
-            t0 = time.time()
-            batch = {k: v.to(device) for k, v in d.sample(cfg.batch_size, cfg.context, rng).items()}
-            loss = loss_fn(model, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            step += 1
-            wall += time.time() - t0
-            losses.append(loss.item())
+    with StopSignal() as stop:
+        while step < cfg.steps and not stop.signum:
+            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg, rng).items()}
+            pending.append(train_step(fwd, model, opt, sched, batch, cfg, autocast))
+            step, n_log = step + 1, n_log + 1
+            if step == first_step + 1 and step % cfg.log_every:   # a first sign of life, before the first log line
+                print(f"step {step:6d} | loss {pending[-1].item():.5f} | first step {time.time() - t_log:.1f} s", flush=True)
             if step % cfg.log_every == 0 or step == cfg.steps:
-                ms = 1e3 * (time.time() - t_log) / len(losses)
-                rows.append(dict(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
-                                 wall_time=f"{wall:.1f}"))
+                losses = finite_losses(pending, step)
+                extra = log_extra(model, probe, cfg)
+                rows.append(log_row(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
+                                    wall_time=f"{wall():.1f}", **extra))
+                last = [r for r in evals if r["step"] == evals[-1]["step"]][:1]   # the first (headline) target's
+                last = f" | eval {float(last[0]['normalized_score']):.1f}" if last else ""
                 print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
-                      f"{ms:.1f} ms/step{last_eval}", flush=True)
-                t_log, losses = time.time(), []
+                      f"{1e3 * (time.time() - t_log) / n_log:.1f} ms/step"
+                      + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
+                pending, t_log, n_log = [], time.time(), 0
+                write_csv(os.path.join(out, "log.csv"), rows)
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                t0 = time.time()
-                res = run_eval(model, d, cfg, device, cfg.seed + 10_000)
-                wall += time.time() - t0
-                rows.append(dict(step=step, eval_return=f"{res['returns'].mean():.2f}",
-                                 eval_return_std=f"{res['returns'].std():.2f}",
-                                 normalized_score=f"{res['normalized'].mean():.2f}",
-                                 normalized_score_std=f"{res['normalized'].std():.2f}",
-                                 success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                                 steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
-                                 wall_time=f"{wall:.1f}"))
-                print(f"eval step {step}: {eval_lib.summarize(res)} ({time.time() - t0:.0f}s)", flush=True)
-                last_eval = f" | eval {res['normalized'].mean():.1f}"
+                final = run_evals(model, d, cfg, device)
+                for g, res in final:
+                    rows.append(log_row(
+                        step=step, target="" if g is None else g, eval_return=f"{res['returns'].mean():.2f}",
+                        eval_return_std=f"{res['returns'].std():.2f}", normalized_score=f"{res['normalized'].mean():.2f}",
+                        normalized_score_std=f"{res['normalized'].std():.2f}",
+                        success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
+                        steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
+                        wall_time=f"{wall():.1f}"))
+                    evals.append(rows[-1])
+                    print(f"eval step {step} target {g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)", flush=True)
                 save()
-                plot_curve(rows, os.path.join(out, "curve.png"), f"starformer {d.dataset_id} seed {cfg.seed}")
-                t_log = time.time()
-    except KeyboardInterrupt:
-        save()
-        print(f"\ninterrupted at step {step}; checkpoint saved, continue with --resume")
-        raise SystemExit(130)
-    if res is None:  # resumed at or past --steps: evaluate what the checkpoint holds
-        res = run_eval(model, d, cfg, device, cfg.seed + 10_000)
+                plot_curve(rows, os.path.join(out, "curve.png"), f"{SCRIPT} {variant} {d.dataset_id} seed {cfg.seed}")
+                after_eval(model, d, cfg, out, rows, final=False)
+                t_log, n_log = time.time(), 0
+        if stop.signum and step < cfg.steps:
+            save()
+            print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
+            raise SystemExit(128 + stop.signum)
+    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
+        final = run_evals(model, d, cfg, device)
+    after_eval(model, d, cfg, out, rows, final=True)
+    res = final[0][1]
+    if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
+        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
     print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
           f"episodes={len(res['returns'])}")
     return model, res
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# analysis helpers
-
-def bench(cfg, obs_dim=11, act_dim=3, n=20):
-    """--bench: ms per training step (forward, backward, AdamW) and per batched eval forward (10 envs), on random
-    Hopper-shaped data; parameter counts beside dt.py's Decision Transformer at its paper size."""
-    torch.manual_seed(cfg.seed)
+def bench(cfg):
+    """--bench: ms per training step and tokens/s at this configuration (the preset's with --preset), eager against
+    torch.compile (and compiled + bf16 autocast on CUDA), on synthetic data of hopper's shape. Timed steps:
+    min(--steps, 20), after 3 warm-up steps; the compiled row also gives the time of its first step (the compile)."""
     device = pick_device(cfg.device)
-    model = StARformer(cfg, obs_dim, act_dim).to(device)
-    B, T = cfg.batch_size, cfg.context
-    s, a = torch.randn(B, T, obs_dim, device=device), torch.rand(B, T, act_dim, device=device) * 2 - 1
-    r, mask = torch.randn(B, T, 1, device=device), torch.ones(B, T, device=device)
-    opt = torch.optim.AdamW(model.optim_groups(cfg.weight_decay), lr=cfg.lr)
-    times, cpu_times = [], []          # wall and process CPU time: on a shared machine the second is the honest one
-    for i in range(n + 3):
-        t0, c0 = time.time(), time.process_time()
-        loss = ((model(s, a, r, mask) - a) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.time() - t0)
-        cpu_times.append(time.process_time() - c0)
-    model.eval()
-    with torch.no_grad():
+    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * (cfg.context or 0)))
+    cfg = configure(cfg, d)
+    info = dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len, goal_dim=d.goal_dim)
+    n = min(cfg.steps, 20)
+    tokens = cfg.batch_size * cfg.context * tokens_per_step(cfg)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    modes = [("eager", False, False), ("compiled", True, False)]
+    modes += [("compiled + amp", True, True)] if torch.device(device).type == "cuda" else []
+    print(f"bench {SCRIPT} {variant_name(cfg)} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, "
+          f"K={cfg.context}, {tokens:,} tokens per batch, {n} timed steps", flush=True)
+    eager_ms = None
+    for label, compiled, amp in modes:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, info).to(device).train()
+        opt, lr_factor_of_step = make_optimizer(model, cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
+        fwd = torch.compile(model) if compiled else model
+        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp)
+        rng = np.random.default_rng(cfg.seed)
+        step = lambda: train_step(fwd, model, opt, sched, {k: v.to(device) for k, v in get_batch(d, cfg, rng).items()},  # noqa: E731
+                                  cfg, autocast)
+        t0 = time.time()
+        step()
+        sync()
+        first = time.time() - t0
+        for _ in range(3):
+            step()
+        sync()
         t0 = time.time()
         for _ in range(n):
-            model(s[:10], a[:10], r[:10], mask[:10])
-        t_eval = (time.time() - t0) / n
-    import dt
-    dt_params = sum(p.numel() for p in dt.DecisionTransformer(dt.Config(), obs_dim, act_dim, 1000).parameters())
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"starformer L={cfg.n_layer} D={cfg.n_embd}/{cfg.n_head}h d={cfg.step_embd}/{cfg.step_head}h T={T} B={B}: "
-          f"{n_params:,} parameters ({n_params / dt_params:.1f}x dt.py's paper-size DT, {dt_params:,}); "
-          f"train {1e3 * np.median(times[3:]):.1f} ms/step (CPU time {1e3 * np.median(cpu_times[3:]):.1f} ms), "
-          f"eval forward (10 envs) {1e3 * t_eval:.1f} ms "
-          f"[device {device}, {torch.get_num_threads()} threads]")
-
-
-def parse_args(argv, config_cls=Config, presets=PRESETS):
-    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
-    for f in dataclasses.fields(config_cls):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"])
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type) if f.default is not None else float
-            p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{f.metadata['help']} (default: {f.default})")
-    given = vars(p.parse_args(argv))
-    preset = given.get("preset", "")
-    if preset and preset not in presets:
-        p.error(f"unknown preset '{preset}'; known: {', '.join(presets)}")
-    return config_cls(**({**presets.get(preset, {}), **given}))
-
-
-def check_config(cfg):
-    """Bad values -> one sentence (DataError), before anything is built."""
-    for k in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
-              "n_head", "step_embd", "step_head", "patch_size"):
-        if getattr(cfg, k) <= 0:
-            raise data_lib.DataError(f"--{k.replace('_', '-')} must be positive (got {getattr(cfg, k)})")
-    if cfg.warmup_steps < 0 or cfg.lr <= 0 or not 0 <= cfg.dropout < 1:
-        raise data_lib.DataError("--warmup-steps must be >= 0, --lr > 0 and --dropout in [0, 1)")
-    for w, h, name in ((cfg.n_embd, cfg.n_head, "n-embd/n-head"), (cfg.step_embd, cfg.step_head, "step-embd/step-head")):
-        if w % h:
-            raise data_lib.DataError(f"--{name}: width {w} is not divisible by {h} heads")
-    cfg.warmup_steps = max(cfg.warmup_steps, 1)
+            step()
+        sync()
+        ms = 1e3 * (time.time() - t0) / n
+        eager_ms = eager_ms or ms
+        print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   {eager_ms / ms:5.2f}x eager"
+              + (f"   (first step, with compilation: {first:.1f} s)" if compiled else f"   ({sum(p.numel() for p in model.parameters()):,} parameters)"),
+              flush=True)
 
 
 def main(argv=None):
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        cfg, given = parse_flags(sys.argv[1:] if argv is None else argv)
         check_config(cfg)
-        bench(cfg) if cfg.bench else train(cfg)
-    except data_lib.DataError as e:
+        analysis = next((name for name in ANALYSES if getattr(cfg, name)), None)
+        if cfg.bench:
+            bench(cfg)
+        elif analysis:
+            ANALYSES[analysis](*load_run(cfg, given))
+        else:
+            train(cfg, given)
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        raise SystemExit(130)
+# <<< harness: end ================================================================================================
 
 
 if __name__ == "__main__":

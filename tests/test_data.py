@@ -150,3 +150,144 @@ def test_download_failure_is_one_sentence(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(data.DataError, match="could not be downloaded.*minari download mujoco/walker2d/expert-v0"):
         data.load_data("walker2d-expert")
+
+
+# ---- damaged vs missing datasets, non-finite data ----------------------------------------------------------------
+
+def test_damaged_dataset_says_damaged_not_missing(tiny_hopper, minari_path, tmp_path, monkeypatch, capsys):
+    import shutil
+    for what in ("hdf5", "metadata"):
+        root = tmp_path / what
+        shutil.copytree(minari_path / tiny_hopper, root / tiny_hopper)   # never damage the session's copy
+        folder = root / tiny_hopper
+        if what == "hdf5":
+            f = folder / "data" / "main_data.hdf5"
+            f.write_bytes(f.read_bytes()[:3000])                         # a truncated download
+        else:
+            (folder / "data" / "metadata.json").write_text('{"total_episodes": 12,')
+        monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+        with pytest.raises(data.DataError) as e:
+            data.load_data(tiny_hopper)
+        msg = str(e.value)
+        assert f"at {folder} is damaged" in msg and "delete that folder" in msg and "could not be downloaded" not in msg
+        assert ("OSError" if what == "hdf5" else "JSONDecodeError") in msg
+    with pytest.raises(SystemExit) as e:                                  # the CLI: one line, exit 1
+        data.main(["info", tiny_hopper])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: ") and "damaged" in err and len(err.strip().splitlines()) == 1
+
+
+def test_non_finite_data_is_refused(make_dataset):
+    import gymnasium as gym
+    env = gym.make("Hopper-v5")
+    bad_reward = [hopper_episode([1.0, 2.0], 0), hopper_episode([1.0, np.nan, 3.0], 1), hopper_episode([np.inf], 2)]
+    with pytest.raises(data.DataError, match=r"NaN or infinite rewards, first in episode 1"):
+        data.load_data(make_dataset("test/hopper/nan-reward-v0", bad_reward, env=env))
+    bad_obs = [hopper_episode([1.0, 2.0], 0), hopper_episode([1.0], 1), hopper_episode([1.0, 2.0], 2)]
+    bad_obs[2]["observations"][1, 4] = np.inf
+    with pytest.raises(data.DataError, match=r"NaN or infinite observations, first in episode 2"):
+        data.load_data(make_dataset("test/hopper/inf-obs-v0", bad_obs, env=env))
+    eps = [dict(observations=np.zeros((3, 2)), actions=np.zeros((3, 1)), rewards=np.zeros(3)) for _ in range(2)]
+    eps[1]["actions"][2, 0] = np.nan
+    with pytest.raises(data.DataError, match=r"'hand' has NaN or infinite actions, first in episode 1"):
+        data.OfflineData("hand", "mujoco", eps, env_spec=None)
+
+
+# ---- AntMaze layout ----------------------------------------------------------------------------------------------
+
+def test_antmaze_state_starts_with_torso_xy():
+    import gymnasium as gym
+    import gymnasium_robotics
+    gym.register_envs(gymnasium_robotics)
+    ant_id = max(i for i in gym.registry if i.startswith("AntMaze_UMaze-v"))   # the newest installed version
+    for env_id, keys in ((ant_id, data.ANTMAZE_KEYS), ("PointMaze_UMaze-v3", data.MAZE_KEYS)):
+        env = gym.make(env_id)
+        obs, _ = env.reset(seed=0)
+        assert data.obs_keys_for(env.spec) == keys
+        flat = data.flatten_obs(obs, keys)
+        if keys == data.ANTMAZE_KEYS:   # x, y, the ant's own observation, goal x, y
+            assert flat.shape == (2 + obs["observation"].size + 2,)
+            assert np.array_equal(flat[:2], obs["achieved_goal"]) and np.array_equal(flat[2:-2], obs["observation"])
+        else:                           # PointMaze's observation already starts with x, y
+            assert flat.shape == (obs["observation"].size + 2,) and np.array_equal(flat[:2], obs["achieved_goal"])
+        assert np.array_equal(flat[-2:], obs["desired_goal"])
+        env.close()
+
+
+def test_antmaze_dataset_and_eval_share_the_layout(make_dataset):
+    import gymnasium as gym
+    import gymnasium_robotics
+    from conftest import rollout
+    import evaluate
+    gym.register_envs(gymnasium_robotics)
+    ant_id = max(i for i in gym.registry if i.startswith("AntMaze_UMaze-v"))
+    env = gym.make(ant_id, continuing_task=True, max_episode_steps=12)
+    eps = rollout(env, 3, 12, seed=2)
+    d = data.load_data(make_dataset("test/antmaze/tiny-v0", eps, env=env, eval_env=env.spec))
+    n_obs = eps[0]["observations"]["observation"].shape[1]
+    assert d.obs_keys == data.ANTMAZE_KEYS and d.obs_dim == 2 + n_obs + 2 and d.goal_dim == 2 and d.family == "maze"
+    o = d.episodes[1]["observations"]
+    assert np.allclose(o[:, :2], eps[1]["observations"]["achieved_goal"][:-1])
+    assert np.allclose(o[:, 2:-2], eps[1]["observations"]["observation"][:-1])
+    seen = []
+
+    def act(batch, live):
+        seen.append(batch["states"][:, -1].numpy())
+        return np.zeros((len(live), d.act_dim))
+    res = evaluate.evaluate(act, d, 2, 1.0, seed=5, context=3, progress=False)
+    assert seen[0].shape == (2, d.obs_dim)                          # eval states have the dataset's layout
+    e = d.make_env()
+    obs, _ = e.reset(seed=5)
+    assert np.allclose(seen[0][0], d.normalize_states(np.concatenate([obs["achieved_goal"], obs["observation"],
+                                                                      obs["desired_goal"]])))
+    assert np.allclose(res["positions"][0][0], obs["achieved_goal"]) and res["positions"][0].shape == (13, 2)
+
+
+# ---- %BC, synthetic data ----------------------------------------------------------------------------------------
+
+def plain_episodes(returns, lengths):
+    """Episodes whose observations hold their index, with the given returns (spread over the steps) and lengths."""
+    return [dict(observations=np.full((n, 2), float(i)), actions=np.zeros((n, 1), np.float32),
+                 rewards=np.full(n, r / n), terminated=True) for i, (r, n) in enumerate(zip(returns, lengths))]
+
+
+def test_keep_top_as_in_the_dt_code():
+    d = data.OfflineData("hand", "mujoco", plain_episodes([1.0, 10.0, 5.0, 7.0], [2, 3, 4, 1]), env_spec=None,
+                         return_scale=1e-3, target_returns=[3600.0], ref_min=0.0, ref_max=100.0)
+    # 10 steps; 50% = 5 steps: by return, episode 1 (3 steps), episode 3 (1 step, total 4), episode 2 would make 8
+    top = d.keep_top(0.5)
+    assert [e["observations"][0, 0] for e in top.episodes] == [1.0, 3.0]
+    assert np.array_equal(top.state_mean, d.state_mean) and np.array_equal(top.state_std, d.state_std)
+    kept_mean = np.mean([1, 1, 1, 3])
+    assert not np.isclose(d.state_mean[0], kept_mean)              # the full data's stats, not the kept episodes'
+    assert np.allclose(top.flat["states"][:, 0], (np.array([1, 1, 1, 3]) - d.state_mean[0]) / d.state_std[0])
+    assert top.target_returns == [3600.0] and (top.ref_min, top.ref_max) == (0.0, 100.0)
+    b = top.sample(200, 2, np.random.default_rng(0))
+    raw = b["states"][:, -1, 0].numpy() * d.state_std[0] + d.state_mean[0]
+    assert set(np.round(raw).astype(int).tolist()) == {1, 3}        # samples only the kept episodes
+    assert [e["observations"][0, 0] for e in d.keep_top(0.01).episodes] == [1.0]     # at least the best episode
+    assert len(d.keep_top(1.0).episodes) == 4
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(data.DataError, match=r"\(0, 1\]"):
+            d.keep_top(bad)
+
+
+def test_synthetic_data():
+    d = data.synthetic_data(obs_dim=6, act_dim=2, episodes=4, length=30, seed=1, goal_dim=2)
+    assert d.env_spec is None and d.family == "mujoco" and d.return_scale == 1e-3 and d.max_ep_len == 30
+    b = d.sample(5, 7, np.random.default_rng(0))
+    assert b["states"].shape == (5, 7, 6) and b["actions"].shape == (5, 7, 2) and b["rtg"].shape == (5, 7, 1)
+    assert b["timesteps"].shape == (5, 7) and b["prev_action"].shape == (5, 2)
+    assert np.ptp(d.episodes[0]["observations"][:, -2:], axis=0).max() == 0   # the goal part stays fixed
+    with pytest.raises(data.DataError, match="synthetic data and has no environment"):
+        d.make_env()
+
+
+def test_cli_help_info_and_shortcut(tiny_hopper, capsys):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "usage: data.py" in r.stdout and "convert-d4rl" in r.stdout and "info" in r.stdout
+    for args in (["info", tiny_hopper], [tiny_hopper]):                  # `data.py NAME` is short for `info NAME`
+        data.main(args)
+        out = capsys.readouterr().out
+        assert out.startswith(f"{tiny_hopper}: 12 episodes") and "windows/s" in out

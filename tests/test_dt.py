@@ -58,7 +58,7 @@ def test_overfits_one_batch():
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(300):
-        loss = dt.loss_fn(model, b)
+        loss = dt.loss_fn(model, b, dt.Config())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -139,12 +139,48 @@ def test_resume_with_another_model_is_one_sentence(tiny_hopper, tmp_path, capsys
         run_cli(["--dataset", tiny_hopper, "--steps", "4", "--resume", "--n-embd", "24"], tmp_path)
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert "does not fit this model" in err and len(err.strip().splitlines()) == 1
+    assert "--n-embd 16 there, 24 here" in err and len(err.strip().splitlines()) == 1
 
 
 def test_bench_eval_without_checkpoint_is_one_sentence(tiny_hopper, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        dt.main(["--dataset", tiny_hopper, "--bench-eval", "--resume", "--out", str(tmp_path / "none")])
+        dt.main(["--dataset", tiny_hopper, "--bench-eval", "--out", str(tmp_path / "none")])
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert "needs a checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert "no checkpoint at" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the paper's behaviour-cloning baselines (Sec. 5.3): BC drops the return token, %BC keeps the best episodes
+
+def test_bc_has_no_return_token_and_ignores_returns():
+    dt_model, bc = tiny_model(), tiny_model(return_token=False)
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(dt_model) - n(bc) == 32 + 32                    # embed_return: Linear(1, C), weight and bias
+    b = random_batch()
+    p = {k: v.clone() for k, v in b.items()}
+    p["rtg"] += 100.0
+    assert torch.equal(predict(bc, b), predict(bc, p))
+    assert not torch.allclose(predict(dt_model, b), predict(dt_model, p))
+    for t in range(4):                                       # still causal with 2 tokens per step
+        q = {k: v.clone() for k, v in b.items()}
+        q["states"][:, t + 1:] += 5.0
+        q["actions"][:, t:] = -q["actions"][:, t:]
+        assert torch.allclose(predict(bc, q)[:, :t + 1], predict(bc, b)[:, :t + 1], atol=1e-6)
+
+
+def test_top_fraction_trains_on_the_best_episodes(tiny_hopper, tmp_path, capsys, monkeypatch):
+    import data
+    seen = []
+    real = data.OfflineData.sample
+    monkeypatch.setattr(data.OfflineData, "sample", lambda self, *a: seen.append(self) or real(self, *a))
+    run_cli(["--dataset", tiny_hopper, "--steps", "3", "--eval-every", "3", "--top-fraction", "0.3",
+             "--no-return-token"], tmp_path)
+    full = data.load_data(tiny_hopper)
+    kept = seen[-1]
+    assert len(kept.episodes) < len(full.episodes)
+    assert min(kept.episode_returns) >= max(r for r in full.episode_returns if r not in set(kept.episode_returns))
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert torch.equal(ck["state_mean"], torch.from_numpy(full.state_mean))   # statistics of the whole dataset
+    assert "embed_return.weight" not in ck["model"]
+    assert json.load(open(tmp_path / "config.json"))["variant"] == "batch-size8_context4_warmup-steps5_n-embd16_n-layer1_no-return-token_top-fraction0.3"

@@ -36,6 +36,7 @@ def test_batched_equals_sequential_hopper(tiny_hopper):
     assert np.array_equal(b["lengths"], s["lengths"])
     assert np.allclose(b["returns"], s["returns"], rtol=0, atol=1e-9)
     assert np.allclose(b["normalized"], d.normalize_score(b["returns"]))
+    assert "success" not in b and "positions" not in b                # goal-reaching data only
 
 
 def test_batched_equals_sequential_maze(tiny_maze):
@@ -46,6 +47,11 @@ def test_batched_equals_sequential_maze(tiny_maze):
     assert np.array_equal(b["lengths"], s["lengths"]) and (b["lengths"] == 40).all()  # maze: runs to the horizon
     assert np.allclose(b["returns"], s["returns"], atol=1e-9)
     assert np.array_equal(b["success"], s["success"]) and np.array_equal(b["steps_to_goal"], s["steps_to_goal"])
+    # positions: x, y after reset and after each step (achieved_goal), for drawing paths
+    assert [p.shape for p in b["positions"]] == [(n + 1, 2) for n in b["lengths"]]
+    assert all(np.array_equal(p, q) for p, q in zip(b["positions"], s["positions"]))
+    obs, _ = d.make_env().reset(seed=0)
+    assert np.allclose(b["positions"][0][0], obs["achieved_goal"]) and np.ptp(b["positions"][0], axis=0).max() > 0
 
 
 def test_rtg_and_previous_step_bookkeeping(tiny_hopper):

@@ -1,11 +1,15 @@
 """Tests for gpt2_dtma.py. Every check is against something independent of the code under test: a numpy GPT-2
 written here from the HF layout, Hugging Face transformers when installed, files written by the `safetensors`
-library, hand-computed Markov ratios, masked/shortened inputs, and a tiny CLI run. No network, no shared datasets."""
+library, hand-computed Markov ratios, attention and distance masses, masked/shortened inputs, weights compared tensor
+by tensor, parameter counts by hand, and short CLI runs. No network, no shared datasets."""
+import csv
 import json
 import math
 import os
+import re
 import sys
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -26,7 +30,7 @@ def hf_tiny_state(seed=0, cfg=TINY):
     """Random tensors named and shaped exactly as HF GPT2LMHeadModel stores them (Conv1D weights are (in, out))."""
     g = np.random.default_rng(seed)
     C, V, P = cfg["n_embd"], cfg["vocab_size"], cfg["n_positions"]
-    r = lambda *s: (0.2 * g.standard_normal(s)).astype(np.float32)
+    r = lambda *s: (0.2 * g.standard_normal(s)).astype(np.float32)  # noqa: E731
     sd = {"transformer.wte.weight": r(V, C), "transformer.wpe.weight": r(P, C),
           "transformer.ln_f.weight": 1 + r(C), "transformer.ln_f.bias": r(C)}
     for i in range(cfg["n_layer"]):
@@ -69,13 +73,13 @@ def numpy_gpt2(sd, ids, cfg=TINY):
     return ln(x, sd["ln_f.weight"], sd["ln_f.bias"]) @ sd["wte.weight"].T
 
 
-def write_hf_folder(folder, sd, cfg=TINY, prefix=True):
+def write_hf_folder(folder, sd, cfg=TINY, prefix=True, **config_json):
     from safetensors.numpy import save_file
     os.makedirs(folder, exist_ok=True)
     sd = {(k if prefix else k.replace("transformer.", "")): v for k, v in sd.items() if k != "lm_head.weight"}
     save_file(sd, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(dict(cfg, model_type="gpt2", activation_function="gelu_new"), f)
+        json.dump(dict(cfg, model_type="gpt2", activation_function="gelu_new") | config_json, f)
     return folder
 
 
@@ -86,7 +90,7 @@ def test_gpt2_port_matches_numpy_reference(tmp_path, prefix):
     ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38])
     ref = numpy_gpt2(sd, ids)
     for path in (folder, os.path.join(folder, "model.safetensors")):       # a folder or the file itself
-        model = G.GPT2.from_pretrained(path).eval()
+        model = G.load_gpt2_lm(path).eval()
         assert model.cfg.n_embd == 48 and len(model.h) == 2                 # config.json was read
         out = model(torch.tensor(ids)[None])[0].detach().double().numpy()
         np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
@@ -111,13 +115,13 @@ def test_gpt2_port_matches_transformers(tmp_path, prefix):
         save_file({k.replace("transformer.", ""): v.contiguous() for k, v in sd.items()},
                   str(tmp_path / "model.safetensors"))
     ids = torch.randint(0, 97, (2, 12))
-    ours = G.GPT2.from_pretrained(str(tmp_path)).eval()
+    ours = G.load_gpt2_lm(str(tmp_path)).eval()
     with torch.no_grad():
         assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the hand-written safetensors reader
+# the hand-written safetensors reader and the config.json checks
 
 def test_read_safetensors_roundtrip_against_library(tmp_path):
     from safetensors.torch import save_file
@@ -132,8 +136,12 @@ def test_read_safetensors_roundtrip_against_library(tmp_path):
 
 
 def _raw(header, data=b"", n=None):
-    h = json.dumps(header).encode()
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
     return (len(h) if n is None else n).to_bytes(8, "little") + h + data
+
+
+def _entry(offsets, shape=(4,)):
+    return {"w": {"dtype": "F32", "shape": list(shape), "data_offsets": offsets}}
 
 
 @pytest.mark.parametrize("blob, words", [
@@ -143,10 +151,18 @@ def _raw(header, data=b"", n=None):
     (_raw({}, n=2)[:8] + b"[]", "not a JSON object"),
     ((4).to_bytes(8, "little") + b"\xff\xfe{}", "not valid JSON"),
     (_raw({"w": {"dtype": "F32", "shape": [2 ** 20, 2 ** 20], "data_offsets": [0, 16]}}, bytes(16)), "does not match"),
-    (_raw({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8)), "outside the data"),
+    (_raw(_entry([0, 16]), bytes(8)), "outside the data"),
     (_raw({"w": {"dtype": "F33", "shape": [4], "data_offsets": [0, 16]}}, bytes(16)), "unknown dtype"),
-    (_raw({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, bytes(16)), "invalid shape"),
-    (_raw({"w": {"dtype": "F32", "shape": [4], "data_offsets": [8, 4]}}, bytes(16)), "outside the data"),
+    (_raw(_entry([0, 16], shape=[-4]), bytes(16)), "invalid shape"),
+    (_raw(_entry([0, 16], shape=[True, 4]), bytes(16)), "invalid shape"),            # a bool is not a size
+    (_raw(_entry([8, 4]), bytes(16)), "outside the data"),
+    (_raw(_entry([-16, 0]), bytes(16)), "outside the data"),                         # negative offset
+    (_raw(_entry([False, 16]), bytes(16)), "outside the data"),                      # bool offset
+    (_raw(_entry([0.0, 16]), bytes(16)), "outside the data"),                        # float offset
+    (_raw(_entry(["0", 16]), bytes(16)), "outside the data"),                        # string offset
+    (_raw(_entry([0, 2 ** 80]), bytes(16)), "outside the data"),                     # huge offset
+    (_raw(b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, ' + b"9" * 5000 + b"]}}", bytes(16)),
+     "not valid JSON"),                                                             # a 5000-digit offset
     (_raw({"w": "x"}, bytes(16)), "malformed"),
     (_raw({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
            "v": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, bytes(16)), "overlap"),
@@ -155,9 +171,38 @@ def test_read_safetensors_rejects_bad_files_fast(tmp_path, blob, words):
     p = tmp_path / "bad.safetensors"
     p.write_bytes(blob)
     t0 = time.time()
-    with pytest.raises(G.CheckpointError, match=words):
+    with pytest.raises(G.CheckpointError, match=words) as e:
         G.read_safetensors(str(p))
+    assert time.time() - t0 < 1.0 and "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(n_layer="2"), "n_layer must be a whole number"),               # a string
+    (dict(n_layer=True), "n_layer must be a whole number"),              # a bool is not an int here
+    (dict(n_layer=2.0), "n_layer must be a whole number"),
+    (dict(n_layer=0), "n_layer must be a whole number"),
+    (dict(n_head=-12), "n_head must be a whole number"),
+    (dict(n_layer=10 ** 9), "from 1 to 96"),                             # refused before anything is allocated
+    (dict(n_embd=10 ** 6), "from 1 to 12,288"),
+    (dict(vocab_size=10 ** 7), "from 1 to 1,000,000"),
+    (dict(n_positions=10 ** 6), "from 1 to 65,536"),
+    (dict(n_embd=50), "not divisible by n_head 12"),
+    (dict(layer_norm_epsilon="1e-5"), "layer_norm_epsilon"),
+    (dict(layer_norm_epsilon=0), "layer_norm_epsilon"),
+    (dict(layer_norm_epsilon=-1e-5), "layer_norm_epsilon"),
+    (dict(layer_norm_epsilon=float("nan")), "layer_norm_epsilon"),       # json writes NaN, json reads it back
+    (dict(layer_norm_epsilon=True), "layer_norm_epsilon"),
+    (dict(activation_function="relu"), "not GPT-2's tanh GELU"),
+])
+def test_config_json_is_validated_before_any_allocation(tmp_path, change, words):
+    folder = write_hf_folder(str(tmp_path / "c"), hf_tiny_state(0), **change)
+    t0 = time.time()
+    with pytest.raises(G.CheckpointError, match=words):
+        G.load_gpt2_lm(folder)
     assert time.time() - t0 < 1.0
+    (tmp_path / "c" / "config.json").write_text('{"n_layer": ' + "9" * 5000 + "}")      # > 4300 digits
+    with pytest.raises(G.CheckpointError, match="cannot read"):
+        G.gpt2_config_from_json(str(tmp_path / "c" / "config.json"))
 
 
 def test_truncated_real_checkpoint_and_wrong_model_are_clear_errors(tmp_path):
@@ -166,15 +211,15 @@ def test_truncated_real_checkpoint_and_wrong_model_are_clear_errors(tmp_path):
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "model.safetensors").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(G.CheckpointError, match="truncated"):
-        G.GPT2.from_pretrained(str(tmp_path / "cut"))
+        G.load_gpt2_lm(str(tmp_path / "cut"))
     from safetensors.torch import save_file
     (tmp_path / "other").mkdir()
     save_file({"encoder.weight": torch.zeros(3)}, str(tmp_path / "other" / "model.safetensors"))
     with pytest.raises(G.CheckpointError, match="missing"):
-        G.GPT2.from_pretrained(str(tmp_path / "other"))
+        G.load_gpt2_lm(str(tmp_path / "other"))
     with pytest.raises(G.CheckpointError, match="no GPT-2 checkpoint"):
-        G.GPT2.from_pretrained(str(tmp_path / "nowhere"))
-    assert G.GPT2.from_pretrained(folder).cfg.n_layer == 2
+        G.load_gpt2_lm(str(tmp_path / "nowhere"))
+    assert G.load_gpt2_lm(folder).cfg.n_layer == 2
 
 
 def test_gpt2_name_finds_hf_cache_and_download_is_atomic(tmp_path, monkeypatch):
@@ -183,7 +228,7 @@ def test_gpt2_name_finds_hf_cache_and_download_is_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     assert G.find_gpt2_weights("gpt2", allow_download=False) == str(snap / "model.safetensors")
-    assert G.GPT2.from_pretrained("gpt2").cfg.n_embd == 48
+    assert G.load_gpt2_lm("gpt2").cfg.n_embd == 48
     # download(): a file:// URL stands in for the hub; the result is complete and no .part file is left behind
     dest = str(tmp_path / "cache" / "model.safetensors")
     G.download("file://" + str(snap / "model.safetensors"), dest)
@@ -197,9 +242,13 @@ def test_gpt2_name_finds_hf_cache_and_download_is_atomic(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # GPT2-DT / GPT2-DTMA
 
-def small_dt(moa=True, seed=0, n_layer=2, n_head=12, n_embd=48, dropout=0.0):
+def small_cfg(**kw):
+    return G.Config(**(dict(init="random", n_layer=2, n_head=12, n_embd=48, dropout=0.0) | kw))
+
+
+def small_dt(seed=0, **kw):
     torch.manual_seed(seed)
-    return G.DecisionGPT2(5, 2, 50, n_embd=n_embd, n_head=n_head, n_layer=n_layer, dropout=dropout, moa=moa)
+    return G.DecisionTransformer(small_cfg(**kw), 5, 2, 50)
 
 
 def rand_batch(B=4, K=6, seed=0, pad=None):
@@ -220,26 +269,78 @@ def fwd(model, b, **kw):
     return model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"], **kw)
 
 
-def test_dtma_equals_dt_at_init_and_gate_matters():
+def test_model_block_runs_alone_with_only_torch_math_dataclasses():
+    """The marked model block, exec'd in a namespace holding only torch, nn, F, math, dataclass, field, Config, arg."""
+    text = open(os.path.join(ROOT, "gpt2_dtma.py")).read()
+    block = re.search(r"^# >>> model: begin.*?^# <<< model: end", text, re.S | re.M).group(0)
+    ns = dict(torch=torch, nn=torch.nn, F=torch.nn.functional, math=math, dataclass=dataclass, field=field,
+              Config=G.Config, arg=G.arg)
+    exec(compile(block, "gpt2_dtma.py:model", "exec"), ns)
+    torch.manual_seed(0)
+    model = ns["DecisionTransformer"](G.Config(n_embd=24, n_layer=1, n_head=12), 11, 3, 100)
+    B, K = 2, 20
+    a, aux = model(torch.randn(B, K, 11), torch.zeros(B, K, 3), torch.randn(B, K, 1), torch.arange(K).repeat(B, 1),
+                   torch.ones(B, K))
+    assert a.shape == (B, K, 3) and aux["gates"][0].shape == (B, 3 * K, 12)
+
+
+def test_dt_and_dtma_of_one_seed_share_every_weight_but_the_gate():
+    """Paired runs: GPT2-DT and GPT2-DTMA built with one seed start from the same weights apart from the gate, so the
+    gate is the only difference (zero gate * N == 1: the same function too)."""
     dt, dtma = small_dt(moa=False).eval(), small_dt(moa=True).eval()
-    missing, unexpected = dtma.load_state_dict(dt.state_dict(), strict=False)
-    assert not unexpected and missing and all(".gate." in k for k in missing)
-    b = rand_batch(pad=[0, 2, 5, 0])
-    a_dt, a_ma = fwd(dt, b)[0], fwd(dtma, b)[0]
-    assert torch.equal(a_dt, a_ma)                                  # zero gate * N == 1 exactly
-    g0 = fwd(dtma, b)[1]["gates"][0]
+    a, b = dt.state_dict(), dtma.state_dict()
+    gate = {k for k in b if ".gate_" in k}
+    assert len(gate) == 2 * 2 and set(a) == set(b) - gate
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    batch = rand_batch(pad=[0, 2, 5, 0])
+    a_dt, a_ma = fwd(dt, batch)[0], fwd(dtma, batch)[0]
+    assert torch.equal(a_dt, a_ma)
+    g0 = fwd(dtma, batch)[1]["gates"][0]
     assert torch.allclose(g0, torch.full_like(g0, 1 / 12))
     with torch.no_grad():
-        dtma.blocks[0].attn.gate.bias[3] = 2.0                      # a non-uniform gate changes the function
-    assert (fwd(dtma, b)[0] - a_dt).abs().max() > 1e-4
+        dtma.blocks[0].attn.gate_bias[3] = 2.0                      # a non-uniform gate changes the function
+    assert (fwd(dtma, batch)[0] - a_dt).abs().max() > 1e-4
+
+
+def test_paired_pretrained_builds_share_every_weight_but_the_gate(tmp_path):
+    folder = write_hf_folder(str(tmp_path / "c"), hf_tiny_state(3))
+    info = lambda: dict(obs_dim=5, act_dim=2, max_ep_len=50, goal_dim=0)  # noqa: E731
+    torch.manual_seed(7)
+    dt = G.build_model(G.Config(init=folder, moa=False), info())
+    torch.manual_seed(7)
+    dtma = G.build_model(G.Config(init=folder, moa=True), info())
+    b = dtma.state_dict()
+    for k, v in dt.state_dict().items():
+        assert torch.equal(v, b[k]), k
+
+
+def test_gate_parameters_by_hand():
+    """Eq. 7 adds N*C + N parameters per layer: 9,228 for GPT-2 small, 12 x 9,228 = 110,736 = 0.13% of its 85.06M
+    block parameters, far from Sec. 5.2's '~3%'."""
+    dt, dtma = small_dt(moa=False), small_dt(moa=True)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(dtma) - count(dt) == 2 * (12 * 48 + 12)
+    C, L = 768, 12
+    block = 4 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C)   # 2 LN, attn, MLP
+    assert L * block == 85_054_464 and round(100 * L * (12 * C + 12) / (L * block), 2) == 0.13
 
 
 def test_load_gpt2_blocks_uses_pretrained_weights(tmp_path):
-    gpt = G.GPT2.from_pretrained(write_hf_folder(str(tmp_path / "c"), hf_tiny_state(3)))
-    dt = small_dt(n_layer=1).load_gpt2_blocks(gpt)                  # --layers 1: keep block 0 only
-    assert torch.equal(dt.blocks[0].attn.c_attn.weight, gpt.h[0].attn.c_attn.weight)
+    folder = write_hf_folder(str(tmp_path / "c"), hf_tiny_state(3))
+    gpt = G.load_gpt2_lm(folder)
+    torch.manual_seed(0)
+    info = dict(obs_dim=5, act_dim=2, max_ep_len=50, goal_dim=0)
+    dt = G.build_model(G.Config(init=folder, n_layer=1), info)     # --n-layer 1: keep block 0 only
+    assert len(dt.blocks) == 1 and info["shape"] == dict(n_embd=48, n_head=12, n_layer=1, eps=1e-5)
+    for k, v in gpt.h[0].state_dict().items():
+        assert torch.equal(dt.blocks[0].state_dict()[k], v), k
     assert torch.equal(dt.ln_f.weight, gpt.ln_f.weight)
-    assert torch.equal(dt.blocks[0].attn.gate.weight, torch.zeros(12, 48))
+    assert torch.equal(dt.blocks[0].attn.gate_weight, torch.zeros(12, 48))
+    # a rebuild from info (resume, analyses) needs no GPT-2 file: same shape, no pretrained weights loaded
+    os.remove(os.path.join(folder, "model.safetensors"))
+    again = G.build_model(G.Config(init=folder, n_layer=1), info)
+    assert {k: v.shape for k, v in again.state_dict().items()} == {k: v.shape for k, v in dt.state_dict().items()}
 
 
 def test_explicit_attention_equals_sdpa_and_rows_sum_to_one():
@@ -292,25 +393,63 @@ def test_markov_gate_mass_and_penalty_gradient():
     m = small_dt()
     b = rand_batch(pad=[0, 3, 0, 0])
     gates = fwd(m, b)[1]["gates"][0]
-    assert abs(G.markov_gate_mass(gates, b["mask"]).item() - 3 / 12) < 1e-6   # uniform gate: 3 of 12 heads
+    assert abs(G.markov_gate_mass(gates, b["mask"], (1, 5, 10)).item() - 3 / 12) < 1e-6   # uniform: 3 of 12 heads
     g = torch.zeros(1, 3, 12)
-    g[0, 0, 1], g[0, 0, 0] = 1.0, 0.0            # token 0 puts all weight on head 1; tokens 1, 2 on head 0
+    g[0, 0, 1] = 1.0                             # token 0 puts all weight on head 1; tokens 1, 2 on head 0
     g[0, 1:, 0] = 1.0
-    assert abs(G.markov_gate_mass(g, torch.ones(1, 1)).item() - 1 / 3) < 1e-6
-    assert G.markov_gate_mass(g, torch.zeros(1, 1)).item() == 0.0
+    assert abs(G.markov_gate_mass(g, torch.ones(1, 1), (1, 5, 10)).item() - 1 / 3) < 1e-6
+    assert G.markov_gate_mass(g, torch.zeros(1, 1), (1, 5, 10)).item() == 0.0
     # GPT2-P (Eq. 9): descending the penalty lowers the Markov heads' gate mass
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
-    before = G.markov_gate_mass(fwd(m, b)[1]["gates"][0], b["mask"]).item()
+    before = G.markov_gate_mass(fwd(m, b)[1]["gates"][0], b["mask"], (1, 5, 10)).item()
     for _ in range(3):
-        pen = G.markov_gate_mass(fwd(m, b)[1]["gates"][0], b["mask"])
+        pen = G.markov_gate_mass(fwd(m, b)[1]["gates"][0], b["mask"], (1, 5, 10))
         opt.zero_grad()
         pen.backward()
         opt.step()
-    assert G.markov_gate_mass(fwd(m, b)[1]["gates"][0], b["mask"]).item() < before - 0.01
+    assert G.markov_gate_mass(fwd(m, b)[1]["gates"][0], b["mask"], (1, 5, 10)).item() < before - 0.01
+
+
+def test_freeze_attention_trains_only_embeddings_ffn_and_new_layers(tmp_path):
+    """App. F's GPT2-DT (part): the pretrained attention and LayerNorms get no gradient, are left out of the optimiser
+    and do not move over steps; the embeddings, FFNs, action head and gate do."""
+    folder = write_hf_folder(str(tmp_path / "c"), hf_tiny_state(3))
+    cfg = G.Config(init=folder, freeze_attention=True, lr=1e-2, warmup_steps=0, dropout=0.0)
+    torch.manual_seed(0)
+    m = G.build_model(cfg, dict(obs_dim=5, act_dim=2, max_ep_len=50, goal_dim=0))
+    pattern = r"ln_f\.|blocks\.\d+\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj)\."     # written here, not from the code
+    frozen = {n for n, _ in m.named_parameters() if re.match(pattern, n)}
+    assert len(frozen) == 2 + 2 * 8                                # ln_f + per block: ln_1, ln_2, c_attn, c_proj (w, b)
+    opt, _ = G.make_optimizer(m, cfg)
+    in_opt = {id(p) for group in opt.param_groups for p in group["params"]}
+    named = dict(m.named_parameters())
+    assert in_opt == {id(p) for n, p in named.items() if n not in frozen}
+    before = {n: p.detach().clone() for n, p in named.items()}
+    b = rand_batch(B=8, K=4)
+    for _ in range(3):
+        loss = G.loss_fn(m, b, cfg)
+        opt.zero_grad()
+        loss.backward()
+        assert all(named[n].grad is None for n in frozen)
+        opt.step()
+    for n, p in named.items():
+        assert torch.equal(p, before[n]) == (n in frozen), n         # frozen kept, everything else moved
+
+
+def test_markov_heads_of_the_model():
+    """GPT-2 small keeps Tab. 1's {1, 5, 10}; another checkpoint gets Def. 4.1 on its own layer-0 weights; random
+    weights get {1, 5, 10} only with more than 10 heads."""
+    W = torch.randn(3 * 48, 48, generator=torch.Generator().manual_seed(0))
+    for h in (2, 7):                                   # plant: W_k^h = 3 W_q^h gives the PSD form 3 Wq^T Wq
+        W[48 + 4 * h:48 + 4 * h + 4] = 3 * W[4 * h:4 * h + 4]
+    assert G.find_markov_heads(W, 12, r=1.5) == (2, 7)
+    info = lambda: dict(obs_dim=5, act_dim=2, max_ep_len=50, goal_dim=0)  # noqa: E731
+    assert G.build_model(G.Config(init="random", n_embd=24, n_layer=1), info()).markov_heads == (1, 5, 10)
+    assert G.build_model(G.Config(init="random", n_embd=24, n_head=8, n_layer=1), info()).markov_heads == ()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# analysis on inputs with known answers
+# analysis quantities on inputs with known answers
 
 def test_markov_stats_hand_computed():
     A = torch.tensor([[4.0, 1.0, -1.0], [0.5, 2.0, 0.0], [0.0, -0.5, 3.0]])
@@ -328,7 +467,7 @@ def test_markov_stats_hand_computed():
 
 def test_head_qk_matrix_is_the_bilinear_form_of_the_attention_scores():
     torch.manual_seed(0)
-    att = G.SelfAttention(48, 12)
+    att = G.CausalSelfAttention(48, 12)
     W = att.c_attn.weight
     x, y = torch.randn(48), torch.randn(48)
     for i in (0, 5, 11):
@@ -337,8 +476,7 @@ def test_head_qk_matrix_is_the_bilinear_form_of_the_attention_scores():
         A = G.head_qk_matrix(W, 12, i, "model")
         assert A.shape == (48, 48) and torch.allclose(x.double() @ A @ y.double(), q @ k, atol=1e-8)
         assert G.head_qk_matrix(W, 12, i, "head").shape == (4, 4)
-    # plant a Markov head: with W_k^i = c W_q^i the C x C form is c Wq^T Wq (psd, positive diagonal)
-    with torch.no_grad():
+    with torch.no_grad():                             # plant a Markov head: W_k^1 = 3 W_q^1
         W[48 + 4:48 + 8] = W[4:8] * 3.0
     rows = G.markov_table(W, 12)
     assert rows[1]["model_i"] and rows[1]["head_i"]                 # (i) holds for the planted head
@@ -346,15 +484,29 @@ def test_head_qk_matrix_is_the_bilinear_form_of_the_attention_scores():
     assert rows[1]["head_ratio"] > max(r["head_ratio"] for r in rows if r["head"] != 1)
 
 
-def test_diagonal_attention_mass():
+def test_diagonal_attention_mass_leaves_out_row_0():
     P = torch.zeros(1, 2, 3, 3)
     P[0, 0] = torch.eye(3)                                          # head 0 attends to itself only
     P[0, 1, :, 0] = 1.0                                             # head 1 attends to the first token only
-    assert torch.allclose(G.diagonal_attention_mass(P), torch.tensor([1.0, 1 / 3]))
-    assert torch.allclose(G.diagonal_attention_mass(P, torch.tensor([[0.0, 1.0, 1.0]])), torch.tensor([1.0, 0.0]))
+    # rows 1 and 2: head 0 = 1, head 1 = 0 (row 0, always 1 under a causal mask, is not counted)
+    assert torch.allclose(G.diagonal_attention_mass(P), torch.tensor([1.0, 0.0]))
+    P[0, 1, 2] = torch.tensor([0.5, 0.0, 0.5])                      # head 1, row 2: half on itself
+    assert torch.allclose(G.diagonal_attention_mass(P), torch.tensor([1.0, 0.25]))
+    assert torch.allclose(G.diagonal_attention_mass(P, torch.tensor([[1.0, 0.0, 1.0]])), torch.tensor([1.0, 0.5]))
 
 
-def test_head_importance_zero_for_a_dead_head():
+def test_attention_by_distance_hand_made():
+    P = torch.zeros(1, 2, 4, 4)                                     # one window, two heads, four tokens
+    P[0, 0, 3] = torch.tensor([0.1, 0.2, 0.3, 0.4])                 # head 0, query 3: keys 0..3
+    P[0, 1, 3] = torch.tensor([0.0, 0.0, 0.0, 1.0])                 # head 1: itself only
+    P[0, :, 2, :3] = torch.tensor([0.5, 0.25, 0.25])                # query 2 (another row): not counted for query 3
+    d = G.attention_by_distance([P], query=3)                       # distance 0 = key 3, ..., 3 = key 0
+    assert torch.allclose(d, torch.tensor([(0.4 + 1) / 2, 0.3 / 2, 0.2 / 2, 0.1 / 2]))
+    assert torch.allclose(G.attention_by_distance([P, torch.zeros_like(P)], query=3), d / 2)   # mean over layers
+    assert torch.allclose(G.attention_by_distance([P], query=2), torch.tensor([0.25, 0.25, 0.5]))
+
+
+def test_head_importance_zero_for_a_dead_head_and_matches_a_hand_ablation():
     m = small_dt(n_layer=2).eval()
     with torch.no_grad():                                           # head 4 of layer 1 outputs exactly zero
         m.blocks[1].attn.c_attn.weight[96 + 16:96 + 20] = 0
@@ -362,18 +514,21 @@ def test_head_importance_zero_for_a_dead_head():
     b = rand_batch(pad=[0, 2, 0, 4])
     imp = G.head_importance(m, b)
     assert imp.shape == (2, 12) and imp[1, 4] == 0 and (imp[0] > 0).all()
-    # and it matches one ablation done by hand
-    hm = torch.ones(2, 12)
-    hm[0, 7] = 0
-    by_hand = (fwd(m, b)[0][:, -1] - fwd(m, b, head_mask=hm)[0][:, -1]).norm(dim=-1).mean()
+    # by hand: head 7 of layer 0 removed by zeroing its 4 input columns of c_proj, in a copy of the model
+    import copy
+    cut = copy.deepcopy(m)
+    with torch.no_grad():
+        cut.blocks[0].attn.c_proj.weight[:, 28:32] = 0
+    by_hand = (fwd(m, b)[0][:, -1] - fwd(cut, b)[0][:, -1]).norm(dim=-1).mean()
     assert torch.allclose(imp[0, 7], by_hand, atol=1e-6)
+    assert all(not blk.attn.c_proj._forward_pre_hooks for blk in m.blocks)   # the hooks are gone afterwards
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the command line on the tiny datasets of conftest.py
 
-TINY_RUN = ["--init", "random", "--layers", "2", "--n-embd", "24", "--n-head", "12", "--batch-size", "4",
-            "--context", "4", "--eval-episodes", "2", "--log-every", "2", "--warmup-steps", "2", "--lr", "1e-3"]
+TINY_RUN = ["--init", "random", "--n-layer", "2", "--n-embd", "24", "--n-head", "12", "--batch-size", "4",
+            "--context", "4", "--eval-episodes", "1", "--log-every", "2", "--warmup-steps", "2", "--lr", "1e-3"]
 
 
 def cli(capsys, *args):
@@ -381,31 +536,43 @@ def cli(capsys, *args):
     return capsys.readouterr()
 
 
+def log(folder):
+    with open(folder / "log.csv") as f:
+        return list(csv.DictReader(f))
+
+
 def test_cli_train_resume_and_analyses(tiny_hopper, tmp_path, capsys):
     full, part = tmp_path / "full", tmp_path / "part"
-    out = cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--steps", 6, "--eval-every", 3, "--out", full).out
+    out = cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--steps", 6, "--eval-every", 3, "--keep-ckpt-at", 3,
+              "--out", full).out
     last = out.strip().splitlines()[-1]
-    assert last.startswith("final: normalized_score=") and last.endswith("episodes=2"), last
-    assert "| G_Markov 0.2" in out                                  # logged with the loss (Fig. 9)
-    for f in ("config.json", "log.csv", "ckpt.pt", "curve.png", "gates.png"):
+    assert last.startswith("final: normalized_score=") and last.endswith("episodes=1"), last
+    assert "| g_markov 0.2" in out and "Markov heads {1, 5, 10}" in out       # logged with the loss (Fig. 9)
+    for f in ("config.json", "log.csv", "ckpt.pt", "curve.png", "gates.png", "ckpt_step3.pt"):
         assert (full / f).exists(), f
-    rows = list(__import__("csv").DictReader(open(full / "log.csv")))
+    rows = log(full)
     assert rows[0]["step"] == "0" and abs(float(rows[0]["g_markov"]) - 0.25) < 1e-6
-    # --resume: 3 steps, stop, 3 more == 6 steps in one go (dropout RNG, data RNG and optimiser restored)
+    assert json.loads((full / "config.json").read_text())["info"]["markov_heads"] == [1, 5, 10]
+    kept = torch.load(full / "ckpt_step3.pt", weights_only=True)
+    # --resume: 3 steps, stop, 3 more == 6 steps in one go; the kept step-3 checkpoint is that step's
     cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--steps", 3, "--eval-every", 3, "--out", part)
-    cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--steps", 6, "--eval-every", 3, "--out", part, "--resume")
-    a = torch.load(full / "ckpt.pt", weights_only=True)
-    b = torch.load(part / "ckpt.pt", weights_only=True)
+    mid = torch.load(part / "ckpt.pt", weights_only=True)
+    assert kept["step"] == mid["step"] == 3 and all(torch.equal(kept["model"][k], v) for k, v in mid["model"].items())
+    cli(capsys, "--out", part, "--resume", "--steps", 6)
+    a, b = torch.load(full / "ckpt.pt", weights_only=True), torch.load(part / "ckpt.pt", weights_only=True)
     assert a["step"] == b["step"] == 6
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    # analyses of the trained run: each prints its table and writes its PNG
-    out = cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--out", full, "--markov", "--attention-maps",
-              "--importance").out
-    assert "| head | init CxC (i)" in out and "fine-tuned CxC (i)" in out
-    assert "| head | before | after |" in out and "most important heads" in out
-    for f in ("markov_heads.png", "attention_maps.png", "head_importance.png"):
-        assert (full / f).exists(), f
+    # analyses of the trained run (its settings come from its checkpoint): each prints its table and writes its PNG
+    before = (full / "ckpt.pt").read_bytes()
+    for flag, words, png in (("--markov", "fine-tuned CxC (i)", "markov_heads.png"),
+                             ("--attention-maps", "| head | before | after | Markov head |", "attention_maps.png"),
+                             ("--importance", "most important heads", "head_importance.png"),
+                             ("--attention-distance", "| step | 0 | 1 |", "attention_distance.png")):
+        out = cli(capsys, "--out", full, flag, "--device", "cpu").out
+        assert words in out and (full / png).exists(), (flag, out)
+    assert "\n| 0 | " in out and "\n| 3 | " in out and "\n| 6 | " in out    # step 0, the kept step 3, the end
+    assert (full / "ckpt.pt").read_bytes() == before                            # never retrained
 
 
 def test_cli_maze_reports_steps_to_goal_and_gpt2_p(tiny_maze, tmp_path, capsys):
@@ -413,7 +580,7 @@ def test_cli_maze_reports_steps_to_goal_and_gpt2_p(tiny_maze, tmp_path, capsys):
               "--out", tmp_path / "m").out
     lines = out.strip().splitlines()
     assert lines[-2].startswith("maze: steps_to_goal=") and lines[-1].startswith("final: normalized_score=")
-    assert "DTMA-P(α=0.1)" in out
+    assert "markov-penalty0.1" in out
     cfg = json.load(open(tmp_path / "m" / "config.json"))
     assert cfg["markov_penalty"] == 0.1 and cfg["context"] == 4
 
@@ -421,38 +588,83 @@ def test_cli_maze_reports_steps_to_goal_and_gpt2_p(tiny_maze, tmp_path, capsys):
 def test_default_context_is_the_papers_per_task():
     class D:
         goal_reaching = True
-    assert G.resolve_context(G.Config(), D()).context == 50
+    assert G.configure(G.Config(), D()).context == 50
     D.goal_reaching = False
-    assert G.resolve_context(G.Config(), D()).context == 20
-    assert G.resolve_context(G.Config(context=7), D()).context == 7
+    assert G.configure(G.Config(), D()).context == 20
+    assert G.configure(G.Config(context=7), D()).context == 7
+    assert G.Config().context is None                               # so the variant name leaves it out unless given
+
+
+def test_fewer_than_11_random_heads_log_no_g_markov(tiny_hopper, tmp_path, capsys):
+    """The paper's Markov heads 1, 5, 10 do not exist with 8 heads: no G_Markov, no gates.png (and --markov-penalty
+    is refused, below)."""
+    args = [a if a != "12" else "8" for a in TINY_RUN]
+    out = cli(capsys, "--dataset", tiny_hopper, *args, "--steps", 2, "--eval-every", 2, "--out", tmp_path / "r").out
+    assert "Markov heads {}" in out and "g_markov" not in out
+    assert all(r["g_markov"] == "" for r in log(tmp_path / "r")) and not (tmp_path / "r" / "gates.png").exists()
+
+
+def test_markov_heads_of_another_checkpoint_come_from_its_weights(tiny_hopper, tmp_path, capsys):
+    sd = hf_tiny_state(4)
+    W = sd["transformer.h.0.attn.c_attn.weight"]                     # Conv1D (C, 3C): head h's query columns 4h..
+    W[:, 48 + 8:48 + 12] = 3 * W[:, 8:12]                            # plant a Markov head at 2
+    folder = write_hf_folder(str(tmp_path / "ckpt"), sd)
+    out = cli(capsys, "--dataset", tiny_hopper, "--init", folder, "--n-layer", 1, "--markov-r", 1.5, "--batch-size", 4,
+              "--context", 4, "--steps", 2, "--eval-every", 2, "--eval-episodes", 1, "--log-every", 1,
+              "--markov-penalty", 0.1, "--out", tmp_path / "r").out
+    assert "Markov heads {2} (Def. 4.1 with r=1.5" in out
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["info"]["markov_heads"] == [2]
+    assert all(r["g_markov"] != "" for r in log(tmp_path / "r") if r["loss"])
+    # no Markov head at r=20 in random weights: GPT2-P has nothing to penalise, one sentence
+    with pytest.raises(SystemExit) as e:
+        G.main(["--dataset", tiny_hopper, "--init", folder, "--n-layer", "1", "--markov-penalty", "0.1",
+                "--steps", "2", "--out", str(tmp_path / "none")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "finds no Markov head" in err and "\n" not in err, err
 
 
 @pytest.mark.parametrize("args, words", [
     (["--env", "no-such-env", "--init", "random"], "unknown environment"),
     (["--dataset", "TINY", "--init", "/no/such/ckpt"], "no GPT-2 checkpoint"),
     (["--sample", "hi", "--init", "/no/such/ckpt"], "no GPT-2 checkpoint"),
-    (["--importance", "--out", "/no/such/run"], "no trained run"),
+    (["--importance", "--out", "/no/such/run"], "no checkpoint"),
+    (["--dataset", "TINY", "--init", "CKPT", "--n-embd", "24"], "checkpoint's width is 48"),
+    (["--dataset", "TINY", "--init", "CKPT", "--n-head", "8"], "checkpoint has 12 heads"),
+    (["--dataset", "TINY", "--init", "CKPT", "--n-layer", "3"], "checkpoint has 2 blocks"),
+    (["--dataset", "TINY", "--init", "BADCKPT"], "n_layer must be a whole number"),
+    (["--init", "random", "--n-embd", "40"], "not divisible by --n-head 12"),
+    (["--markov-penalty", "-1"], "--markov-penalty must be >= 0"),
+    (["--markov-penalty", "0.1", "--no-moa"], "drop --no-moa"),
+    (["--init", "random", "--n-embd", "24", "--n-head", "8", "--markov-penalty", "0.1"], "more than 10 heads"),
+    (["--init", "random", "--freeze-attention"], "with --init random there is none"),
+    (["--markov-r", "0"], "--markov-r must be > 0"),
+    (["--keep-ckpt-at", "-1"], "--keep-ckpt-at -1"),
+    (["--keep-ckpt-at", "700", "--eval-every", "500"], "a multiple of --eval-every 500"),
+    (["--keep-ckpt-at", "500", "--steps", "400", "--eval-every", "100"], "0 to --steps 400"),
+    (["--sample", "hi", "--text-attention", "ho"], "choose one of --sample, --text-attention"),
+    (["--sample", "hi", "--importance"], "choose one of"),
+    (["--text-attention", "hi", "--steps", "0"], "--steps must be a positive"),
 ])
-def test_cli_bad_input_is_one_sentence(args, words, capsys, tiny_hopper):
+def test_cli_bad_input_is_one_sentence(args, words, capsys, tiny_hopper, tmp_path):
+    ckpt = write_hf_folder(str(tmp_path / "ckpt"), hf_tiny_state(0))
+    bad = write_hf_folder(str(tmp_path / "bad"), hf_tiny_state(0), n_layer="2")
+    subst = dict(TINY=tiny_hopper, CKPT=ckpt, BADCKPT=bad)
     with pytest.raises(SystemExit) as e:
-        G.main([tiny_hopper if a == "TINY" else a for a in args])
+        G.main([subst.get(a, a) for a in args] + ["--out", str(tmp_path / "run")] * ("--out" not in args))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and err.startswith("error:") and words in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists() or words == "unknown environment"
 
 
 def test_cli_init_from_local_checkpoint_keeps_the_pretrained_blocks(tiny_hopper, tmp_path, capsys):
     folder = write_hf_folder(str(tmp_path / "ckpt"), hf_tiny_state(4))
-    cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--init", folder, "--layers", 1, "--steps", 0,
-        "--eval-episodes", 1, "--out", tmp_path / "r")
-    sd = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)["model"] if (tmp_path / "r" / "ckpt.pt").exists() \
-        else None
-    gpt = G.GPT2.from_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = G.Config(init=folder, layers=1)
-    m = G.build_model(cfg, 11, 3, 1000)
-    assert m.n_embd == 48 and m.n_layer == 1
-    assert torch.equal(m.blocks[0].mlp.c_fc.weight, gpt.h[0].mlp.c_fc.weight)
-    assert sd is None or torch.equal(sd["blocks.0.mlp.c_fc.weight"], gpt.h[0].mlp.c_fc.weight)
+    cli(capsys, "--dataset", tiny_hopper, "--init", folder, "--n-layer", 1, "--batch-size", 4, "--context", 4,
+        "--steps", 1, "--eval-every", 1, "--eval-episodes", 1, "--lr", 1e-9, "--out", tmp_path / "r")
+    ck = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
+    gpt = G.load_gpt2_lm(folder)
+    assert ck["info"]["shape"] == dict(n_embd=48, n_head=12, n_layer=1, eps=1e-5)
+    assert torch.allclose(ck["model"]["blocks.0.mlp.c_fc.weight"], gpt.h[0].mlp.c_fc.weight, atol=1e-6)
+    assert "blocks.1.mlp.c_fc.weight" not in ck["model"]
 
 
 def test_sample_and_text_attention_plumbing_with_a_stand_in_tokenizer(tmp_path, monkeypatch, capsys):
@@ -467,22 +679,20 @@ def test_sample_and_text_attention_plumbing_with_a_stand_in_tokenizer(tmp_path, 
     assert out.startswith("abc") and len(out.strip()) == 3 + 40
     out = cli(capsys, "--text-attention", "hello world", "--init", folder, "--out", tmp_path / "t").out
     assert "| head | self | previous | first |" in out and (tmp_path / "t" / "text_attention.png").exists()
+    out = cli(capsys, "--markov", "--init", folder, "--out", tmp_path / "m").out       # no run: the weights alone
+    assert "| head | init CxC (i)" in out and "fine-tuned" not in out and (tmp_path / "m" / "markov_heads.png").exists()
 
 
 def test_analyses_rebuild_the_runs_exact_starting_point(tiny_hopper, tmp_path, capsys):
-    """With lr 0 training changes nothing, so 'before fine-tuning' (rebuilt from the seed) must equal 'after'."""
+    """With lr 1e-12 training changes nothing that shows, so 'before fine-tuning' (rebuilt from the seed) must equal
+    'after'."""
     out = tmp_path / "lr0"
-    cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--lr", 0, "--steps", 1, "--eval-every", 1, "--seed", 3,
-        "--eval-episodes", 1, "--out", out)
-    cfg = G.parse_args(["--dataset", tiny_hopper, "--out", str(out)])   # flags of the run come from its ckpt
-    tables = G.markov_analysis(cfg)
-    assert [r["model_ratio"] for r in tables["init"]] == [r["model_ratio"] for r in tables["fine-tuned"]]
-    P = G.attention_maps(cfg)
+    cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--lr", 1e-12, "--steps", 1, "--eval-every", 1, "--seed", 3,
+        "--out", out)
+    cfg, given = G.parse_flags(["--out", str(out)])                  # the run's flags come from its checkpoint
+    tables = G.markov_analysis(*G.load_run(cfg, given))
+    ratios = {lab: [r["model_ratio"] for r in rows] for lab, rows in tables.items()}
+    assert ratios["init"] == pytest.approx(ratios["fine-tuned"], rel=1e-6)
+    P = G.attention_maps(*G.load_run(cfg, given))
     assert torch.allclose(P["before"], P["after"], atol=1e-6)
     capsys.readouterr()
-
-
-def test_bench_prints_ms_per_step(capsys):
-    out = cli(capsys, "--bench", "--init", "random", "--layers", 1, "--n-embd", 24, "--batch-size", 2,
-              "--context", 3).out
-    assert "1 blocks x 24" in out and "ms/step" in out and "parameters" in out

@@ -1,8 +1,14 @@
 """Tests for lsdt.py. Every check compares against something computed independently: explicit loops over taps,
-torch's own conv1d / scaled_dot_product_attention, hand-computed values, perturbation of future inputs, overfitting,
-and short CLI runs on the tiny datasets from conftest.py."""
+torch's own conv1d / scaled_dot_product_attention, dt.py's block, hand-computed values and parameter counts,
+perturbation of future inputs, overfitting, and short CLI runs on the tiny datasets from conftest.py."""
+import json
 import math
+import os
+import re
+import signal
+from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,16 +18,20 @@ import lsdt
 torch.set_num_threads(1)
 
 S, A, T_MAX = 5, 2, 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_cfg(**kw):
-    base = dict(state_dim=S, act_dim=A, max_ep_len=T_MAX, n_embd=32, n_head=2, conv_ratio=0.5, kernel=3,
-                context=6)
+    base = dict(n_embd=32, n_head=2, conv_ratio=0.5, kernel=3, context=6, paper_table=False)
     if kw.get("arch") in lsdt.ARCH_DEFAULTS:
         base.update(lsdt.ARCH_DEFAULTS[kw["arch"]])
         base.update(n_embd=32, kernel=3, context=6)
     base.update(kw)
     return lsdt.Config(**base)
+
+
+def build(cfg, obs_dim=S):
+    return lsdt.LSDT(cfg, obs_dim, A, T_MAX)
 
 
 VARIANTS = {
@@ -40,6 +50,10 @@ def rand_inputs(B, K, g):
 
 def run(model, x):
     return model(x["states"], x["actions"], x["rtg"], x["timesteps"], x["mask"])
+
+
+def causal_mask(B, L):
+    return torch.ones(L, L, dtype=torch.bool).tril().expand(B, 1, L, L)
 
 
 # ---------------------------------------------------------------------------------------------------- branches
@@ -126,15 +140,16 @@ def test_hfm_hand_values():
 
 
 def test_branch_channel_split_and_xi_extremes():
-    m = lsdt.LSDT(make_cfg(conv_ratio=0.25)).blocks[0].mixer
+    m = build(make_cfg(conv_ratio=0.25)).blocks[0].mixer
     assert (m.da, m.dc) == (24, 8) and m.attn.c_attn.in_features == 24 and m.conv.glu_in.in_features == 8
-    m0 = lsdt.LSDT(make_cfg(conv_ratio=0.0)).blocks[0].mixer
+    m0 = build(make_cfg(conv_ratio=0.0)).blocks[0].mixer
     assert m0.conv is None and m0.fuse is None and m0.attn is not None
-    m1 = lsdt.LSDT(make_cfg(conv_ratio=1.0)).blocks[0].mixer
+    m1 = build(make_cfg(conv_ratio=1.0)).blocks[0].mixer
     assert m1.attn is None and m1.fuse is None and m1.conv is not None
-    assert lsdt.LSDT(make_cfg(fusion="concat")).blocks[0].mixer.fuse is None
-    assert lsdt.check_config(make_cfg(conv_ratio=0.3)) is not None   # 9.6 -> 10 conv channels, not a multiple of 4
-    assert lsdt.check_config(make_cfg(conv_ratio=1.5)) is not None
+    assert build(make_cfg(fusion="concat")).blocks[0].mixer.fuse is None
+    assert "multiple of 4" in lsdt.check_model(make_cfg(conv_ratio=0.3))  # 9.6 -> 10 conv channels
+    assert "[0, 1]" in lsdt.check_model(make_cfg(conv_ratio=1.5))
+    assert lsdt.check_model(make_cfg()) is None
 
 
 def test_xi0_mixer_is_dt_attention():
@@ -144,13 +159,49 @@ def test_xi0_mixer_is_dt_attention():
     mixer = lsdt.LongShortMixer(cfg, 0).eval()
     B, L, D = 2, 9, cfg.n_embd
     x = torch.randn(B, L, D)
-    allowed = torch.ones(L, L, dtype=torch.bool).tril().expand(B, 1, L, L)
-    got = mixer(x, allowed, torch.ones(B, L, dtype=torch.bool))
+    got = mixer(x, causal_mask(B, L), torch.ones(B, L, dtype=torch.bool))
     q, k, v = F.linear(x, mixer.attn.c_attn.weight, mixer.attn.c_attn.bias).split(D, -1)
-    heads = lambda z: z.view(B, L, 4, D // 4).transpose(1, 2)
+    heads = lambda z: z.view(B, L, 4, D // 4).transpose(1, 2)  # noqa: E731
     y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-    ref = F.linear(y.transpose(1, 2).reshape(B, L, D), mixer.proj.weight, mixer.proj.bias)
+    ref = F.linear(y.transpose(1, 2).reshape(B, L, D), mixer.c_proj.weight, mixer.c_proj.bias)
     torch.testing.assert_close(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------------- DropKey (B.8)
+
+def test_dropkey_masks_logits_with_probability_p_and_never_a_whole_row():
+    torch.manual_seed(9)
+    B, L, p = 16, 24, 0.3
+    attn = lsdt.CausalSelfAttention(16, 2, 0.1, p)
+    assert attn.drop.p == 0.0                            # B.8: DropKey replaces the dropout on P V
+    attn.keep = True
+    x = torch.randn(B, L, 16)
+    attn.train()(x, causal_mask(B, L))
+    P = attn.probs                                       # (B, h, L, L)
+    off_diag = torch.ones(L, L, dtype=torch.bool).tril(-1).expand_as(P)
+    dropped = (P == 0) & off_diag                        # a kept key gets exp(logit) > 0
+    frac = dropped.sum().item() / off_diag.sum().item()
+    assert abs(frac - p) < 0.03, frac                    # ~ B * h * L(L-1)/2 = 8832 Bernoulli draws
+    assert torch.all(P.diagonal(dim1=-2, dim2=-1) > 0)   # a token's own key is never dropped: no empty row
+    torch.testing.assert_close(P.sum(-1), torch.ones(B, 2, L))
+    assert torch.all(P.triu(1) == 0)                     # still causal
+
+
+def test_dropkey_zero_and_eval_mode_change_nothing():
+    torch.manual_seed(10)
+    x = rand_inputs(3, 6, torch.Generator().manual_seed(4))
+    zero = dict(dropout=0.0, attn_dropout=0.0, conv_dropout=0.0)
+    plain = build(make_cfg(**zero))
+    with_dk = build(make_cfg(**zero, dropkey=0.5))
+    with_dk.load_state_dict(plain.state_dict())          # DropKey adds no parameters
+    torch.testing.assert_close(run(with_dk.eval(), x), run(plain.eval(), x), rtol=0, atol=0)  # eval: no effect
+    p0 = build(make_cfg(**zero, dropkey=0.0)).train()
+    p0.load_state_dict(plain.state_dict())
+    explicit = build(make_cfg(**zero)).train()           # the explicit-probability path, no DropKey
+    explicit.load_state_dict(plain.state_dict())
+    explicit.keep_maps(True)
+    torch.testing.assert_close(run(p0, x), run(explicit, x))   # P = 0 in training: plain attention
+    assert not torch.allclose(run(with_dk.train(), x), run(p0, x))  # and P > 0 does drop something
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -159,7 +210,7 @@ def test_xi0_mixer_is_dt_attention():
 def test_future_does_not_leak(name):
     torch.manual_seed(4)
     cfg = make_cfg(**VARIANTS[name])
-    model = lsdt.LSDT(cfg).eval()
+    model = build(cfg).eval()
     g = torch.Generator().manual_seed(0)
     K = cfg.context
     x = rand_inputs(3, K, g)
@@ -182,7 +233,7 @@ def test_future_does_not_leak(name):
 def test_left_padding_is_the_shorter_window(name):
     torch.manual_seed(5)
     cfg = make_cfg(**VARIANTS[name])
-    model = lsdt.LSDT(cfg).eval()
+    model = build(cfg).eval()
     g = torch.Generator().manual_seed(1)
     K, pad = cfg.context, 2
     short = rand_inputs(2, K - pad, g)
@@ -194,7 +245,7 @@ def test_left_padding_is_the_shorter_window(name):
 def test_overfits_a_tiny_batch():
     torch.manual_seed(6)
     cfg = make_cfg(dropout=0.0, attn_dropout=0.0, conv_dropout=0.0)
-    model = lsdt.LSDT(cfg)
+    model = build(cfg)
     g = torch.Generator().manual_seed(2)
     x = rand_inputs(4, cfg.context, g)
     target = torch.tanh(x["states"][..., :A] * 2)                     # a function of s_t the model can fit
@@ -209,16 +260,6 @@ def test_overfits_a_tiny_batch():
     assert losses[-1] < 0.05 * losses[0], (losses[0], losses[-1])
 
 
-def test_paper_rows():
-    assert lsdt.paper_row("replica/hopper/medium-v0") == "hopper-medium"
-    assert lsdt.paper_row("mujoco/hopper/medium-v0") == "hopper-medium"
-    assert lsdt.paper_row("replica/pointmaze/medium-dense-v0") == "pointmaze-medium"
-    assert lsdt.paper_row("D4RL/antmaze/medium-play-v1") == "antmaze-medium-play"
-    assert lsdt.paper_row("walker2d-expert") is None
-    row = lsdt.PAPER_TABLE["hopper-medium"]
-    assert (row["conv_ratio"], row["n_embd"], row["context"], row["action_tokens"]) == (1.0, 256, 10, False)
-
-
 def test_xi0_block_matches_dt_block():
     """xi = 0 with pre-LN is DT's GPT-2 block given the same weights (DT's MLP uses ReLU, kzl's choice; LSDT GELU)."""
     import dt
@@ -227,7 +268,7 @@ def test_xi0_block_matches_dt_block():
     ours = lsdt.Block(cfg, 0).eval()
     ours.mlp[1] = torch.nn.ReLU()
     ref = dt.Block(dt.Config(n_embd=cfg.n_embd, n_head=4)).eval()
-    names = {"mixer.attn.c_attn": "attn.c_attn", "mixer.proj": "attn.c_proj"}
+    names = {"mixer.attn.c_attn": "attn.c_attn", "mixer.c_proj": "attn.c_proj"}
     state = {}
     for k, v in ref.state_dict().items():
         for ours_name, ref_name in names.items():
@@ -242,95 +283,11 @@ def test_xi0_block_matches_dt_block():
     torch.testing.assert_close(ours(x, allowed, real)[real], ref(x, allowed)[real])
 
 
-# ---------------------------------------------------------------------------------------------------- CLI
-
-SMALL = ["--n-embd", "32", "--n-layer", "2", "--batch-size", "16", "--context", "5", "--log-every", "10",
-         "--warmup-steps", "10"]
-
-
-def test_cli_hopper(tiny_hopper, tmp_path):
-    """The real command line in a subprocess: files, checkpoint, the final line."""
-    import json
-    import os
-    import subprocess
-    import sys
-    out = tmp_path / "run"
-    cmd = [sys.executable, "lsdt.py", "--dataset", tiny_hopper, "--steps", "20", "--eval-every", "20",
-           "--eval-episodes", "2", "--out", str(out), "--plot-mixing", *SMALL]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert p.returncode == 0, p.stderr[-2000:]
-    last = p.stdout.strip().splitlines()[-1]
-    assert last.startswith("final: normalized_score=") and last.endswith("episodes=2"), last
-    for f in ("config.json", "log.csv", "ckpt.pt", "curve.png", "mixing.png"):
-        assert (out / f).exists(), f
-    ck = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ck["step"] == 20
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["state_dim"] == 11 and cfg["conv_ratio"] == 0.5 and cfg["paper_row"] is None
-
-
-def run_main(argv, capsys):
-    lsdt.main(argv)
-    return capsys.readouterr().out
-
-
-def test_cli_maze_goal_state_and_ablation(tiny_maze, tmp_path, capsys):
-    import json
-    base = ["--dataset", tiny_maze, "--steps", "10", "--eval-every", "10", "--eval-episodes", "2",
-            "--conv-ratio", "0.25", "--kernel", "3", *SMALL]
-    out = run_main(base + ["--out", str(tmp_path / "gs")], capsys)
-    assert "success=" in out and "steps_to_goal=" in out and out.strip().splitlines()[-1].startswith("final:")
-    assert json.loads((tmp_path / "gs" / "config.json").read_text())["state_dim"] == 6      # 4 + desired_goal (2)
-    run_main(base + ["--out", str(tmp_path / "nogs"), "--no-goal-state"], capsys)
-    cfg = json.loads((tmp_path / "nogs" / "config.json").read_text())
-    assert cfg["state_dim"] == 4 and cfg["goal_state"] is False
-    w = torch.load(tmp_path / "nogs" / "ckpt.pt", weights_only=True)["model"]["embed_s.weight"]
-    assert w.shape == (32, 4)
-
-
-def test_cli_resume_matches_uninterrupted(tiny_maze, tmp_path, capsys, monkeypatch):
-    import data
-    base = ["--dataset", tiny_maze, "--steps", "30", "--eval-every", "15", "--eval-episodes", "1",
-            "--arch", "dc_h", *SMALL]
-    run_main(base + ["--out", str(tmp_path / "a")], capsys)
-    calls, sample = [0], data.OfflineData.sample
-
-    def interrupting(self, *a, **kw):
-        calls[0] += 1
-        if calls[0] == 21:
-            raise KeyboardInterrupt
-        return sample(self, *a, **kw)
-
-    monkeypatch.setattr(data.OfflineData, "sample", interrupting)
-    with pytest.raises(SystemExit):
-        run_main(base + ["--out", str(tmp_path / "b")], capsys)
-    monkeypatch.setattr(data.OfflineData, "sample", sample)
-    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == 20
-    run_main(base + ["--out", str(tmp_path / "b"), "--resume"], capsys)
-    a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)["model"]
-    b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["model"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["--env", "no-such-env"], "unknown environment"),
-    (["--env", "hopper-medium", "--conv-ratio", "0.3", "--n-embd", "32"], "multiple of 4"),
-])
-def test_cli_bad_input_is_one_sentence(argv, words, capsys):
-    with pytest.raises(SystemExit) as e:
-        lsdt.main(argv)
-    assert e.value.code == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and words in err and "Traceback" not in err and len(err.splitlines()) == 1
-
-
 def test_explicit_attention_path_equals_fused():
     """The analysis path (explicit probabilities, kept for plots) and the training path (fused SDPA) agree, and
     the kept probabilities are causal, skip padding and sum to 1."""
     torch.manual_seed(8)
-    model = lsdt.LSDT(make_cfg(n_head=2)).eval()
+    model = build(make_cfg(n_head=2)).eval()
     x = rand_inputs(2, 6, torch.Generator().manual_seed(3))
     x["mask"][1, :2] = 0
     fused = run(model, x)
@@ -342,13 +299,258 @@ def test_explicit_attention_path_equals_fused():
     assert torch.all(P.triu(1) == 0) and torch.all(P[1, :, 6:, :6] == 0)
 
 
+def test_mixing_maps_are_the_branches_weights():
+    torch.manual_seed(11)
+    model = build(make_cfg(n_head=2))
+    x = rand_inputs(2, 6, torch.Generator().manual_seed(5))
+    maps = lsdt.mixing_maps(model, x, index=1)
+    L = 3 * 6
+    assert set(maps) == {"attention", "kernel", "hfm"} and model.training        # mode restored
+    assert maps["attention"].shape == maps["kernel"].shape == (L, L) and maps["hfm"].shape == (L, 32)
+    alpha = model.blocks[0].mixer.conv.alpha[1].mean(1)                          # (L, k) heads averaged
+    for i in range(L):                                                           # row i: taps on i-2 .. i
+        for j in range(3):
+            if i - 2 + j >= 0:
+                assert maps["kernel"][i, i - 2 + j] == alpha[i, j]
+    torch.testing.assert_close(maps["kernel"].sum(-1), torch.ones(L))
+    assert torch.all(maps["kernel"].tril(-3) == 0) and torch.all(maps["attention"].triu(1) == 0)
+    torch.testing.assert_close(maps["hfm"].sum(-1), torch.ones(L))
+
+
 @pytest.mark.parametrize("dc, millions", [(0, 1.126), (16, 1.146), (32, 1.129), (64, 1.136), (96, 1.197),
                                           (128, 1.263)])
 def test_parameter_count_matches_official_code(dc, millions):
-    """Walker2d sizes (D=128, 3 blocks, 4096 timesteps): the notes' analytic count of the official code, which also
-    holds the k - k_m = 5 masked future taps of each dynamic kernel and unused RTG / state heads we leave out."""
-    cfg = lsdt.Config(state_dim=17, act_dim=6, max_ep_len=4096, n_embd=128, n_head=1, conv_ratio=dc / 128)
-    ours = sum(p.numel() for p in lsdt.LSDT(cfg).parameters())
+    """Walker2d sizes (D=128, 3 blocks, 4096 timesteps): the analytic count of the official code, which also holds the
+    k - k_m = 5 masked future taps of each dynamic kernel and unused RTG / state heads we leave out."""
+    cfg = lsdt.Config(n_embd=128, n_head=1, conv_ratio=dc / 128)
+    ours = sum(p.numel() for p in lsdt.LSDT(cfg, 17, 6, 4096).parameters())
     dead_taps = 3 * 5 * (dc // 4) * (dc + 1)
     unused_heads = (128 + 1) + (128 * 17 + 17)
     assert round((ours + dead_taps + unused_heads) / 1e6, 3) == millions
+
+
+def test_model_block_runs_alone():
+    """The marked model block needs only torch, nn, F, math, dataclass, field and Config / arg."""
+    text = open(os.path.join(ROOT, "lsdt.py")).read()
+    block = re.search(r"^# >>> model: begin.*?^# <<< model: end", text, re.S | re.M).group(0)
+    ns = dict(torch=torch, nn=torch.nn, F=F, math=math, dataclass=dataclass, field=field, Config=lsdt.Config,
+              arg=lsdt.arg)
+    exec(compile(block, "lsdt.py:model", "exec"), ns)
+    model = ns["LSDT"](lsdt.Config(n_embd=32, n_layer=2, context=5), 11, 3, 100)
+    B, K = 2, 5
+    b = dict(states=torch.randn(B, K, 11), actions=torch.zeros(B, K, 3), rtg=torch.randn(B, K, 1),
+             timesteps=torch.arange(K).repeat(B, 1), mask=torch.ones(B, K))
+    assert model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"]).shape == (B, K, 3)
+
+
+# ---------------------------------------------------------------------------------------------------- DC as DC runs
+
+def test_lr_schedule_hand_values():
+    """LSDT (official code): (s+1)/warmup, then a cosine to 0 at --steps; DC / DC_h (DC's code): warmup, then 1."""
+    cfg = lsdt.Config(warmup_steps=10, steps=110)
+    f = lambda s, **kw: lsdt.lr_factor(s, lsdt.Config(warmup_steps=10, steps=110, **kw))  # noqa: E731
+    assert [f(s) for s in (0, 4, 9, 10)] == pytest.approx([0.1, 0.5, 1.0, 1.0])
+    c = 2 ** -0.5                                                    # cos(pi / 4)
+    assert [f(s) for s in (35, 60, 85, 110, 200)] == pytest.approx([(1 + c) / 2, 0.5, (1 - c) / 2, 0, 0])
+    for arch in ("dc", "dc_h"):
+        assert [f(s, arch=arch) for s in (0, 4, 9, 10, 60, 110, 200)] == pytest.approx([0.1, 0.5, 1, 1, 1, 1, 1])
+    model = build(make_cfg())
+    opt, factor = lsdt.make_optimizer(model, cfg)                    # the harness wraps factor in LambdaLR
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    for _ in range(60):
+        opt.step()
+        sched.step()
+    assert sched.get_last_lr()[0] == pytest.approx(cfg.lr * 0.5)
+
+
+def test_dc_init_keeps_pytorch_defaults_outside_the_blocks():
+    """DC's code: N(0, 0.02) and zero biases in the blocks, PyTorch's defaults for the embeddings and the head
+    (nn.Embedding N(0, 1); nn.Linear U(+-1/sqrt(fan_in)) weights and biases). LSDT's code: Xavier, zero biases."""
+    torch.manual_seed(12)
+    obs = 200
+    dc = lsdt.LSDT(lsdt.Config(arch="dc", conv="dc", conv_ratio=1.0, norm="pre"), obs, A, 4096)
+    ls = lsdt.LSDT(lsdt.Config(), obs, A, 4096)
+    assert abs(dc.embed_timestep.weight.std().item() - 1.0) < 0.02           # N(0, 1): 4096 x 128 draws
+    w, b = dc.embed_state.weight, dc.embed_state.bias
+    assert w.abs().max() <= 1 / math.sqrt(obs) and abs(w.std().item() - 1 / math.sqrt(3 * obs)) < 0.003
+    assert b.abs().max() <= 1 / math.sqrt(obs) and b.abs().min() > 0         # the default bias is not zeroed
+    assert dc.predict_action[0].bias.abs().min() > 0
+    mlp = dc.blocks[0].mlp[0]
+    assert abs(mlp.weight.std().item() - 0.02) < 0.001 and torch.all(mlp.bias == 0)
+    bound = math.sqrt(6 / (128 + 4096))                                       # Xavier: fan_in 4096, fan_out 128
+    w = ls.embed_timestep.weight
+    assert w.abs().max() <= bound and abs(w.std().item() - bound / 3 ** 0.5) < 3e-4
+    assert all(torch.all(m.bias == 0) for m in ls.modules() if isinstance(m, torch.nn.Linear))
+
+
+# ---------------------------------------------------------------------------------------------------- paper rows
+
+def test_paper_rows():
+    assert lsdt.paper_row("replica/hopper/medium-v0") == "hopper-medium"
+    assert lsdt.paper_row("mujoco/hopper/medium-v0") == "hopper-medium"
+    assert lsdt.paper_row("replica/pointmaze/medium-dense-v0") == "pointmaze-medium"
+    assert lsdt.paper_row("D4RL/antmaze/medium-play-v1") == "antmaze-medium-play"
+    assert lsdt.paper_row("walker2d-expert") is None
+    row = lsdt.PAPER_TABLE["hopper-medium"]
+    assert (row["conv_ratio"], row["n_embd"], row["context"], row["action_tokens"]) == (1.0, 256, 10, False)
+
+
+def test_paper_settings_layers_row_arch_preset_flags():
+    """Config < row < --arch < --preset < flags: the preset wins for width, batch and lr; the row still sets K, xi,
+    k_m, heads and the target; a flag given on the command line wins even where it equals the Config default."""
+    cfg, given = lsdt.parse_flags(["--dataset", "D4RL/pointmaze/medium-v2", "--preset", "cpu"])
+    c, changes = lsdt.paper_settings(cfg, given)
+    assert (c.n_embd, c.batch_size, c.lr, c.n_layer) == (64, 64, 1e-3, 2)          # the preset's
+    assert (c.context, c.conv_ratio, c.n_head, c.kernel, c.target_return) == (20, 0.125, 2, 3, None)   # the row's
+    assert "n_embd" not in changes and changes["context"] == 20
+    cfg, given = lsdt.parse_flags(["--dataset", "D4RL/pointmaze/medium-v2", "--context", "10", "--lr", "1e-4"])
+    c, _ = lsdt.paper_settings(cfg, given)
+    assert (c.context, c.lr, c.batch_size, c.n_embd) == (10, 1e-4, 256, 128)        # flags (10 = Config default)
+    c, _ = lsdt.paper_settings(*lsdt.parse_flags(["--env", "pointmaze-medium", "--conv", "dc"]))
+    assert c.kernel == 6 and c.conv_ratio == 0.125            # LSDC keeps DC's window 6 (official LSDC code)
+    c, _ = lsdt.paper_settings(*lsdt.parse_flags(["--env", "hopper-medium", "--arch", "dc"]))
+    assert (c.conv, c.norm, c.context, c.n_embd, c.action_tokens) == ("dc", "pre", 8, 128, False)
+    c, changes = lsdt.paper_settings(*lsdt.parse_flags(["--env", "hopper-medium", "--no-paper-table"]))
+    assert changes == {} and c == lsdt.Config(paper_table=False)
+    cfg, given = lsdt.parse_flags(["--env", "antmaze-umaze"])
+    assert lsdt.paper_settings(cfg, given)[0].target_return == 100.0
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+SMALL = ["--n-embd", "32", "--n-layer", "2", "--batch-size", "16", "--context", "5", "--log-every", "10",
+         "--warmup-steps", "10"]
+
+
+def run_main(argv, capsys):
+    lsdt.main(argv)
+    return capsys.readouterr().out
+
+
+def test_cli_hopper_then_plot_mixing_reads_the_checkpoint(tiny_hopper, tmp_path, capsys):
+    """The real command line in a subprocess: files, checkpoint, the final line; then --plot-mixing on the run."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    cmd = [sys.executable, "lsdt.py", "--dataset", tiny_hopper, "--steps", "20", "--eval-every", "20",
+           "--eval-episodes", "2", "--out", str(out), *SMALL]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("final: normalized_score=") and last.endswith("episodes=2"), last
+    for f in ("config.json", "log.csv", "ckpt.pt", "curve.png"):
+        assert (out / f).exists(), f
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["step"] == 20 and ck["info"]["obs_dim"] == 11 and ck["model"]["embed_state.weight"].shape == (32, 11)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["conv_ratio"] == 0.5 and cfg["variant"] == "batch-size16_context5_warmup-steps10_n-layer2_n-embd32"
+    before = (out / "ckpt.pt").read_bytes()
+    assert "mixing maps:" in run_main(["--out", str(out), "--plot-mixing"], capsys)
+    assert (out / "mixing.png").exists() and (out / "ckpt.pt").read_bytes() == before
+    with pytest.raises(SystemExit) as e:
+        lsdt.main(["--out", str(tmp_path / "none"), "--plot-mixing"])
+    assert e.value.code == 1 and "no checkpoint" in capsys.readouterr().err
+
+
+def test_cli_maze_goal_state_and_ablation(tiny_maze, tmp_path, capsys):
+    base = ["--dataset", tiny_maze, "--steps", "10", "--eval-every", "10", "--eval-episodes", "2",
+            "--conv-ratio", "0.25", "--kernel", "3", *SMALL]
+    out = run_main(base + ["--out", str(tmp_path / "gs")], capsys)
+    assert "success=" in out and "steps_to_goal=" in out and out.strip().splitlines()[-1].startswith("final:")
+    w = torch.load(tmp_path / "gs" / "ckpt.pt", weights_only=True)["model"]["embed_state.weight"]
+    assert w.shape == (32, 6)                                                     # 4 + desired_goal (2)
+    run_main(base + ["--out", str(tmp_path / "nogs"), "--no-goal-state"], capsys)
+    cfg = json.loads((tmp_path / "nogs" / "config.json").read_text())
+    assert cfg["goal_state"] is False and cfg["info"]["goal_dim"] == 2
+    w = torch.load(tmp_path / "nogs" / "ckpt.pt", weights_only=True)["model"]["embed_state.weight"]
+    assert w.shape == (32, 4)
+
+
+def test_plot_paths_reads_the_checkpoint(tiny_maze, tiny_hopper, tmp_path, capsys):
+    """--plot-paths (Fig. 8): rollouts of the trained run drawn over the goals; the checkpoint stays as it was."""
+    run_main(["--dataset", tiny_maze, "--steps", "2", "--eval-every", "2", "--eval-episodes", "1", *SMALL,
+              "--out", str(tmp_path / "maze")], capsys)
+    before = (tmp_path / "maze" / "ckpt.pt").read_bytes()
+    out = run_main(["--out", str(tmp_path / "maze"), "--plot-paths", "--eval-episodes", "3"], capsys)
+    assert "paths:" in out and "success=" in out and (tmp_path / "maze" / "paths.png").exists()
+    assert (tmp_path / "maze" / "ckpt.pt").read_bytes() == before
+    run_main(["--dataset", tiny_hopper, "--steps", "2", "--eval-every", "2", "--eval-episodes", "1", *SMALL,
+              "--out", str(tmp_path / "hopper")], capsys)
+    with pytest.raises(SystemExit) as e:
+        lsdt.main(["--out", str(tmp_path / "hopper"), "--plot-paths"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "not a goal-reaching maze dataset" in err and len(err.splitlines()) == 1
+
+
+def test_paper_row_under_flags_and_resume_keeps_it(make_dataset, tmp_path, capsys):
+    """A dataset with a paper row (pointmaze umaze: K=20, 2 heads, k_m 3, batch 256, lr 2e-4): the flags given win,
+    even --context 10 (the Config default); the row fills the rest; --resume does not lay the row again."""
+    import gymnasium as gym
+    import gymnasium_robotics
+    from conftest import rollout
+    gym.register_envs(gymnasium_robotics)
+    env = gym.make("PointMaze_UMazeDense-v3", continuing_task=True, max_episode_steps=30)
+    name = make_dataset("test/pointmaze/umaze-dense-v0", rollout(env, 4, 30, seed=2), env=env, eval_env=env.spec,
+                        ref_min_score=0.0, ref_max_score=30.0)
+    args = ["--dataset", name, "--n-embd", "32", "--n-layer", "1", "--batch-size", "8", "--context", "10",
+            "--steps", "4", "--eval-every", "4", "--eval-episodes", "1", "--out", str(tmp_path)]
+    run_main(args, capsys)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["context"], cfg["batch_size"], cfg["n_embd"]) == (10, 8, 32)                  # given
+    assert (cfg["n_head"], cfg["kernel"], cfg["lr"], cfg["conv_ratio"]) == (2, 3, 2e-4, 0.5)   # the row
+    run_main(["--out", str(tmp_path), "--resume", "--steps", "6", "--eval-every", "6"], capsys)
+    again = json.loads((tmp_path / "config.json").read_text())
+    assert {k: again[k] for k in cfg if k not in ("steps", "eval_every", "resume", "env", "dataset")} == \
+           {k: cfg[k] for k in cfg if k not in ("steps", "eval_every", "resume", "env", "dataset")}
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 6
+
+
+def test_cli_resume_after_sigint_matches_uninterrupted(tiny_maze, tmp_path, capsys, monkeypatch):
+    """DC_h on a maze: Ctrl-C inside a step (the harness finishes the step, saves, exits 130), then --resume."""
+    import data
+    base = ["--dataset", tiny_maze, "--steps", "30", "--eval-every", "15", "--eval-episodes", "1",
+            "--arch", "dc_h", *SMALL]
+    run_main(base + ["--out", str(tmp_path / "a")], capsys)
+    calls, sample = [0], data.OfflineData.sample
+
+    def interrupting(self, *a, **kw):
+        calls[0] += 1
+        if calls[0] == 21:
+            os.kill(os.getpid(), signal.SIGINT)
+        return sample(self, *a, **kw)
+
+    monkeypatch.setattr(data.OfflineData, "sample", interrupting)
+    with pytest.raises(SystemExit) as e:
+        run_main(base + ["--out", str(tmp_path / "b")], capsys)
+    assert e.value.code == 130
+    monkeypatch.setattr(data.OfflineData, "sample", sample)
+    assert 0 < torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] < 30
+    run_main(["--out", str(tmp_path / "b"), "--resume"], capsys)
+    a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--env", "no-such-env"], "unknown environment"),
+    (["--env", "hopper-medium", "--conv-ratio", "0.3", "--n-embd", "32"], "multiple of 4"),
+    (["--env", "pointmaze-medium", "--n-embd", "40"], "row for pointmaze-medium"),   # xi 0.125 of 40: 5 channels
+    (["--arch", "transformer"], "unknown --arch"),
+    (["--conv", "lite"], "unknown --conv"),
+    (["--fusion", "sum"], "unknown --fusion"),
+    (["--norm", "mid"], "unknown --norm"),
+    (["--kernel", "0"], "--kernel"),
+    (["--conv-ratio", "1.5"], "--conv-ratio"),
+    (["--dropkey", "1"], "--dropkey"),
+    (["--dropkey", "0.1", "--conv-ratio", "1", "--no-paper-table"], "attention branch"),
+    (["--n-head", "3", "--n-embd", "48", "--conv-ratio", "0.3333", "--no-paper-table"], "--n-head 3"),  # 32 of 48
+    (["--conv-dropout", "1"], "--conv-dropout"),
+])
+def test_cli_bad_input_is_one_sentence_before_any_work(argv, words, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        lsdt.main(argv + ["--out", str(tmp_path / "run")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,426 @@
+"""The run harness, against all five model scripts: the copies are identical, every bad flag is one sentence and
+exit 1, a run is never replaced or shared, --resume after an interrupt at an arbitrary moment gives bit-identical
+weights, saves are atomic, I/O failures are one sentence, --compile matches eager, analyses never retrain, and each
+model block runs alone with nothing but torch, math and dataclasses."""
+import csv
+import importlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SCRIPTS = ["dt", "gpt2_dtma", "lsdt", "starformer", "dema"]
+# small models that train in milliseconds a step on the tiny datasets of conftest.py
+TINY = {
+    "dt": ["--n-embd", "16", "--n-layer", "1", "--context", "4", "--batch-size", "8", "--warmup-steps", "5"],
+    "gpt2_dtma": ["--init", "random", "--n-layer", "1", "--n-embd", "24", "--n-head", "12", "--context", "4",
+                  "--batch-size", "4", "--warmup-steps", "2"],
+    "lsdt": ["--n-embd", "32", "--n-layer", "2", "--batch-size", "16", "--context", "5", "--warmup-steps", "10"],
+    "starformer": ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--step-embd", "8", "--step-head", "2",
+                   "--context", "4", "--batch-size", "8", "--warmup-steps", "5"],
+    "dema": ["--n-embd", "16", "--d-model", "8", "--d-state", "4", "--n-layer", "1", "--context", "4",
+             "--batch-size", "8", "--warmup-steps", "5"],
+}
+
+
+def module(script):
+    return importlib.import_module(script)
+
+
+def flags(script, out, *extra, dataset):
+    return ["--dataset", dataset, *TINY[script], "--eval-episodes", "1", "--out", str(out), *map(str, extra)]
+
+
+def zero_dropout(script):
+    """Flags that set every dropout of the script to 0 (compiled dropout draws other random numbers than eager)."""
+    return [x for f in module(script).Config.__dataclass_fields__ if f.endswith("dropout")
+            for x in ("--" + f.replace("_", "-"), "0")]
+
+
+def one_sentence_exit_1(capsys, fn, *args):
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1, err
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def final_weights(out):
+    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["model"]
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def log_rows(out):
+    with open(os.path.join(out, "log.csv")) as f:
+        return [{k: v for k, v in r.items() if k != "wall_time"} for r in csv.DictReader(f)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one harness, copied: the marked blocks are identical
+
+def marked(path, name):
+    text = open(os.path.join(ROOT, path)).read()
+    m = re.search(rf"^# >>> {name}: begin.*?^# <<< {name}: end", text, re.S | re.M)
+    assert m, f"{path} has no '# >>> {name}: begin' ... '# <<< {name}: end' block"
+    return m.group(0)
+
+
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+def test_harness_block_is_dt_pys(script):
+    assert marked(f"{script}.py", "harness") == marked("dt.py", "harness"), \
+        f"{script}.py's harness block differs from dt.py's: fix it in one file and copy the block to all five"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every flag checked before any work: one sentence, exit 1
+
+BAD = [["--steps", "0"], ["--steps", "-3"], ["--batch-size", "0"], ["--context", "0"], ["--lr", "-1"],
+       ["--lr", "nan"], ["--eval-every", "0"], ["--log-every", "0"], ["--eval-episodes", "0"], ["--grad-clip", "0"],
+       ["--warmup-steps", "-1"], ["--n-head", "5"], ["--dropout", "2"], ["--dropout", "-0.1"], ["--device", "tpu"],
+       ["--target-return", "nan"], ["--target-return", "inf"], ["--preset", "cpu", "--steps", "0"]]
+if not torch.cuda.is_available():
+    BAD.append(["--device", "cuda"])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_flags_are_one_sentence_before_any_work(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    fields = m.Config.__dataclass_fields__
+    for bad in BAD:
+        if any(a.startswith("--") and a[2:].replace("-", "_") not in fields for a in bad):
+            continue  # a flag this model does not have (argparse refuses those with exit 2, its convention)
+        out = tmp_path / "_".join(bad).replace("-", "")
+        err = one_sentence_exit_1(capsys, m.main, flags(script, out, *bad, dataset=tiny_hopper))
+        assert bad[-2] in err or bad[-2].replace("--", "") in err, (bad, err)
+        assert not out.exists(), f"{bad}: the output folder was created before the flags were checked"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_cli_errors_have_no_traceback(script, tmp_path):
+    """The real command line (a subprocess): --help is usage with exit 0; a bad value is one line on stderr, exit 1."""
+    p = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0 and "usage:" in p.stdout and "--resume" in p.stdout
+    p = subprocess.run([sys.executable, f"{script}.py", "--steps", "0", "--out", str(tmp_path / "x")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.strip().startswith("error:") and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run identity: the variant names the flags that change training; config.json records the dataset used
+
+def test_run_folder_names_the_variant(tiny_maze, tmp_path, monkeypatch, capsys):
+    import dt
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = dt.parse_flags(["--preset", "cpu"])
+    assert dt.variant_name(cfg) == "cpu"
+    assert dt.variant_name(dt.parse_flags([])[0]) == "default"
+    cfg, _ = dt.parse_flags(["--preset", "cpu", "--no-return-token", "--context", "5", "--seed", "3", "--steps", "7",
+                             "--eval-episodes", "2", "--lr", "1e-3"])  # lr 1e-3 is the preset's: not a variant
+    assert dt.variant_name(cfg) == "cpu_context5_no-return-token"
+    assert dt.run_folder(cfg) == os.path.join("runs", "dt", "hopper-medium", "cpu_context5_no-return-token", "seed3")
+    dt.main(["--dataset", tiny_maze, *TINY["dt"][:-4], "--steps", "2", "--eval-every", "2", "--eval-episodes", "1"])
+    folder = tmp_path / "runs" / "dt" / tiny_maze.replace("/", "-") / "context4_n-embd16_n-layer1" / "seed0"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dataset_id"] == tiny_maze and config["env"] == "" and config["variant"] == folder.parent.name
+    assert config["script"] == "dt" and config["seed"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# never overwrite, never share
+
+def test_a_finished_run_is_not_replaced(tiny_hopper, tmp_path, capsys):
+    import dt
+    args = flags("dt", tmp_path / "run", "--steps", 4, "--eval-every", 4, dataset=tiny_hopper)
+    dt.main(args)
+    before = {f: (tmp_path / "run" / f).read_bytes() for f in ("ckpt.pt", "log.csv", "config.json")}
+    err = one_sentence_exit_1(capsys, dt.main, args)
+    assert "already holds a run" in err and "--resume" in err
+    err = one_sentence_exit_1(capsys, dt.main, args[:-2] + ["--steps", "6"])   # another --steps: still refused
+    assert {f: (tmp_path / "run" / f).read_bytes() for f in before} == before
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_refuses_other_settings_by_name(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    args = flags(script, tmp_path, "--steps", 2, "--eval-every", 2, dataset=tiny_hopper)
+    m.main(args)
+    capsys.readouterr()
+    err = one_sentence_exit_1(capsys, m.main, args + ["--resume", "--lr", "0.123"])
+    assert "--lr 0.123" in err or "0.123 here" in err, err
+    err = one_sentence_exit_1(capsys, m.main, args + ["--resume", "--env", "walker2d-medium", "--dataset", ""])
+    assert "dataset" in err, err
+    # the run's own settings need not be repeated: --out and --resume are enough
+    m.main(["--out", str(tmp_path), "--resume", "--steps", "3", "--eval-every", "3"])
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 3
+
+
+def test_a_folder_in_use_is_refused(tiny_hopper, tmp_path, capsys):
+    import dt
+    (tmp_path / "run").mkdir()
+    lock = dt.lock_folder(str(tmp_path / "run"))        # as another process's run would hold it
+    try:
+        err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "run", "--steps", 2, dataset=tiny_hopper))
+        assert "in use" in err and str(os.getpid()) in err
+    finally:
+        lock.close()
+    dt.main(flags("dt", tmp_path / "run", "--steps", 2, "--eval-every", 2, dataset=tiny_hopper))  # free again
+
+
+def start(script, args, cwd=ROOT):
+    return subprocess.Popen([sys.executable, "-u", f"{script}.py", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+def wait_for(p, prefix):
+    """Read p's stdout until a line starting with prefix; -> the lines read."""
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"the process ended before printing '{prefix}': {''.join(lines)} {p.stderr.read()}")
+
+
+def test_two_processes_on_one_folder(tiny_hopper, tmp_path):
+    """A second process on a folder in use refuses; a killed run's lock is released by the OS."""
+    args = flags("dt", tmp_path, "--steps", 100_000, "--eval-every", 100_000, "--log-every", 10, dataset=tiny_hopper)
+    first = start("dt", args)
+    try:
+        wait_for(first, "step")
+        second = subprocess.run([sys.executable, "dt.py", *args, "--resume"], cwd=ROOT, capture_output=True, text=True)
+        assert second.returncode == 1 and "in use by another run" in second.stderr, second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+    finally:
+        first.kill()
+        first.wait()
+    again = subprocess.run([sys.executable, "dt.py", *args[:-6], "--steps", "3", "--eval-every", "3", "--resume"],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exact resume after an interrupt at an arbitrary moment (Ctrl-C lands inside a step, an evaluation, a save...)
+
+DELAYS = {"dt": (0.05, 0.6, 1.3), "gpt2_dtma": (0.3, 1.0), "lsdt": (0.3, 1.0), "starformer": (0.3, 1.0),
+          "dema": (0.3, 1.0)}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_sigint_at_arbitrary_moments_then_resume_is_bit_identical(script, tiny_hopper, tmp_path):
+    steps = 160
+    common = ["--steps", steps, "--eval-every", 60, "--log-every", 20, "--seed", 1]
+    straight = tmp_path / "straight"
+    p = start(script, flags(script, straight, *common, dataset=tiny_hopper))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    expected_final = [line for line in out.splitlines() if line.startswith("final:")]
+    interrupted = 0
+    for i, delay in enumerate(DELAYS[script]):
+        run = tmp_path / f"interrupted{i}"
+        p = start(script, flags(script, run, *common, dataset=tiny_hopper))
+        wait_for(p, "step")
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=300)
+        assert p.returncode in (0, 130), err
+        assert "Traceback" not in err, err
+        if p.returncode == 130:
+            interrupted += 1
+            assert "stopped at step" in rest and not list(run.glob("*.tmp"))
+            ck = torch.load(run / "ckpt.pt", weights_only=True)
+            assert 0 < ck["step"] < steps
+            p = start(script, ["--out", run, "--resume"])
+            rest, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err
+        assert [line for line in rest.splitlines() if line.startswith("final:")] == expected_final
+        assert_same_weights(final_weights(straight), final_weights(run))
+        assert log_rows(run) == log_rows(straight)
+    assert interrupted, "no run was still training when the signal came: make the runs longer"
+
+
+def test_kill_9_loses_no_logged_step(tiny_hopper, tmp_path):
+    """SIGKILL at any instant: log.csv covers every step of the checkpoint, and the resumed run's log is whole."""
+    common = ["--steps", 200, "--eval-every", 40, "--log-every", 10]
+    straight, run = tmp_path / "straight", tmp_path / "killed"
+    assert start("dt", flags("dt", straight, *common, dataset=tiny_hopper)).wait(timeout=300) == 0
+    assert not list(straight.glob("*.tmp"))
+    p = start("dt", flags("dt", run, *common, dataset=tiny_hopper))
+    wait_for(p, "eval step 40")
+    time.sleep(0.4)
+    p.kill()
+    p.wait()
+    ck = torch.load(run / "ckpt.pt", weights_only=True)
+    on_disk = log_rows(run)
+    assert all({k: str(v) for k, v in r.items() if k != "wall_time"} in on_disk for r in ck["rows"])
+    p = start("dt", ["--out", run, "--resume"])
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    assert log_rows(run) == log_rows(straight)
+    assert_same_weights(final_weights(straight), final_weights(run))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# I/O failures: one sentence, nothing lost
+
+def test_damaged_checkpoints_are_one_sentence(tiny_hopper, tmp_path, capsys):
+    import dt
+    args = flags("dt", tmp_path, "--steps", 2, "--eval-every", 2, dataset=tiny_hopper)
+    dt.main(args)
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    for content, words in ((good[: len(good) // 2], "cannot be read"), (os.urandom(5000), "cannot be read"),
+                           (b"", "cannot be read")):
+        (tmp_path / "ckpt.pt").write_bytes(content)
+        assert words in one_sentence_exit_1(capsys, dt.main, args + ["--resume", "--steps", "3"])
+    torch.save({"model": {}, "step": 3}, tmp_path / "ckpt.pt")                     # someone else's torch file
+    assert "not a checkpoint of dt.py" in one_sentence_exit_1(capsys, dt.main, args + ["--resume"])
+    (tmp_path / "ckpt.pt").write_bytes(good)
+    (tmp_path / "log.csv").write_text("garbage,\n\x00\x01 not a log\n")           # the checkpoint holds the log
+    dt.main(args + ["--resume", "--steps", "3", "--eval-every", "3"])
+    assert [r["step"] for r in log_rows(tmp_path)] == ["2", "2", "2", "3", "3", "3"]
+
+
+def test_unwritable_out_is_one_sentence(tiny_hopper, tmp_path, capsys):
+    import dt
+    (tmp_path / "file").write_text("x")
+    err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "file", "--steps", 2, dataset=tiny_hopper))
+    assert "is a file" in err
+    err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "file" / "run", "--steps", 2, dataset=tiny_hopper))
+    assert "cannot create the output folder" in err
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tiny_hopper, tmp_path, capsys, monkeypatch):
+    import dt
+    saves, real_save = [], torch.save
+
+    def failing_save(obj, path, *a, **kw):
+        saves.append(path)
+        if len(saves) > 1:     # the second checkpoint hits a full disk halfway through
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc] PytorchStreamWriter failed writing file data/0")
+        return real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path, "--steps", 4, "--eval-every", 2,
+                                                     dataset=tiny_hopper))
+    assert "could not write" in err and "previous copy is kept" in err
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2 and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_non_finite_loss_stops_with_the_step(script, tiny_hopper, tmp_path, capsys, monkeypatch):
+    m = module(script)
+    calls, real = [0], m.loss_fn
+
+    def poisoned(*a, **kw):
+        calls[0] += 1
+        loss = real(*a, **kw)
+        return loss * float("nan") if calls[0] == 3 else loss
+
+    monkeypatch.setattr(m, "loss_fn", poisoned)
+    err = one_sentence_exit_1(capsys, m.main, flags(script, tmp_path, "--steps", 10, "--log-every", 5,
+                                                    dataset=tiny_hopper))
+    assert "at step 3" in err and "nan" in err
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# analyses read the checkpoint and never retrain
+
+def test_analysis_reads_the_run_and_never_trains(tiny_hopper, tmp_path, capsys):
+    import dt
+    err = one_sentence_exit_1(capsys, dt.main, ["--out", str(tmp_path / "none"), "--bench-eval"])
+    assert "no checkpoint" in err and not (tmp_path / "none").exists()
+    dt.main(flags("dt", tmp_path, "--steps", 2, "--eval-every", 2, "--preset", "cpu", dataset=tiny_hopper))
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    capsys.readouterr()
+    dt.main(["--out", str(tmp_path), "--bench-eval"])         # the preset run's settings come from its checkpoint
+    assert "speed-up" in capsys.readouterr().out and (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --compile, --amp, --bench
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_compile_matches_eager(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    args = ["--steps", 3, "--eval-every", 3, *zero_dropout(script)]
+    m.main(flags(script, tmp_path / "eager", *args, dataset=tiny_hopper))
+    m.main(flags(script, tmp_path / "compiled", *args, "--compile", dataset=tiny_hopper))
+    a, b = final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_amp_runs_and_loss_stays_fp32(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    m.main(flags(script, tmp_path, "--steps", 3, "--eval-every", 3, "--log-every", 1, "--amp", dataset=tiny_hopper))
+    losses = [float(r["loss"]) for r in log_rows(tmp_path) if r["loss"]]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_bench_prints_one_line_per_mode(capsys, monkeypatch):
+    import dt
+    monkeypatch.setattr(torch, "compile", lambda model: model)   # the compile itself is tested above
+    dt.main(["--bench", *TINY["dt"], "--steps", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("bench dt") and "tokens per batch" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == ["eager", "compiled"]
+    assert all("ms/step" in line and "tokens/s" in line for line in lines[1:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# each model block runs alone: only torch, math and dataclasses (copy it into your own project)
+
+# script -> (small Config fields, build from (cfg, obs 11, act 3, max_ep_len 100), forward on a data.py batch)
+ALONE = {
+    "dt": (dict(n_embd=16, n_layer=1, n_head=2), "DecisionTransformer(cfg, 11, 3, 100)",
+           'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])'),
+    "gpt2_dtma": (dict(n_embd=24, n_layer=1, n_head=12), "DecisionTransformer(cfg, 11, 3, 100)",
+                  'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])[0]'),
+    "lsdt": (dict(n_embd=32, n_layer=2), "LSDT(cfg, 11, 3, 100)",
+             'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])'),
+    "starformer": (dict(n_layer=1, n_embd=16, n_head=2, step_embd=8, step_head=2, context=20),
+                   "StARformer(cfg, 11, 3)", "model(**b)"),
+    "dema": (dict(n_embd=16, d_model=8, d_state=4, n_layer=1), "DeMa(cfg, 11, 3, 100)",
+             'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"], b["prev_action"])'),
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_model_block_runs_alone(script):
+    """exec the '# >>> model' block in a namespace holding only torch, math, dataclasses and the file's Config:
+    it fails if the block reaches for anything defined outside it."""
+    m = module(script)
+    sizes, build, forward = ALONE[script]
+    ns = dict(torch=torch, nn=torch.nn, F=torch.nn.functional, math=math, dataclass=dataclass, field=field,
+              Config=m.Config, arg=m.arg)
+    exec(compile(marked(f"{script}.py", "model"), f"{script}.py:model", "exec"), ns)
+    ns["cfg"] = m.Config(**sizes)
+    model = eval(build, ns).eval()
+    B, K = 2, 20
+    ns["b"] = dict(states=torch.randn(B, K, 11), actions=torch.rand(B, K, 3) * 2 - 1, rewards=torch.randn(B, K, 1),
+                   rtg=torch.randn(B, K, 1), timesteps=torch.arange(K).repeat(B, 1), mask=torch.ones(B, K),
+                   prev_action=torch.zeros(B, 3), prev_reward=torch.zeros(B, 1))
+    ns["model"] = model
+    with torch.no_grad():
+        y = eval(forward, ns)
+    assert y.shape == (B, K, 3) and torch.isfinite(y).all()

@@ -1,0 +1,129 @@
+"""evaluate.py report: run folders with known config.json / log.csv -> a table whose numbers are checked by hand."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import evaluate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = ["step", "loss", "lr", "target", "eval_return", "eval_return_std", "normalized_score", "normalized_score_std",
+          "success_rate", "steps_to_goal", "wall_time"]
+HOPPER, MAZE = "replica/hopper/medium-v0", "replica/pointmaze/umaze-dense-v0"
+
+
+def write_run(root, script, dataset, variant, seed, steps, evals, train_steps=(), extra=None, tail=""):
+    """A run folder as the model files write it. evals: (step, target, score[, success_rate, steps_to_goal]) rows."""
+    folder = os.path.join(root, script, dataset.replace("/", "-"), variant, f"seed{seed}")
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(seed=seed, steps=steps, env="", dataset=dataset, script=script, variant=variant,
+                       dataset_id=dataset, lr=1e-4), f)
+    fields = FIELDS[:3] + list(extra or {}) + FIELDS[3:]
+    rows = [dict(step=s, loss=0.5, lr=1e-4, wall_time=1.0, **(extra or {})) for s in train_steps]
+    for s, target, score, *goal in evals:
+        rows.append(dict(step=s, target=target, eval_return=10 * score, eval_return_std=1.0, normalized_score=score,
+                         normalized_score_std=2.0, success_rate=goal[0] if goal else "",
+                         steps_to_goal=goal[1] if goal else "", wall_time=2.0))
+    with open(os.path.join(folder, "log.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fields, restval="")
+        w.writeheader()
+        w.writerows(sorted(rows, key=lambda r: r["step"]))   # stable: a step's training row, then its evaluations
+        f.write(tail)
+    return folder
+
+
+def hopper_evals(scores, steps, noise=90.0):
+    """Evaluations of two targets per step: 3600 first (the headline), then 1800 with a score that must be ignored."""
+    return [row for s, v in zip(steps, scores) for row in ((s, 3600.0, v), (s, 1800.0, noise))]
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = str(tmp_path / "runs")
+    # dt/default: 3 finished seeds, evaluated at 100, 200, 300
+    for seed, scores in enumerate(([20, 50, 40], [30, 35, 45], [10, 60, 55])):
+        write_run(root, "dt", HOPPER, "default", seed, 300, hopper_evals(scores, (100, 200, 300)), (100, 200, 300))
+    write_run(root, "dt", HOPPER, "default", 3, 300, hopper_evals([99], (100,)), (100, 150))       # in progress
+    # dt/cpu: 2 finished seeds (one with a half-written last line), one without evaluations, one unreadable log
+    write_run(root, "dt", HOPPER, "cpu", 0, 200, hopper_evals([10, 20], (100, 200)), (100, 200))
+    write_run(root, "dt", HOPPER, "cpu", 1, 200, hopper_evals([30, 25], (100, 200)), (100, 200),
+              tail="200,,,3600.0,990.0,1.0,9")
+    write_run(root, "dt", HOPPER, "cpu", 2, 200, [], (100,))
+    garbage = write_run(root, "dt", HOPPER, "cpu", 3, 200, [], (100,))
+    with open(os.path.join(garbage, "log.csv"), "wb") as f:
+        f.write(b"\x89\xff\xfe\x00 not a csv \xc3")
+    # lsdt on a maze, with an extra model column: success rate and steps to the goal
+    write_run(root, "lsdt", MAZE, "default", 0, 100, [(50, 20.0, 40, 0.5, 200), (100, 20.0, 60, 0.8, 150)], (50, 100),
+              extra={"g_markov": 0.3})
+    write_run(root, "lsdt", MAZE, "default", 1, 100, [(50, 20.0, 70, 0.9, 100), (100, 20.0, 50, 0.6, 180)], (50, 100),
+              extra={"g_markov": 0.3})
+    return root
+
+
+def table_row(text, dataset, script, variant):
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:3] == [dataset, script, variant]:
+            return cells[3:]
+    raise AssertionError(f"no row for {dataset} {script} {variant} in\n{text}")
+
+
+def test_report_numbers_by_hand(runs):
+    text = evaluate.report(runs)
+    header = [c.strip() for c in next(l for l in text.splitlines() if l.startswith("| dataset")).strip("|").split("|")]
+    assert header == ["dataset", "script", "variant", "seeds", "steps", "last score", "best score", "success % (last)",
+                      "steps to goal (last)"]
+    # dt/default, target 3600: last = 40, 45, 55 -> mean 46.67, population std
+    #   sqrt(((-6.67)^2 + (-1.67)^2 + 8.33^2) / 3) = 6.24
+    #                          best = 50, 45, 60 -> mean 51.67, std 6.24 (the 1800 rows' 90 never counts)
+    assert table_row(text, HOPPER, "dt", "default") == ["3", "300", "46.7 ± 6.2", "51.7 ± 6.2", "-", "-"]
+    # dt/cpu: last = 20, 25 -> 22.5 ± 2.5; best = 20, 30 -> 25.0 ± 5.0 (the half-written line's 990 is skipped)
+    assert table_row(text, HOPPER, "dt", "cpu") == ["2", "200", "22.5 ± 2.5", "25.0 ± 5.0", "-", "-"]
+    # lsdt maze: last = 60, 50; best = 60, 70; success 80 %, 60 %; steps to goal 150, 180
+    assert table_row(text, MAZE, "lsdt", "default") == ["2", "100", "55.0 ± 5.0", "65.0 ± 5.0", "70.0 ± 10.0",
+                                                        "165.0 ± 15.0"]
+    lines = text.splitlines()
+    rows = [l for l in lines if l.startswith("| replica")]
+    assert [r.split("|")[1].strip() for r in rows] == [HOPPER, HOPPER, MAZE]       # grouped by dataset
+    assert "population std, ddof=0" in text and "first target" in text
+    below = lines[lines.index("Not in the table:") + 1:]
+    hop = HOPPER.replace("/", "-")
+    assert f"- dt/{hop}/default/seed3: in progress at step 150 of 300" in below
+    assert f"- dt/{hop}/cpu/seed2: no evaluation yet" in below
+    assert any(l.startswith(f"- dt/{hop}/cpu/seed3: unreadable") for l in below) and len(below) == 3
+    assert open(os.path.join(runs, "report.md")).read() == text + "\n"
+    with open(os.path.join(runs, "report.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_steps_that_differ_and_one_seed(tmp_path):
+    root = str(tmp_path)
+    write_run(root, "dt", HOPPER, "default", 0, 100, hopper_evals([40], (100,)))
+    write_run(root, "dt", HOPPER, "default", 1, 200, hopper_evals([10, 20], (100, 200)))
+    write_run(root, "dema", HOPPER, "default", 0, 100, hopper_evals([33], (100,)))
+    text = evaluate.report(root)
+    assert table_row(text, HOPPER, "dt", "default") == ["2", "differ: 100, 200", "30.0 ± 10.0", "30.0 ± 10.0"]
+    assert table_row(text, HOPPER, "dema", "default") == ["1", "100", "33.0 ± 0.0", "33.0 ± 0.0"]
+    assert "success" not in text and "Not in the table" not in text
+
+
+def test_report_cli(runs):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "report", runs], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == open(os.path.join(runs, "report.md")).read() and "46.7 ± 6.2" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "usage: evaluate.py" in r.stdout and "report" in r.stdout
+
+
+def test_report_cli_errors(tmp_path, capsys):
+    for runs_dir, message in ((tmp_path / "missing", "is not a folder"), (tmp_path, "holds no run folder")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["report", str(runs_dir)])
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1

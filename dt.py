@@ -10,7 +10,7 @@ At test time the model is prompted with a target return, and R_{t+1} = R_t - r_t
     python dt.py --env hopper-medium --preset cpu     # small configuration for a 2-core laptop, ~10 minutes
     python dt.py --env hopper-medium --no-return-token                # behaviour cloning (the paper's BC row)
     python dt.py --env hopper-medium --no-return-token --top-fraction 0.1     # %BC: BC on the best 10%
-    MINARI_DATASETS_PATH=../shared/datasets python dt.py --dataset replica/hopper/medium-v0 --preset cpu
+    MINARI_DATASETS_PATH=<folder of local datasets> python dt.py --dataset replica/hopper/medium-v0 --preset cpu
 
 Glossary (paper symbol -> code name):
     R_t     return-to-go, sum of the rewards from t to the episode's end      rtg (B, K, 1), times return_scale

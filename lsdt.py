@@ -14,7 +14,7 @@ Module (HFM, App. B.3) and projected by W_O. xi = 0 is DT's attention, xi = 1 a 
 
     python lsdt.py --env hopper-medium               # the paper's hopper-medium row: xi=1, D=256, no action tokens
     python lsdt.py --env hopper-medium --preset cpu  # small configuration for a 2-core laptop
-    MINARI_DATASETS_PATH=../shared/datasets python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --preset cpu
+    MINARI_DATASETS_PATH=<folder of local datasets> python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --preset cpu
     python lsdt.py --out <run folder> --plot-mixing  # the run's attention / kernel / HFM maps (never retrains)
 
 What each flag reproduces:

@@ -12,7 +12,7 @@ not on a return-to-go: by default there is no target return.
     python starformer.py --env hopper-expert --preset code     # the official gym code's sizes (0.7M)
     python starformer.py --env hopper-expert --no-reward-token # Table 1's imitation setting: no reward tokens
     python starformer.py --env hopper-expert --reward-input rtg            # Table 2: return-to-go in the reward slot
-    MINARI_DATASETS_PATH=../shared/datasets python starformer.py --dataset replica/hopper/medium-v0 --preset cpu
+    MINARI_DATASETS_PATH=<folder of local datasets> python starformer.py --dataset replica/hopper/medium-v0 --preset cpu
 
 The paper's Gym numbers (Table 1) are on D4RL's expert datasets (its dataset statistics, Hopper 3511 +- 328.6, are
 hopper-expert-v2's), although its text calls the data sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert.

@@ -58,6 +58,15 @@ DT_TARGETS = {"Hopper": [3600.0, 1800.0], "HalfCheetah": [12000.0, 6000.0], "Wal
 NULL_ACTION_VALUE = 0.0  # a_{-1} and r_{-1} at an episode's first step (and the padding value)
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's own is the usage
+    block and exit 2). The command lines of data.py, evaluate.py and the model files' harness use it."""
+
+    def error(self, message):
+        print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(1)
+
+
 class DataError(Exception):
     """A problem the user can fix (unknown name, dataset not available). main() prints it as one sentence."""
 
@@ -471,7 +480,7 @@ def info(name):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="data.py", description="Minari datasets for the model files: inspect one, or "
+    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, or "
                                 "turn a D4RL MuJoCo HDF5 file into a local Minari dataset.")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")

@@ -80,8 +80,10 @@ class Config:
     weight_decay: float = arg(1e-4, "AdamW weight decay; the official MuJoCo code decays every parameter")
     warmup_steps: int = arg(10_000, "linear warmup, then constant (official code 1e4; the paper's Table 8 says 1e5)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end", run=True)
-    eval_episodes: int = arg(10, "episodes per target return, run in parallel", run=True)
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official code: "
+                                   "every 10k-step iteration)", run=True)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel (official MuJoCo code: 100; mazes: 50, "
+                                   "App. F.2)", run=True)
     target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
@@ -537,7 +539,8 @@ def check_model(cfg):
 
 
 def paper_settings(name):
-    """Per-dataset E / D / lr of D.1 (MuJoCo) and Tables 14-15 (mazes); {} where the paper has none."""
+    """Per-dataset E / D / lr of D.1 (MuJoCo) and Tables 14-15 (mazes), and F.2's 50 evaluation episodes on mazes;
+    {} where the paper has none."""
     name = name.lower()
     m = re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name)
     if m:
@@ -547,12 +550,12 @@ def paper_settings(name):
                     lr=1e-4 if (env, level) in {("hopper", "medium"), ("hopper", "medium-replay"),
                                                 ("walker2d", "medium")} else 1e-3)
     if "pointmaze" in name or "maze2d" in name:   # Table 15 (maze2d); medium: K=8, E=256; umaze: Table 8's values
-        if "umaze" in name:
-            return dict(n_embd=128, d_model=64, lr=1e-4)
+        if "umaze" in name:                       # F.2: 50 evaluation episodes on every maze
+            return dict(n_embd=128, d_model=64, lr=1e-4, eval_episodes=50)
         return dict(n_embd=256 if "medium" in name else 128, d_model=64, lr=2e-5, batch_size=32,
-                    context=8 if "medium" in name else 20, dropout=0.1)
+                    context=8 if "medium" in name else 20, dropout=0.1, eval_episodes=50)
     if "antmaze" in name:                         # Table 14
-        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1)
+        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1, eval_episodes=50)
     return {}
 
 
@@ -895,8 +898,8 @@ CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "
 def parse_flags(argv):
     """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
     -> (cfg, the names of the fields the command line set, the preset's included)."""
-    p = argparse.ArgumentParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawTextHelpFormatter)
+    p = data_lib.FlagParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
+                            formatter_class=argparse.RawTextHelpFormatter)   # a bad flag: one sentence, exit 1
     for f in dataclasses.fields(Config):
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
         typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]

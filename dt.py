@@ -54,8 +54,9 @@ class Config:
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
     lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (not in the paper; resume with the same --steps)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end", run=True)
-    eval_episodes: int = arg(10, "episodes per target return, run in parallel (DT's gym code: 100)", run=True)
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (DT's gym code: every 10k-step iteration)",
+                          run=True)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel (DT's gym code: 100)", run=True)
     target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
@@ -307,8 +308,8 @@ CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "
 def parse_flags(argv):
     """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
     -> (cfg, the names of the fields the command line set, the preset's included)."""
-    p = argparse.ArgumentParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawTextHelpFormatter)
+    p = data_lib.FlagParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
+                            formatter_class=argparse.RawTextHelpFormatter)   # a bad flag: one sentence, exit 1
     for f in dataclasses.fields(Config):
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
         typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]

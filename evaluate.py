@@ -17,7 +17,6 @@ termination or truncation. `evaluate_sequential` is the one-episode-at-a-time re
 Command line:
     python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure (end of this file)
 """
-import argparse
 import csv
 import json
 import os
@@ -28,7 +27,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from data import DataError, gather_windows
+from data import DataError, FlagParser, gather_windows
 
 
 def _as_numpy(a):
@@ -190,7 +189,8 @@ def _number(v):
 
 def read_run(folder):
     """-> dict(folder, key=(dataset_id, script, variant), steps, evals, status). evals: the evaluations of the
-    headline target (the first target in log.csv) as dicts step, normalized_score, success_rate, steps_to_goal.
+    headline target (the first target in log.csv) as dicts step, normalized_score, eval_return, success_rate,
+    steps_to_goal.
     status: None for a finished run, else why it is left out of the averages."""
     run = dict(folder=folder, key=None, steps=None, evals=[], status=None)
     try:
@@ -212,6 +212,7 @@ def read_run(folder):
         try:
             parsed.append(dict(step=int(row["step"]), target=row["target"],
                                normalized_score=_number(row["normalized_score"]),
+                               eval_return=_number(row.get("eval_return", "")),
                                success_rate=_number(row["success_rate"]), steps_to_goal=_number(row["steps_to_goal"])))
         except ValueError:
             continue  # a malformed number: skipped as well
@@ -240,7 +241,8 @@ def _mean_std(values, scale=1.0):
 def report(runs_dir="runs"):
     """The markdown report of every run under runs_dir; also written to runs_dir/report.md, with runs_dir/report.png.
     Per (dataset_id, script, variant) over its finished seeds: the last and the best evaluation of each seed's
-    headline target, and for goal-reaching data the last evaluation's success rate and steps to the goal."""
+    headline target, the last evaluation's raw return (StARformer's tables are raw returns), and for goal-reaching
+    data the last evaluation's success rate and steps to the goal."""
     if not os.path.isdir(runs_dir):
         raise DataError(f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
     runs = [read_run(f) for f in find_runs(runs_dir)]
@@ -254,8 +256,8 @@ def report(runs_dir="runs"):
     lines = ["Normalised score (D4RL: 100 * (return - random) / (expert - random)) of each run's headline target "
              "(the first target in its log.csv): **last** = the final evaluation, **best** = the best evaluation "
              "during training, each taken per seed, then mean ± std over seeds (population std, ddof=0: 0.0 with one "
-             "seed)." + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
-    columns = ["dataset", "script", "variant", "seeds", "steps", "last score", "best score"]
+             "seed); **last return** = the final evaluation's raw episode return, the same way." + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
+    columns = ["dataset", "script", "variant", "seeds", "steps", "last score", "best score", "last return"]
     columns += ["success % (last)", "steps to goal (last)"] if goal else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for key in sorted(groups):
@@ -263,7 +265,8 @@ def report(runs_dir="runs"):
         steps = sorted({r["steps"] for r in g})
         cells = [*key, str(len(g)), str(steps[0]) if len(steps) == 1 else "differ: " + ", ".join(map(str, steps)),
                  _mean_std([_last(r)["normalized_score"] for r in g]),
-                 _mean_std([max(e["normalized_score"] for e in r["evals"]) for r in g])]
+                 _mean_std([max(e["normalized_score"] for e in r["evals"]) for r in g]),
+                 _mean_std([_last(r)["eval_return"] for r in g])]
         if goal:
             cells += [_mean_std([_last(r)["success_rate"] for r in g], 100.0),
                       _mean_std([_last(r)["steps_to_goal"] for r in g])]
@@ -316,7 +319,7 @@ def plot_report(groups, path):
 # command line
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="evaluate.py", description="Evaluation helpers for the model files; from the "
+    p = FlagParser(prog="evaluate.py", description="Evaluation helpers for the model files; from the "
                                 "command line: a seed-aggregated report of a folder of runs.")
     sub = p.add_subparsers(dest="command", required=True)
     p_report = sub.add_parser("report", help="one table (printed, RUNS_DIR/report.md) and figure (RUNS_DIR/report.png) "

@@ -1190,8 +1190,8 @@ CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "
 def parse_flags(argv):
     """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
     -> (cfg, the names of the fields the command line set, the preset's included)."""
-    p = argparse.ArgumentParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawTextHelpFormatter)
+    p = data_lib.FlagParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
+                            formatter_class=argparse.RawTextHelpFormatter)   # a bad flag: one sentence, exit 1
     for f in dataclasses.fields(Config):
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
         typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]

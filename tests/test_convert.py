@@ -1,4 +1,5 @@
 """data.py convert-d4rl: a small file in D4RL's layout with known episode boundaries -> a local Minari dataset."""
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +105,21 @@ def test_convert_cli(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 1 and len(err.strip().splitlines()) == 1
     assert err.startswith("error: dataset 'd4rl/hopper/cli-v0' already exists")
+
+
+def test_converted_file_trains_and_finds_its_paper_rows(tmp_path, minari_tmp, capsys):
+    """The D4RL rows end to end: convert a file, train a model file on it for 2 steps, evaluate in Hopper-v5; the
+    per-dataset paper settings of lsdt.py and dema.py recognise the converted id as hopper-medium-replay."""
+    import dema
+    import dt
+    import lsdt
+    path = write_d4rl(tmp_path / "hopper_medium_replay-v2.hdf5")
+    data.convert_d4rl(path, "d4rl/hopper/medium-replay-v2")
+    out = tmp_path / "run"
+    dt.main(["--dataset", "d4rl/hopper/medium-replay-v2", "--n-embd", "16", "--n-layer", "1", "--context", "4",
+             "--batch-size", "4", "--steps", "2", "--eval-every", "2", "--eval-episodes", "1", "--out", str(out)])
+    final = [line for line in capsys.readouterr().out.splitlines() if line.startswith("final:")]
+    assert len(final) == 1 and "normalized_score=" in final[0] and "nan" not in final[0]
+    assert json.load(open(out / "config.json"))["dataset_id"] == "d4rl/hopper/medium-replay-v2"
+    assert lsdt.paper_row("d4rl/hopper/medium-replay-v2") == "hopper-medium-replay"
+    assert dema.paper_settings("d4rl/hopper/medium-replay-v2")["n_embd"] == 256

@@ -360,6 +360,10 @@ def test_paper_settings_and_flag_order():
     cfg = parse("--env", "halfcheetah-medium", "--preset", "cpu", "--d-model", "24")
     assert cfg.n_embd == dema.PRESETS["cpu"]["n_embd"] and cfg.d_model == 24 and cfg.lr == 1e-3
     assert parse("--env", "pointmaze-medium").dropout == 0.1
+    # evaluation episodes: 100 as in the official MuJoCo code, 50 on mazes (F.2); the preset and the flag win
+    assert parse("--env", "hopper-medium").eval_episodes == 100 and parse("--env", "pointmaze-umaze").eval_episodes == 50
+    assert parse("--env", "antmaze-umaze", "--preset", "cpu").eval_episodes == dema.PRESETS["cpu"]["eval_episodes"]
+    assert parse("--env", "pointmaze-large", "--eval-episodes", "3").eval_episodes == 3
     assert parse() == dema.Config()                           # no dataset named: the defaults (hopper-medium's)
 
 

@@ -416,6 +416,16 @@ def test_paper_settings_layers_row_arch_preset_flags():
     assert lsdt.paper_settings(cfg, given)[0].target_return == 100.0
 
 
+def test_evaluation_defaults_follow_the_paper():
+    """Table 1: 20 evaluation episodes on locomotion, 100 on mazes (the row's); the official code evaluates every 500
+    updates. The preset's and the command line's counts win over the row's."""
+    episodes = lambda *argv: lsdt.paper_settings(*lsdt.parse_flags(list(argv)))[0].eval_episodes
+    assert lsdt.Config().eval_every == 500 and episodes("--env", "hopper-medium-replay") == 20
+    assert episodes("--env", "pointmaze-large") == 100 and episodes("--env", "antmaze-medium-play") == 100
+    assert episodes("--env", "pointmaze-large", "--preset", "cpu") == lsdt.PRESETS["cpu"]["eval_episodes"]
+    assert episodes("--env", "pointmaze-large", "--eval-episodes", "7") == 7
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
 
 SMALL = ["--n-embd", "32", "--n-layer", "2", "--batch-size", "16", "--context", "5", "--log-every", "10",

@@ -1234,6 +1234,15 @@ def main(argv=None):
 
 
 run_harness = main   # the harness's main() above; lsdt.py's main() below records the command's flags, then calls it
+harness_variant_name = variant_name   # the harness's; lsdt.py's own below names the configuration actually trained
+
+
+def variant_name(cfg):
+    """The run folder's variant, counted from Config's defaults like every file's, but of the configuration after the
+    dataset's row and --arch (paper_settings): '--preset cpu' on hopper-medium-replay trains the row's K=20 and xi=1,
+    so it is 'cpu_context20_conv-ratio1', and '--preset cpu --context 10 --conv-ratio 0.5' is 'cpu'. Named from the
+    flags alone, both would be 'cpu'."""
+    return harness_variant_name(paper_settings(cfg, GIVEN)[0])
 
 
 def main(argv=None):

@@ -564,3 +564,16 @@ def test_cli_bad_input_is_one_sentence_before_any_work(argv, words, tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_variant_names_the_configuration_trained(monkeypatch):
+    """Two commands that train different models never share a run folder: the name is taken after the paper's row."""
+    def name(*argv):
+        cfg, given = lsdt.parse_flags(list(argv))
+        monkeypatch.setattr(lsdt, "GIVEN", frozenset(given))
+        return lsdt.variant_name(cfg)
+    mr = ["--dataset", "replica/hopper/medium-replay-v0", "--preset", "cpu"]
+    assert name(*mr) == "cpu_context20_conv-ratio1"                          # the row's K=20, xi=1
+    assert name(*mr, "--context", "10", "--conv-ratio", "0.5") == "cpu"        # Config's defaults, given as flags
+    assert name(*mr, "--context", "10", "--conv-ratio", "1") == "cpu_conv-ratio1"
+    assert name(*mr, "--no-paper-table") == "cpu_no-paper-table"

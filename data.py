@@ -480,8 +480,8 @@ def info(name):
 
 
 def main(argv=None):
-    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, or "
-                                "turn a D4RL MuJoCo HDF5 file into a local Minari dataset.")
+    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, or turn a D4RL "
+                   "MuJoCo HDF5 file into a local Minari dataset.")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",

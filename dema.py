@@ -549,13 +549,14 @@ def paper_settings(name):
                     d_model=128 if level == "medium-expert" else 64,
                     lr=1e-4 if (env, level) in {("hopper", "medium"), ("hopper", "medium-replay"),
                                                 ("walker2d", "medium")} else 1e-3)
+    maze_eval = dict(eval_episodes=50)            # F.2: 50 evaluation episodes on every maze
     if "pointmaze" in name or "maze2d" in name:   # Table 15 (maze2d); medium: K=8, E=256; umaze: Table 8's values
-        if "umaze" in name:                       # F.2: 50 evaluation episodes on every maze
-            return dict(n_embd=128, d_model=64, lr=1e-4, eval_episodes=50)
+        if "umaze" in name:
+            return dict(n_embd=128, d_model=64, lr=1e-4, **maze_eval)
         return dict(n_embd=256 if "medium" in name else 128, d_model=64, lr=2e-5, batch_size=32,
-                    context=8 if "medium" in name else 20, dropout=0.1, eval_episodes=50)
+                    context=8 if "medium" in name else 20, dropout=0.1, **maze_eval)
     if "antmaze" in name:                         # Table 14
-        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1, eval_episodes=50)
+        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1, **maze_eval)
     return {}
 
 

@@ -54,8 +54,8 @@ class Config:
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
     lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (not in the paper; resume with the same --steps)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (DT's gym code: every 10k-step iteration)",
-                          run=True)
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (DT's gym code: "
+                                  "every 10k-step iteration)", run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel (DT's gym code: 100)", run=True)
     target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)

@@ -256,7 +256,8 @@ def report(runs_dir="runs"):
     lines = ["Normalised score (D4RL: 100 * (return - random) / (expert - random)) of each run's headline target "
              "(the first target in its log.csv): **last** = the final evaluation, **best** = the best evaluation "
              "during training, each taken per seed, then mean ± std over seeds (population std, ddof=0: 0.0 with one "
-             "seed); **last return** = the final evaluation's raw episode return, the same way." + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
+             "seed); **last return** = the final evaluation's raw episode return, the same way."
+             + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
     columns = ["dataset", "script", "variant", "seeds", "steps", "last score", "best score", "last return"]
     columns += ["success % (last)", "steps to goal (last)"] if goal else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -319,8 +320,8 @@ def plot_report(groups, path):
 # command line
 
 def main(argv=None):
-    p = FlagParser(prog="evaluate.py", description="Evaluation helpers for the model files; from the "
-                                "command line: a seed-aggregated report of a folder of runs.")
+    p = FlagParser(prog="evaluate.py", description="Evaluation helpers for the model files; from the command line: "
+                   "a seed-aggregated report of a folder of runs.")
     sub = p.add_subparsers(dest="command", required=True)
     p_report = sub.add_parser("report", help="one table (printed, RUNS_DIR/report.md) and figure (RUNS_DIR/report.png) "
                               "over every run folder under RUNS_DIR")

@@ -87,8 +87,7 @@ class Config:
     eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (official code: 500, "
                                  "to keep the best checkpoint; the paper is silent)", run=True)
     eval_episodes: int = arg(20, "episodes per target return, run in parallel (Table 1: 20 locomotion; mazes: 100, "
-                                 "from the dataset's row)",
-                             run=True)
+                                 "from the dataset's row)", run=True)
     target_return: float = arg(None, "return-to-go prompt in raw units; default: the paper's (Table 5), else the "
                                      "dataset's targets", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)

@@ -84,8 +84,8 @@ class Config:
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
     lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (official Atari code; as dt.py; resume with the same --steps)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official gym code: every 10k-step epoch)",
-                          run=True)
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official gym "
+                                  "code: every 10k-step epoch)", run=True)
     eval_episodes: int = arg(100, "episodes per evaluation, run in parallel (official gym code: 100)", run=True)
     target_return: float = arg(None, "--reward-input rtg only: return-to-go prompt in raw return units; default: the dataset's targets", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)

@@ -25,6 +25,8 @@ Command line:
     python data.py convert-d4rl hopper_medium-v2.hdf5 d4rl/hopper/medium-v2 [--env Hopper-v5]
 """
 import argparse
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -110,7 +112,16 @@ def flatten_obs(obs, keys=MAZE_KEYS):
 def dataset_folder(dataset_id):
     """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<namespace>/<name>-vN."""
     from minari.storage.datasets_root_dir import get_dataset_path
+    root = os.environ.get("MINARI_DATASETS_PATH", "")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point it at a folder")
     return str(get_dataset_path(dataset_id))
+
+
+def damaged(dataset_id, detail):
+    """The one sentence for a dataset that is there but cannot be read as Minari wrote it."""
+    return DataError(f"the dataset '{dataset_id}' at {dataset_folder(dataset_id)} is damaged ({detail}); delete that "
+                     f"folder and download it again with `minari download {dataset_id}` (or write it again)")
 
 
 def _open_minari(dataset_id, download):
@@ -126,9 +137,7 @@ def _open_minari(dataset_id, download):
     except Exception as e:  # the folder is there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
         detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
-        raise DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({type(e).__name__}"
-                        f"{': ' + detail if detail else ''}); delete that folder and download it again with "
-                        f"`minari download {dataset_id}` (or write it again)") from None
+        raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
 
 
 def _download(dataset_id, download):
@@ -200,6 +209,10 @@ class OfflineData:
         )
         self.episode_returns = np.array([e["rewards"].sum() for e in eps])
 
+    def info(self):
+        """What a model is built from; saved with its checkpoint, so that an analysis rebuilds it without the data."""
+        return dict(obs_dim=self.obs_dim, act_dim=self.act_dim, max_ep_len=self.max_ep_len, goal_dim=self.goal_dim)
+
     def normalize_states(self, obs):
         return ((np.asarray(obs, dtype=np.float64) - self.state_mean) / self.state_std).astype(np.float32)
 
@@ -217,7 +230,8 @@ class OfflineData:
         if self.env_spec is None:
             raise DataError(f"'{self.dataset_id}' is synthetic data and has no environment to evaluate in")
         if self.family == "maze":
-            import gymnasium_robotics
+            with contextlib.redirect_stdout(io.StringIO()):   # its import prints a notice about the Adroit envs
+                import gymnasium_robotics
             gym.register_envs(gymnasium_robotics)
         return gym.make(self.env_spec)
 
@@ -274,19 +288,23 @@ def gather_windows(flat, start, end, K):
             for k, v in batch.items()}
 
 
-def _episode_arrays(ep, keys, fix_first_goal):
+def _episode_arrays(ep, keys, fix_first_goal, dataset_id):
+    T = len(ep.actions)
+    if T == 0:
+        raise damaged(dataset_id, f"episode {ep.id} has no steps")
     obs = ep.observations
     if isinstance(obs, dict):
         obs = {k: np.asarray(v) for k, v in obs.items()}
         if fix_first_goal and len(obs["desired_goal"]) > 2:
             # Minari's maze collection continues across goals: an episode's first observation still shows the
-            # previous goal (shared/datasets/README.md). Evaluation never shows a stale goal, so use step 1's.
+            # previous episode's goal. Evaluation never shows a stale goal, so use step 1's.
             obs["desired_goal"][0] = obs["desired_goal"][1]
         obs = flatten_obs(obs, keys)
     obs = np.asarray(obs, dtype=np.float32).reshape(len(obs), -1)
-    actions = np.asarray(ep.actions, dtype=np.float32).reshape(len(ep.actions), -1)
-    T = len(actions)
-    assert len(obs) == T + 1, f"episode {ep.id}: expected T+1 = {T + 1} observations, got {len(obs)}"
+    actions = np.asarray(ep.actions, dtype=np.float32).reshape(T, -1)
+    if len(obs) != T + 1 or len(ep.rewards) != T:
+        raise damaged(dataset_id, f"episode {ep.id} has {len(obs)} observations and {len(ep.rewards)} rewards for {T} "
+                                  f"actions, where Minari stores T + 1 and T")
     return dict(observations=obs[:T], actions=actions, rewards=np.asarray(ep.rewards, dtype=np.float32),
                 terminated=bool(np.asarray(ep.terminations)[-1]))
 
@@ -301,7 +319,7 @@ def load_data(name, download=True):
     entry = str(spec.entry_point)
     family = "maze" if "maze" in entry else "mujoco" if "gymnasium.envs.mujoco" in entry else "other"
     keys = obs_keys_for(spec)
-    episodes = [_episode_arrays(ep, keys, family == "maze") for ep in raw_episodes]
+    episodes = [_episode_arrays(ep, keys, family == "maze", dataset_id) for ep in raw_episodes]
     if not episodes:
         raise DataError(f"dataset '{dataset_id}' has no episodes")
     env_key = spec.id.split("-")[0]  # 'Hopper-v5' -> 'Hopper'
@@ -356,10 +374,13 @@ def _read_d4rl(path):
         raise DataError(f"{path} is not a file")
     try:
         with h5py.File(path, "r") as f:
+            layout = f"convert-d4rl reads D4RL's MuJoCo layout ({', '.join(D4RL_KEYS)}, optionally next_observations)"
             missing = [k for k in D4RL_KEYS if k not in f]
             if missing:
-                raise DataError(f"{path} has no {', '.join(missing)}; convert-d4rl reads D4RL's MuJoCo layout "
-                                f"({', '.join(D4RL_KEYS)}, optionally next_observations)")
+                raise DataError(f"{path} has no {', '.join(missing)}; {layout}")
+            groups = [k for k in (*D4RL_KEYS, "next_observations") if k in f and not isinstance(f[k], h5py.Dataset)]
+            if groups:
+                raise DataError(f"{path} holds {', '.join(groups)} as an HDF5 group, not an array; {layout}")
             a = {k: np.asarray(f[k][()]) for k in (*D4RL_KEYS, "next_observations") if k in f}
     except OSError as e:  # not HDF5, truncated
         raise DataError(f"{path} cannot be read as HDF5 ({type(e).__name__})") from None

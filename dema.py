@@ -49,16 +49,25 @@ in all at the paper's batch of 64 x 1000 steps (3000 tokens). --scan-chunk 30 re
 the backward (exact gradients): the tensors kept fall 8x (795 -> 99 MB at 4 x 300) and the measured peak about 2x
 (7.9 GB at 16 x 1000 steps). A smaller --batch-size or --rnn-max-len fits a laptop.
 
-Layout: docstring -> Config -> the model (only torch, math, dataclasses) -> the S6 ablation of Fig. 5 (pure torch)
--> what DeMa plugs into the harness -> figures and analyses (Fig. 4, Fig. 5) -> benchmarks -> the harness (identical
-in every model file) -> main(). Outputs go to runs/dema/<env>/<variant>/seed<N>/.
+Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the S6 ablation of Fig. 5
+(pure torch) -> the paper's pieces (per-dataset sizes, data, loss, policy) -> train(), the loop, as in dt.py -> figures
+and analyses (Fig. 4, Fig. 5) -> benchmarks -> main(), which lays the dataset's sizes under the flags. The run folder,
+checkpoint and exact resume are evaluate.py's (the run record). Outputs go to runs/dema/<env>/<variant>/seed<N>/.
 """
+import dataclasses
 import math
+import os
+import re
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import data as data_lib
+import evaluate as ev
 
 
 def arg(default, help, run=False):
@@ -257,7 +266,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     if scan == 'auto':
         scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
     kw = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
-    with torch.autocast(u.device.type, enabled=False):                      # the state update stays fp32
+    # the state update stays fp32 (the meta device, where train() sizes a step before allocating, has no autocast)
+    with torch.autocast("cpu" if u.device.type == "meta" else u.device.type, enabled=False):
         if scan == 'parallel':
             return selective_scan_parallel(u, delta, A, B, C, **kw)
         return selective_scan_sequential(u, delta, A, B, C, chunk=chunk, **kw)
@@ -493,24 +503,21 @@ def ablate_s6(model, how, layers, donor=None, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# what DeMa plugs into the harness below: data, optimiser, loss, policy (needs numpy and the project's data/evaluate)
-
-import os  # noqa: E402
-import re  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-import data as data_lib  # noqa: E402
-import evaluate as eval_lib  # noqa: E402
+# the paper's pieces: per-dataset sizes, data, loss, policy
 
 SCRIPT = "dema"
-LOG_EXTRA = []          # extra log.csv columns (none for DeMa)
 CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), scan=("auto", "sequential", "parallel"),
                s6_ablation=("", "zero", "random", "swap"))
 
 
 def check_model(cfg):
-    """A one-sentence problem with DeMa's own flags, or None."""
+    """DeMa's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first bad one."""
+    problem = model_problem(cfg)
+    if problem:
+        raise data_lib.DataError(problem)
+
+
+def model_problem(cfg):
     for name, ok in CHOICES.items():
         if getattr(cfg, name) not in ok:
             *rest, last = [c for c in ok if c]
@@ -532,13 +539,10 @@ def check_model(cfg):
         return f"--s6-layers must be 'all' or 0-based layer indices such as 0,2; got '{cfg.s6_layers}'"
     if (cfg.s6_ablation == "swap") != bool(cfg.s6_donor):
         return "--s6-ablation swap and --s6-donor <run folder of another DeMa> go together"
-    chosen = [f for f in ("bench_scan", "params", "bench", "attention", "s6_ablation") if getattr(cfg, f)]
-    if len(chosen) > 1:
-        return f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command"
     return None
 
 
-def paper_settings(name):
+def paper_values(name):
     """Per-dataset E / D / lr of D.1 (MuJoCo) and Tables 14-15 (mazes), and F.2's 50 evaluation episodes on mazes;
     {} where the paper has none."""
     name = name.lower()
@@ -560,46 +564,34 @@ def paper_settings(name):
     return {}
 
 
-def load_dataset(cfg):
-    return data_lib.load_data(cfg.dataset or cfg.env)
-
-
-def configure(cfg, d):
-    """Settings that depend on the data (none: the paper's per-dataset values are flags, see paper_flags)."""
-    return cfg
-
-
-def eval_targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else DT's two per environment (data.py)."""
-    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+def paper_settings(cfg, given):
+    """cfg with paper_values() for its dataset laid under the flags in `given` (the preset's included): Config
+    defaults (hopper-medium's) < paper < --preset < flags. A resumed run or an analysis then takes its own settings
+    from its checkpoint."""
+    return dataclasses.replace(cfg, **{k: v for k, v in paper_values(cfg.dataset or cfg.env).items() if k not in given})
 
 
 def build_model(cfg, info):
     return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
 
 
-def make_optimizer(model, cfg):
-    """AdamW on every parameter (the official MuJoCo code decays A_log, D, norms and biases too), linear warmup then
-    constant (official: LambdaLR(min((step + 1) / warmup, 1)))."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0)
-
-
-def sample_trajectories(d, batch_size, max_len, rng):
-    """RNN-like training batch (App. C): whole trajectories (their first max_len steps), drawn in proportion to length.
-    data.gather_windows LEFT-pads them to the longest; with the inert pad mask this equals the official right padding
-    (a causal model is unaffected by either)."""
+def sample_trajectories(d, batch_size, max_len, rng, longest=False):
+    """RNN-like training batch (App. C): whole trajectories (their first max_len steps), drawn in proportion to length
+    (longest=True: the longest, to size the worst step). data.gather_windows LEFT-pads them to the longest; with the
+    inert pad mask this equals the official right padding (a causal model is unaffected by either)."""
     lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
-    ep = rng.choice(len(lengths), size=batch_size, p=lengths / lengths.sum())
+    ep = np.full(batch_size, lengths.argmax()) if longest else rng.choice(len(lengths), size=batch_size,
+                                                                            p=lengths / lengths.sum())
     n = np.minimum(lengths[ep], max_len)
     start = d.ep_start[ep]
     return data_lib.gather_windows(d.flat, start, start + n - 1, int(n.max()))
 
 
-def get_batch(d, cfg, rng):
+def get_batch(d, n, cfg, rng, longest=False):
+    """n windows of K steps (App. C, transformer mode) or n whole trajectories (RNN mode)."""
     if cfg.mode == "rnn":
-        return sample_trajectories(d, cfg.batch_size, cfg.rnn_max_len, rng)
-    return d.sample(cfg.batch_size, cfg.context, rng)           # App. C: random windows of K steps
+        return sample_trajectories(d, n, cfg.rnn_max_len, rng, longest)
+    return d.sample(n, cfg.context, rng)
 
 
 def predict(model, b, cfg, training=False):
@@ -621,10 +613,10 @@ def loss_fn(model, batch, cfg):
     return (err * mask).sum() / mask.sum()     # Sec. 3.1: MSE of a_t; App. C: the padding's loss is masked
 
 
-def make_act(model, cfg):
-    """The evaluate() policy. Transformer-like: re-run the window from a zero state, the action at its last position.
-    RNN-like (Sec. 3.2): only the current triplet (R_t, a_{t-1}, s_t), carrying each env's conv and SSM states,
-    which start from zero at an episode's first step (timesteps[:, -1] == 0)."""
+def policy(model, cfg):
+    """The action for evaluate.evaluate. Transformer-like: re-run the window from a zero state, the action at its
+    last position. RNN-like (Sec. 3.2): only the current triplet (R_t, a_{t-1}, s_t), carrying each env's conv and
+    SSM states, which start from zero at an episode's first step (timesteps[:, -1] == 0)."""
     if cfg.mode == "transformer":
         def act(batch, live):
             return predict(model, batch, cfg)[0][:, -1]
@@ -644,23 +636,73 @@ def make_act(model, cfg):
     return act_rnn
 
 
-def log_extra(model, probe, cfg):
-    """Extra log.csv values at each log step (LOG_EXTRA); none for DeMa."""
-    return {}
+def targets(cfg, d):
+    """Return-to-go prompts, raw units: --target-return, else DT's two per environment (data.py)."""
+    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
 
 
-def after_eval(model, d, cfg, out, rows, final):
-    """After training: the hidden attention against token distance on dataset windows (transformer mode)."""
-    if final and cfg.mode == "transformer":
-        attention_figure(model, d, cfg, os.path.join(out, "attention.png"))
-
-
-def tokens_per_step(cfg):
-    return 1 if cfg.token_layout == "bl3d" else 3
+def evaluate(model, d, cfg, device):
+    """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
+    model.eval()
+    results = [(g, ev.evaluate(policy(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device))
+               for g in targets(cfg, d)]
+    model.train()
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# figures and analyses: hidden attention (Fig. 4, App. J), S6 ablation (Fig. 5)
+# training: dt.py's loop; DeMa's own are the model, the batches (windows or, RNN-like, whole trajectories), AdamW on
+# every parameter, and the hidden-attention figure at the end
+
+def train(cfg, run, d=None):
+    """Train DeMa (or, with --resume, continue the run) and evaluate it in the env. The run record (evaluate.Run)
+    keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
+    -> the first target's final evaluation (per-episode arrays)."""
+    d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
+    ev.check_data(cfg, d)                                           # a context or target that means nothing here
+    device, info = ev.pick_device(cfg.device), d.info()
+    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)
+    with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
+        meta = build_model(cfg, info)
+        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, info).to(device)
+    # AdamW on every parameter (the official MuJoCo code decays A_log, D, norms and biases too), linear warmup then
+    # constant (official: LambdaLR(min((step + 1) / warmup, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0))
+    rng = np.random.default_rng(cfg.seed)                           # draws the training windows
+    step = run.start(cfg, model, opt, sched, rng, d, info, need)    # --resume: all of the above as the run left it
+    fwd = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)   # --amp: bf16 outside the scan
+    results = None
+    with ev.StopSignal() as stop:                                   # Ctrl-C: end this step, save, exit 130
+        while step < cfg.steps and not stop.signum:
+            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg.batch_size, cfg, rng).items()}
+            with autocast:
+                loss = loss_fn(fwd, batch, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            run.log(step, loss, sched.get_last_lr()[0])             # every --log-every steps: a line and log.csv
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                results = evaluate(model, d, cfg, device)           # the env, for each target
+                run.save(step, model, opt, sched, rng, results)     # log.csv, then ckpt.pt, then curve.png
+        if stop.signum and step < cfg.steps:
+            run.save(step, model, opt, sched, rng)
+            stop.exit(step, run.out)
+    results = results or evaluate(model, d, cfg, device)            # resumed at --steps: evaluate the checkpoint
+    if cfg.mode == "transformer":                                   # hidden attention against token distance
+        attention_figure(model, d, cfg, os.path.join(run.out, "attention.png"))
+    return run.finish(results)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# figures and analyses: hidden attention (Fig. 4, App. J), S6 ablation (Fig. 5); the analyses read a run's
+# checkpoint and never train
 
 def plt_agg():
     import matplotlib
@@ -717,27 +759,34 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     return prof
 
 
-def attention_episode(cfg, run):
+def load_model(cfg, given):
+    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
+
+
+def attention_episode(cfg, given):
     """--attention (Fig. 4, App. J): one evaluation episode (the first target, evaluation seed) with the run's
     checkpoint; at every decision step, each layer's last attention row (the s_t token's) over the window, |alpha|
     averaged over channels. Writes attention_episode.png (a heat map per layer and their mean: decision step against
     token position, colour = score) and attention_episode.npz; returns the (steps, n_layer, T) array."""
+    cfg, model, out = load_model(cfg, given)
     if cfg.mode != "transformer":
-        raise DataError("--attention draws transformer-like DeMa's window at each decision (Fig. 4); this run is "
-                        "--mode rnn")
-    model, out = run["model"], run["out"]
-    d = load_dataset(cfg)
-    cfg = configure(cfg, d)
+        raise data_lib.DataError("--attention draws transformer-like DeMa's window at each decision (Fig. 4); this run "
+                                 "is --mode rnn")
+    d = data_lib.load_data(cfg.dataset or cfg.env)
     device = next(model.parameters()).device
-    policy, steps = make_act(model, cfg), []
+    decide, steps = policy(model, cfg), []
 
     def act(batch, live):
         rows = model.hidden_attention(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"],
                                       batch["mask"], batch["prev_action"], last_row=True)   # n_layer x (1, di, T)
         steps.append(torch.stack([a[0].abs().mean(0) for a in rows]).cpu())               # (n_layer, T)
-        return policy(batch, live)
+        return decide(batch, live)
 
-    res = eval_lib.evaluate(act, d, 1, eval_targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, progress=False)
+    res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, progress=False)
     attn = torch.stack(steps).numpy()                                                 # (steps, n_layer, T)
     np.savez(os.path.join(out, "attention_episode.npz"), attention=attn, returns=res["returns"])
     plt = plt_agg()
@@ -773,32 +822,32 @@ def load_donor(path, model, layers):
     """--s6-donor: another DeMa run's model (its folder or ckpt.pt), whose mixers have this run's shapes."""
     path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.exists(path):
-        raise DataError(f"--s6-donor: no checkpoint at {path}")
-    ck = read_checkpoint(path)
+        raise data_lib.DataError(f"--s6-donor: no checkpoint at {path}")
+    ck = ev.read_checkpoint(path, SCRIPT)
     names = {f.name for f in dataclasses.fields(Config)}
     donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}), ck["info"])
     donor.load_state_dict(ck["model"])
     shapes = lambda m: [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS] for l in layers]  # noqa: E731
     if len(donor.blocks) <= max(layers) or shapes(donor) != shapes(model):
-        raise DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes (same "
+        raise data_lib.DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes (same "
                         f"--d-model, --d-state, --d-conv, --expand and enough layers needed)")
     return donor.to(next(model.parameters()).device)
 
 
-def s6_ablation(cfg, run):
+def s6_ablation(cfg, given):
     """--s6-ablation (Sec. 4.2, Fig. 5): evaluate the run's checkpoint as it is and with the S6 parameters of
     --s6-layers zeroed, re-initialised or swapped from --s6-donor (ablate_s6); prints both scores per target."""
-    model, n = run["model"], len(run["model"].blocks)
+    cfg, model, out = load_model(cfg, given)
+    n = len(model.blocks)
     layers = list(range(n)) if cfg.s6_layers == "all" else sorted({int(x) for x in cfg.s6_layers.split(",")})
     if max(layers) >= n:
-        raise DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers (0..{n - 1})")
+        raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers (0..{n - 1})")
     donor = load_donor(cfg.s6_donor, model, layers) if cfg.s6_ablation == "swap" else None
-    d = load_dataset(cfg)
-    cfg = configure(cfg, d)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
     device = next(model.parameters()).device
-    before = run_evals(model, d, cfg, device)
+    before = evaluate(model, d, cfg, device)
     ablate_s6(model, cfg.s6_ablation, layers, donor, seed=cfg.seed)
-    after = run_evals(model, d, cfg, device)
+    after = evaluate(model, d, cfg, device)
     for (g, r0), (_, r1) in zip(before, after):
         print(f"s6 ablation {cfg.s6_ablation} of layers {','.join(map(str, layers))}, target {g}: normalized_score="
               f"{r1['normalized'].mean():.2f} (original {r0['normalized'].mean():.2f}) return={r1['returns'].mean():.2f} "
@@ -806,11 +855,18 @@ def s6_ablation(cfg, run):
     return before, after
 
 
-ANALYSES = {"attention": attention_episode, "s6_ablation": s6_ablation}  # flag -> fn(cfg, run): reads the checkpoint
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# benchmarks (no run needed): --bench-scan, --params
+# benchmarks: --bench (times train() on synthetic data), --bench-scan and --params (no run needed)
+
+def bench(cfg):
+    """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
+    synthetic data of hopper's shape; nothing is written."""
+    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
+    tokens = (1 if cfg.token_layout == "bl3d" else 3) * cfg.context * cfg.batch_size
+    for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
+        with timer:
+            train(mode_cfg, timer, d)
+
 
 def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
     """Best-of-reps wall time (ms) of forward + backward of one selective scan, fp32."""
@@ -867,552 +923,24 @@ def param_table():
         print(f"{label:50s} {n:>10,}")
 
 
-# >>> harness: begin ==============================================================================================
-# The run harness: flags, input checks, run folder, lock, checkpoint, exact resume, logging, curves, benchmark.
-# IDENTICAL in dt.py, gpt2_dtma.py, lsdt.py, starformer.py and dema.py (tests/test_harness.py compares the copies):
-# fix it in one file and copy the block to the others. It uses these names from the file around it:
-#   SCRIPT, Config (fields made with arg(..., run=True) do not change what is trained), PRESETS, LOG_EXTRA,
-#   check_model(cfg) -> problem or None, load_dataset(cfg) -> data, configure(cfg, data) -> cfg,
-#   eval_targets(cfg, data), build_model(cfg, info), make_optimizer(model, cfg) -> (optimizer, lr factor of step),
-#   get_batch(data, cfg, rng), loss_fn(model, batch, cfg), make_act(model, cfg), log_extra(model, probe, cfg),
-#   after_eval(model, data, cfg, out, rows, final), tokens_per_step(cfg), ANALYSES {flag: fn(cfg, run)}.
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-DataError = data_lib.DataError   # a problem the user can fix: main() prints it as one sentence and exits 1
-LOG_FIELDS = ["step", "loss", "lr", *LOG_EXTRA, "target", "eval_return", "eval_return_std", "normalized_score",
-              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
-CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
-             "pending_losses", "numpy_rng", "torch_rng"}
-
-
-def parse_flags(argv):
-    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
-    -> (cfg, the names of the fields the command line set, the preset's included)."""
-    p = data_lib.FlagParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
-                            formatter_class=argparse.RawTextHelpFormatter)   # a bad flag: one sentence, exit 1
-    for f in dataclasses.fields(Config):
-        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
-        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]
-        if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-            p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{text} (default: {f.default})")
-    given = vars(p.parse_args(argv))
-    preset = given.get("preset", "")
-    if preset and preset not in PRESETS:
-        p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
-    values = {**PRESETS.get(preset, {}), **given}
-    if values.get("dataset"):
-        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
-    return Config(**values), set(values)
-
-
-def parse_args(argv):
-    return parse_flags(argv)[0]
-
-
-def device_problem(name):
-    kind, _, index = name.partition(":")
-    if name in ("auto", "cpu"):
-        return None
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            return f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu"
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            return f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
-        return None
-    if name == "mps":
-        return None if torch.backends.mps.is_available() else "--device mps: MPS is not available here; use --device cpu"
-    return f"unknown --device '{name}'; use auto, cpu, cuda, cuda:N or mps"
-
-
-def check_config(cfg):
-    """Every flag, before any work is done: raises DataError with one sentence about the first bad value."""
-    for f in dataclasses.fields(cfg):
-        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise DataError(f"{flag} must be a finite number, got {v}")
-        if f.name.endswith("dropout") and not 0 <= v < 1:
-            raise DataError(f"{flag} must lie in [0, 1), got {v}")
-    for name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
-                 "n_head"):
-        v = getattr(cfg, name, None)
-        if v is not None and v <= 0:
-            raise DataError(f"--{name.replace('_', '-')} must be a positive whole number, got {v}")
-    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
-                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
-        if not ok:
-            raise DataError(f"--{name} must be {rule}, got {v}")
-    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
-        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
-    chosen = [name for name in ANALYSES if getattr(cfg, name)] + (["bench"] if cfg.bench else [])
-    if len(chosen) > 1:
-        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
-    problem = device_problem(cfg.device) or check_model(cfg)
-    if problem:
-        raise DataError(problem)
-    data_lib.resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
-    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise DataError(f"--out {cfg.out} is a file, not a folder")
-
-
-def pick_device(name):
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-def variant_name(cfg):
-    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
-    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_no-return-token_context5'."""
-    base = {f.name: f.default for f in dataclasses.fields(Config)} | PRESETS.get(cfg.preset, {})
-    parts = [cfg.preset] if cfg.preset else []
-    for f in dataclasses.fields(Config):
-        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
-        if f.metadata["run"] or f.name == "preset" or v == base[f.name]:
-            continue
-        parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}" if isinstance(v, float)
-                     else f"{flag}{v}")
-    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
-
-
-def run_folder(cfg):
-    return cfg.out or os.path.join("runs", SCRIPT, (cfg.dataset or cfg.env).replace("/", "-"), variant_name(cfg),
-                                   f"seed{cfg.seed}")
-
-
-def read_checkpoint(path):
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
-        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
-                        f"move it away or pass another --out") from None
-    if not isinstance(ck, dict) or ck.get("script") != SCRIPT or not CKPT_KEYS <= set(ck):
-        raise DataError(f"{path} is not a checkpoint of {SCRIPT}.py; move it away or pass another --out")
-    return ck
-
-
-def settings_from_checkpoint(cfg, given, ck, path):
-    """The run's own settings, with the flags given now on top. A flag that would change what is trained (or the
-    dataset, or the seed) and differs from the checkpoint is refused in one sentence that names it."""
-    saved = {k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
-    differ = [f"--{f.name.replace('_', '-')} {saved[f.name]} there, {getattr(cfg, f.name)} here"
-              for f in dataclasses.fields(Config)
-              if f.name in given and f.name in saved and (not f.metadata["run"] or f.name == "seed")
-              and f.name != "preset" and getattr(cfg, f.name) != saved[f.name]]
-    if given & {"env", "dataset"} and data_lib.resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
-        differ.append(f"dataset {ck['dataset_id']} there, {data_lib.resolve(cfg.dataset or cfg.env)} here")
-    if differ:
-        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
-                        f"run's own, or pass a fresh --out")
-    return Config(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"}))
-
-
-def lock_folder(out):
-    """Hold <out>/.lock for this process's life. The OS releases it when the process ends, even by kill -9, so a
-    crashed run never leaves its folder locked."""
-    try:
-        f = open(os.path.join(out, ".lock"), "a+")
-    except OSError as e:
-        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
-    try:
-        if os.name == "nt":
-            import msvcrt
-            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
-        else:
-            import fcntl
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
-        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def open_run(cfg, given):
-    """-> (cfg, out folder, checkpoint or None, lock). Never replaces a run: a folder that holds one is continued
-    only with --resume (with the run's settings), and a folder in use by another process is refused."""
-    out = run_folder(cfg)
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create the output folder {out} ({e.strerror})") from None
-    lock = lock_folder(out)
-    try:
-        ckpt_path = os.path.join(out, "ckpt.pt")
-        if not cfg.resume and (os.path.exists(ckpt_path) or os.path.exists(os.path.join(out, "log.csv"))):
-            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
-        ck = read_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
-        if ck is not None:
-            cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
-        elif cfg.resume:
-            print(f"no checkpoint at {ckpt_path}; starting from scratch")
-        return cfg, out, ck, lock
-    except BaseException:
-        lock.close()
-        raise
-
-
-def load_run(cfg, given):
-    """For the analyses: the trained model of a run folder (its settings from its checkpoint), never retrained."""
-    out = run_folder(cfg)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    if not os.path.exists(ckpt_path):
-        raise DataError(f"no checkpoint at {ckpt_path}; train the run first, or pass --out <run folder>")
-    ck = read_checkpoint(ckpt_path)
-    cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
-    model = build_model(cfg, ck["info"])
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError:
-        raise DataError(f"{ckpt_path} does not fit {SCRIPT}.py's model with the run's settings") from None
-    model.to(pick_device(cfg.device)).eval()
-    return cfg, dict(model=model, ck=ck, out=out)
-
-
-def write_atomic(path, write):
-    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
-    tmp = path + ".tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as RuntimeError
-            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:100]
-            raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
-        raise
-
-
-def write_csv(path, rows):
-    def write(tmp):
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS, restval="")
-            w.writeheader()
-            w.writerows(rows)
-    write_atomic(path, write)
-
-
-def write_json(path, obj):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-    write_atomic(path, write)
-
-
-def log_row(**values):
-    return dict.fromkeys(LOG_FIELDS, "") | values
-
-
-class StopSignal:
-    """Ctrl-C (SIGINT) or SIGTERM during training: finish the current step (and its evaluation), save, exit 128 +
-    signal (130 for Ctrl-C). A second signal quits at once; the last checkpoint stays as it was."""
-
-    def __init__(self):
-        self.signum, self.previous = 0, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.previous[s] = signal.signal(s, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
-              f"without saving", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def finite_losses(pending, step):
-    """The losses of the steps since the last log line (one device sync), or one sentence at the first non-finite."""
-    values = torch.stack(pending).float().tolist() if pending else []
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            raise DataError(f"the training loss is {v} at step {step - len(values) + i + 1}, so the run stops there "
-                            f"(its last checkpoint is kept); lower --lr or check the data")
-    return values
-
-
-def train_step(fwd, model, opt, sched, batch, cfg, autocast):
-    """One gradient step: the loss (bf16 autocast if --amp; reductions stay fp32), backward, clip, AdamW, lr."""
-    with autocast:
-        loss = loss_fn(fwd, batch, cfg)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    sched.step()
-    return loss.detach()
-
-
-def run_evals(model, d, cfg, device):
-    """Evaluate every target return on cfg.eval_episodes parallel episodes; -> [(target, result dict)]."""
-    model.eval()
-    results = []
-    for g in eval_targets(cfg, d):
-        t0 = time.time()
-        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device)
-        results.append((g, res | {"seconds": time.time() - t0}))
-    model.train()
-    return results
-
-
-def plot_curve(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    losses = [r for r in rows if r["loss"] != ""]
-    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
-    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
-            title="training loss")
-    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
-        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
-        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
-                 label=f"target {target}" if target != "" else None)
-    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
-    if any(line.get_label()[:1] != "_" for line in ax2.lines):
-        ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def train(cfg, given=frozenset()):
-    """Train (or with --resume continue) the run in cfg's run folder. -> (model, the final evaluation's results)."""
-    cfg, out, ck, lock = open_run(cfg, given)
-    try:
-        return _train(cfg, out, ck)
-    finally:
-        lock.close()
-
-
-def _train(cfg, out, ck):
-    device = pick_device(cfg.device)
-    # the variant of the flags as given, as the run folder's name is (before configure's data-dependent values)
-    variant = ck.get("variant", variant_name(cfg)) if ck else variant_name(cfg)
-    d = load_dataset(cfg)
-    cfg = configure(cfg, d)
-    info = ck["info"] if ck else dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len,
-                                      goal_dim=d.goal_dim)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
-          f"{d.ref_source}; targets {eval_targets(cfg, d)}; device {device}", flush=True)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, info).to(device)
-    opt, lr_factor_of_step = make_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
-    rng = np.random.default_rng(cfg.seed)
-    probe = {k: v.to(device) for k, v in get_batch(d, cfg, np.random.default_rng(cfg.seed + 20_000)).items()}
-    step, wall0, rows, pending = 0, 0.0, [], []
-    if ck is not None:
-        try:
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-        except (RuntimeError, ValueError, KeyError):
-            raise DataError(f"{ckpt_path} does not fit this model and data; pass another --out") from None
-        sched.load_state_dict(ck["scheduler"])
-        step, wall0, rows = ck["step"], ck["wall_time"], list(ck["rows"])
-        pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
-        rng.bit_generator.state = json.loads(ck["numpy_rng"])
-        torch.set_rng_state(ck["torch_rng"])
-        if ck.get("cuda_rng") is not None and torch.device(device).type == "cuda":
-            torch.cuda.set_rng_state_all(ck["cuda_rng"])
-        print(f"resumed from {ckpt_path} at step {step} of {cfg.steps}")
-    print(f"{SCRIPT} {variant}: {sum(p.numel() for p in model.parameters()):,} parameters; run folder {out}",
-          flush=True)
-    write_json(os.path.join(out, "config.json"), dataclasses.asdict(cfg) | dict(
-        script=SCRIPT, variant=variant, dataset_id=d.dataset_id, device=device, info=info))
-    extra = log_extra(model, probe, cfg)
-    if not rows and any(v != "" for v in extra.values()):   # e.g. GPT2-DTMA's G_Markov at step 0
-        rows.append(log_row(step=0, wall_time="0.0", **extra))
-
-    def save():
-        write_csv(os.path.join(out, "log.csv"), rows)  # the log first: it always covers the checkpoint's steps
-        state = dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                     step=step, wall_time=wall(), config=dataclasses.asdict(cfg), variant=variant, dataset_id=d.dataset_id,
-                     info=info,
-                     rows=rows, pending_losses=finite_losses(pending, step), numpy_rng=json.dumps(rng.bit_generator.state),
-                     torch_rng=torch.get_rng_state(),
-                     cuda_rng=torch.cuda.get_rng_state_all() if torch.device(device).type == "cuda" else None,
-                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
-                     return_scale=d.return_scale)
-        write_atomic(ckpt_path, lambda tmp: torch.save(state, tmp))
-
-    t_start = t_log = time.time()
-    wall = lambda: wall0 + time.time() - t_start  # noqa: E731
-    fwd = torch.compile(model) if cfg.compile else model
-    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.amp)
-    evals, final, n_log, first_step = [r for r in rows if r["normalized_score"] != ""], None, 0, step
-    model.train()
-    with StopSignal() as stop:
-        while step < cfg.steps and not stop.signum:
-            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg, rng).items()}
-            pending.append(train_step(fwd, model, opt, sched, batch, cfg, autocast))
-            step, n_log = step + 1, n_log + 1
-            if step == first_step + 1 and step % cfg.log_every:   # a first sign of life, before the first log line
-                print(f"step {step:6d} | loss {pending[-1].item():.5f} | first step {time.time() - t_log:.1f} s", flush=True)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                losses = finite_losses(pending, step)
-                extra = log_extra(model, probe, cfg)
-                rows.append(log_row(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
-                                    wall_time=f"{wall():.1f}", **extra))
-                last = [r for r in evals if r["step"] == evals[-1]["step"]][:1]   # the first (headline) target's
-                last = f" | eval {float(last[0]['normalized_score']):.1f}" if last else ""
-                print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
-                      f"{1e3 * (time.time() - t_log) / n_log:.1f} ms/step"
-                      + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
-                pending, t_log, n_log = [], time.time(), 0
-                write_csv(os.path.join(out, "log.csv"), rows)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                final = run_evals(model, d, cfg, device)
-                for g, res in final:
-                    rows.append(log_row(
-                        step=step, target="" if g is None else g, eval_return=f"{res['returns'].mean():.2f}",
-                        eval_return_std=f"{res['returns'].std():.2f}", normalized_score=f"{res['normalized'].mean():.2f}",
-                        normalized_score_std=f"{res['normalized'].std():.2f}",
-                        success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                        steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
-                        wall_time=f"{wall():.1f}"))
-                    evals.append(rows[-1])
-                    print(f"eval step {step} target {g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)", flush=True)
-                save()
-                plot_curve(rows, os.path.join(out, "curve.png"), f"{SCRIPT} {variant} {d.dataset_id} seed {cfg.seed}")
-                after_eval(model, d, cfg, out, rows, final=False)
-                t_log, n_log = time.time(), 0
-        if stop.signum and step < cfg.steps:
-            save()
-            print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
-            raise SystemExit(128 + stop.signum)
-    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
-        final = run_evals(model, d, cfg, device)
-    after_eval(model, d, cfg, out, rows, final=True)
-    res = final[0][1]
-    if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
-        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
-    print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
-          f"episodes={len(res['returns'])}")
-    return model, res
-
-
-def bench(cfg):
-    """--bench: ms per training step and tokens/s at this configuration (the preset's with --preset), eager against
-    torch.compile (and compiled + bf16 autocast on CUDA), on synthetic data of hopper's shape. Timed steps:
-    min(--steps, 20), after 3 warm-up steps; the compiled row also gives the time of its first step (the compile)."""
-    device = pick_device(cfg.device)
-    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * (cfg.context or 0)))
-    cfg = configure(cfg, d)
-    info = dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len, goal_dim=d.goal_dim)
-    n = min(cfg.steps, 20)
-    tokens = cfg.batch_size * cfg.context * tokens_per_step(cfg)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    modes = [("eager", False, False), ("compiled", True, False)]
-    modes += [("compiled + amp", True, True)] if torch.device(device).type == "cuda" else []
-    print(f"bench {SCRIPT} {variant_name(cfg)} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, "
-          f"K={cfg.context}, {tokens:,} tokens per batch, {n} timed steps", flush=True)
-    eager_ms = None
-    for label, compiled, amp in modes:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, info).to(device).train()
-        opt, lr_factor_of_step = make_optimizer(model, cfg)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
-        fwd = torch.compile(model) if compiled else model
-        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp)
-        rng = np.random.default_rng(cfg.seed)
-        step = lambda: train_step(fwd, model, opt, sched, {k: v.to(device) for k, v in get_batch(d, cfg, rng).items()},  # noqa: E731
-                                  cfg, autocast)
-        t0 = time.time()
-        step()
-        sync()
-        first = time.time() - t0
-        for _ in range(3):
-            step()
-        sync()
-        t0 = time.time()
-        for _ in range(n):
-            step()
-        sync()
-        ms = 1e3 * (time.time() - t0) / n
-        eager_ms = eager_ms or ms
-        print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   {eager_ms / ms:5.2f}x eager"
-              + (f"   (first step, with compilation: {first:.1f} s)" if compiled else f"   ({sum(p.numel() for p in model.parameters()):,} parameters)"),
-              flush=True)
+def parse_flags(argv=None):
+    return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
 
 
 def main(argv=None):
-    try:
-        cfg, given = parse_flags(sys.argv[1:] if argv is None else argv)
-        check_config(cfg)
-        analysis = next((name for name in ANALYSES if getattr(cfg, name)), None)
+    with ev.one_sentence_errors():
+        cfg, given = parse_flags(argv)
+        cfg = paper_settings(cfg, given)                            # the dataset's E, D, lr, ... under the flags
+        ev.check_flags(cfg, "bench_scan", "params", "bench", "attention", "s6_ablation")   # before any work
+        check_model(cfg)
+        if cfg.bench_scan or cfg.params:
+            return bench_scan(cfg) if cfg.bench_scan else param_table()
         if cfg.bench:
-            bench(cfg)
-        elif analysis:
-            ANALYSES[analysis](*load_run(cfg, given))
-        else:
-            train(cfg, given)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
-        raise SystemExit(130)
-# <<< harness: end ================================================================================================
-
-
-run_harness = main   # the harness's main() above; dema.py's main() below hands it every command that needs a run
-
-
-def paper_flags(cfg, given):
-    """The paper's per-dataset settings (paper_settings) as flags for a run on a named dataset, where neither the
-    command line nor --preset sets them; [] where no dataset is named or --out already holds a run (its checkpoint
-    has the run's own settings)."""
-    if not given & {"env", "dataset"} or cfg.out and os.path.exists(os.path.join(cfg.out, "ckpt.pt")):
-        return []
-    return [x for k, v in paper_settings(cfg.dataset or cfg.env).items() if k not in given
-            for x in (f"--{k.replace('_', '-')}", str(v))]
-
-
-def main(argv=None):
-    """--bench-scan and --params need no run and no data; every other command goes to the harness's main(), with the
-    paper's per-dataset settings placed before the user's flags (Config defaults < paper < --preset < flags)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg, given = parse_flags(argv)
-    if cfg.bench_scan or cfg.params:
-        try:
-            check_config(cfg)
-        except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(1)
-        return bench_scan(cfg) if cfg.bench_scan else param_table()
-    return run_harness(paper_flags(cfg, given) + argv)
+            return bench(cfg)
+        if cfg.attention or cfg.s6_ablation:
+            return (attention_episode if cfg.attention else s6_ablation)(cfg, given)
+        with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
+            return train(run.cfg, run)
 
 
 if __name__ == "__main__":

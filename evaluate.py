@@ -1,6 +1,8 @@
 """
-Batched rollouts in the dataset's own gymnasium env -> returns, lengths, normalised scores (and, for goal-reaching
-mazes, success rate and steps to the goal). The only evaluation code the model files share.
+Rollouts and the run record: the only code besides data.py that the model files share.
+
+Rollouts. Batched episodes in the dataset's own gymnasium env -> returns, lengths, normalised scores (and, for
+goal-reaching mazes, success rate and steps to the goal).
 
     res = evaluate(act, d, episodes=10, target_return=3600, seed=0, context=20)
 
@@ -14,20 +16,34 @@ The N episodes run in parallel: N plain envs stepped in a list (gymnasium's vect
 start a new episode in a finished slot), one batched act() call per step, each env stopping at its own
 termination or truncation. `evaluate_sequential` is the one-episode-at-a-time reference the tests compare against.
 
+The run record. What a model file's main() and train() call to read and check flags, name and open the run folder,
+log, checkpoint, resume exactly and stop cleanly on Ctrl-C (Run, StopSignal and small functions, below the
+rollouts). The model file drives; nothing here calls back into it.
+
 Command line:
     python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure (end of this file)
 """
+import argparse
+import contextlib
 import csv
+import dataclasses
+import errno
 import json
+import math
 import os
+import re
+import shutil
+import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 
 import numpy as np
 import torch
+import torch.nn as nn
 
-from data import DataError, FlagParser, gather_windows
+from data import DataError, FlagParser, gather_windows, resolve
 
 
 def _as_numpy(a):
@@ -39,7 +55,8 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
     (None for a model that takes no return target: the rtg column is then 0)
     (raw units). Returns dict of per-episode arrays: returns, lengths, normalized; goal tasks add success,
     steps_to_goal (first step with info['success'], the horizon when never reached) and positions (a list of
-    (length + 1, 2) arrays: the agent's x, y after reset and after each step, for drawing paths).
+    (length + 1, 2) arrays: the agent's x, y after reset and after each step, for drawing paths); seconds: the wall
+    time it took.
 
     The loop is the DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps count from 0 here):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False    # the RTG prompt at reset
@@ -79,7 +96,12 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         # the rolling context: rows t-K+1 .. t of each live env's block (episode start row live*(H+1))
         batch = gather_windows(flat, live * (H + 1), live * (H + 1) + t, K)     # (L, K, ...) tensors
         with torch.no_grad():  # one batched call: action = DecisionTransformer(R, s, a, t)[-1] for every live env
-            actions = np.clip(_as_numpy(act({k: v.to(device) for k, v in batch.items()}, live)), low, high)  # (L, act)
+            actions = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))                      # (L, act)
+        if not np.isfinite(actions).all():   # a NaN action would turn the env's state and every later return to NaN
+            j = int(np.flatnonzero(~np.isfinite(actions).all(axis=1))[0])
+            raise DataError(f"the policy gave a non-finite action at step {t} of evaluation episode {live[j]} (target "
+                            f"{target_return}); the run's weights or its return-to-go prompt are out of range")
+        actions = np.clip(actions, low, high)
         for j, i in enumerate(live):
             obs, r, terminated, truncated, info = envs[i].step(actions[j])
             hist["actions"][i, t] = actions[j]
@@ -99,7 +121,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     for env in envs:
         env.close()
-    return _result(d, returns, lengths, success, steps_to_goal, positions)
+    return _result(d, returns, lengths, success, steps_to_goal, positions) | dict(seconds=time.time() - t0)
 
 
 def _position(obs):
@@ -173,6 +195,532 @@ def summarize(res):
 
 
 # ================================================================================================================
+# The run record. A model file's main() reads its flags (parse_flags, check_flags) and opens a Run; its train() checks
+# the data and one step's memory (check_data, check_memory), then calls run.start / run.log / run.save / run.finish.
+
+RUN_FILES = ("config.json", "log.csv", "ckpt.pt")      # a folder holding one of these holds a run
+CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
+             "pending_losses", "numpy_rng", "torch_rng"}
+EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "normalized_score_std", "success_rate",
+               "steps_to_goal", "wall_time"]
+MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
+
+
+def parse_flags(Config, presets, argv, prog, description):
+    """Every Config field is a flag (--batch-size for batch_size); --preset applies first, explicit flags win.
+    -> (cfg, the fields the command line set, the preset's included). A bad flag: one sentence, exit 1."""
+    p = FlagParser(prog=prog, description=description, formatter_class=argparse.RawTextHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+            p.add_argument(flag, type=f.type, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                           help=f"{text} (default: {f.default})")
+    given = vars(p.parse_args(argv))
+    if given.get("preset", "") not in ("", *presets):
+        p.error(f"unknown preset '{given['preset']}'; known: {', '.join(presets)}")
+    values = {**presets.get(given.get("preset", ""), {}), **given}
+    if values.get("dataset"):
+        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
+    return Config(**values), set(values)
+
+
+def check_flags(cfg, *one_of):
+    """The checks every script shares, before any work: one sentence (DataError) about the first bad value. one_of:
+    fields of which a command sets at most one (--bench and the analyses)."""
+    for f in dataclasses.fields(cfg):
+        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise DataError(f"{flag} must be a finite number, got {v}")
+        if f.name.endswith("dropout") and not 0 <= v < 1:
+            raise DataError(f"{flag} must lie in [0, 1), got {v}")
+        if f.name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
+                      "n_head") and v is not None and v <= 0:
+            raise DataError(f"{flag} must be a positive whole number, got {v}")
+    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
+                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
+        if not ok:
+            raise DataError(f"--{name} must be {rule}, got {v}")
+    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
+        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise DataError(f"--seed must be a whole number from 0 to {MAX_SEED}, got {cfg.seed}")
+    if cfg.eval_episodes > MAX_EVAL_EPISODES:
+        raise DataError(f"--eval-episodes {cfg.eval_episodes} would run that many environments at once; use at most "
+                        f"{MAX_EVAL_EPISODES}")
+    if len(chosen := [name for name in one_of if getattr(cfg, name)]) > 1:
+        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+    kind, _, index = cfg.device.partition(":")
+    cuda = torch.cuda.is_available() and (not index or index.isdigit() and int(index) < torch.cuda.device_count())
+    if not {"auto": True, "cpu": True, "mps": torch.backends.mps.is_available(), "cuda": cuda}.get(
+            "cuda" if kind == "cuda" else cfg.device):
+        raise DataError(f"--device {cfg.device} is not available here (torch {torch.__version__} sees "
+                        f"{torch.cuda.device_count()} CUDA devices); use auto, cpu, cuda, cuda:N or mps")
+    resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise DataError(f"--out {cfg.out} is a file, not a folder")
+
+
+def pick_device(name):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(name)
+
+
+def check_data(cfg, d):
+    """Settings that mean nothing for this data, in one sentence before the run folder is touched."""
+    longest = max(len(e["actions"]) for e in d.episodes)
+    if cfg.context > longest:   # a training window never leaves its episode: the rest would always be padding
+        raise DataError(f"--context {cfg.context} is longer than the longest episode of {d.dataset_id} ({longest} "
+                        f"steps), so a window would never fill; use at most {longest}")
+    target, top = getattr(cfg, "target_return", None), float(np.abs(d.episode_returns).max())
+    if target is not None and abs(target) > 100 * max(top, 1.0):   # (1e30 would also overflow float32 in the model)
+        raise DataError(f"--target-return {target:g} is more than 100 times the largest episode return in "
+                        f"{d.dataset_id} ({top:.4g}), far outside anything the model saw; give a target near the data's")
+
+
+def free_memory(device):
+    """Bytes free on `device`: CUDA's count, else the OS's available memory (Linux; elsewhere the physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def gb(n):
+    """Bytes in words: MB, GB or TB."""
+    e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
+    return f"{n / 2 ** e:.3g} {unit}"
+
+
+
+def check_memory(model, loss, template, batch_size, device):
+    """What one training step needs, counted before anything is allocated: `model` built under torch.device("meta")
+    (shapes, no data) and `loss(batch)` run there on `batch_size` rows shaped like `template` (a real batch of a few
+    windows). The parameters count 4 times (gradients, AdamW's two moments), plus the tensors autograd keeps for the
+    backward and the batch. One sentence if that is more than the device has free; else the bytes."""
+    batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype, device="meta") for k, v in template.items()}
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.append(0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t, lambda t: t):
+        loss(batch)
+    params = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
+    need = params + sum(kept) + 2 * sum(v.numel() * v.element_size() for v in batch.values())   # host + device copy
+    if (free := free_memory(device)) is not None and need > free:
+        raise DataError(f"a training step needs about {gb(need)} (parameters, gradients and AdamW state {gb(params)}; "
+                        f"activations of {batch_size:,} windows {gb(sum(kept))}), more than the {gb(free)} free on "
+                        f"{device}; lower --batch-size, --context or the model's size")
+    return need
+
+
+def variant_name(cfg, presets):
+    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
+    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_context5_no-return-token'."""
+    base = {f.name: f.default for f in dataclasses.fields(cfg)} | presets.get(cfg.preset, {})
+    parts = [cfg.preset] if cfg.preset else []
+    for f in dataclasses.fields(cfg):
+        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
+        if not (f.metadata["run"] or f.name == "preset" or v == base[f.name]):
+            parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}"
+                         if isinstance(v, float) else f"{flag}{v}")
+    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
+
+
+def run_folder(script, cfg, presets):
+    return cfg.out or os.path.join("runs", script, (cfg.dataset or cfg.env).replace("/", "-"),
+                                   variant_name(cfg, presets), f"seed{cfg.seed}")
+
+
+def read_checkpoint(path, script):
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
+        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
+                        f"move it away or pass another --out") from None
+    if not isinstance(ck, dict) or ck.get("script") != script or not CKPT_KEYS <= set(ck):
+        raise DataError(f"{path} is not a checkpoint of {script}.py; move it away or pass another --out")
+    return ck
+
+
+def load_run(script, cfg, given, presets):
+    """The run in cfg's folder, read only (for --resume and the analyses): its settings with the flags given now on
+    top, and its checkpoint. A flag that would change what is trained (or the dataset, or the seed) and differs from the
+    checkpoint is refused in one sentence that names it, and so is a --steps below the step the run has reached."""
+    path = os.path.join(run_folder(script, cfg, presets), "ckpt.pt")
+    if not os.path.exists(path):
+        raise DataError(f"no checkpoint at {path}; train the run first, or pass --out <run folder>")
+    ck = read_checkpoint(path, script)
+    names = {f.name: f for f in dataclasses.fields(cfg)}
+    saved = {k: v for k, v in ck["config"].items() if k in names}
+    differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here" for k in sorted(given & set(saved))
+              if (not names[k].metadata["run"] or k == "seed") and k != "preset" and getattr(cfg, k) != saved[k]]
+    if given & {"env", "dataset"} and resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
+        differ.append(f"dataset {ck['dataset_id']} there, {resolve(cfg.dataset or cfg.env)} here")
+    if differ:
+        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
+                        f"run's own, or pass a fresh --out")
+    if "steps" in given and cfg.steps < ck["step"]:
+        raise DataError(f"--steps {cfg.steps} is below the step this run has reached ({ck['step']}) and a run cannot "
+                        f"be shortened; give --steps {ck['step']} or more, or drop --steps")
+    return type(cfg)(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"})), ck
+
+
+def lock_folder(out):
+    """Hold <out>/.lock for this process's life; the OS releases it when the process ends, even by kill -9."""
+    try:
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
+    try:
+        if os.name == "nt":
+            import msvcrt
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def refuse_occupied(out, script):
+    """A run starts only in a new or empty folder: one holding a run needs --resume; anything else is never written to."""
+    files = sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []
+    if set(files) & set(RUN_FILES):
+        owner = script if {"ckpt.pt", "log.csv"} & set(files) else None
+        with contextlib.suppress(OSError, ValueError, AttributeError), open(os.path.join(out, "config.json")) as f:
+            owner = json.load(f).get("script", owner)
+        if owner == script:
+            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
+    if files:
+        raise DataError(f"{out} already holds files that are not a run of {script}.py ({', '.join(files[:3])}"
+                        f"{', ...' if len(files) > 3 else ''}); nothing there is overwritten, so pass a new or empty --out")
+
+
+def write_atomic(path, write):
+    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
+    tmp, folder = path + ".tmp", os.path.dirname(path) or "."
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        partial = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if not isinstance(e, (OSError, RuntimeError)):   # torch.save reports a failed write as a RuntimeError
+            raise
+        previous = os.path.getsize(path) if os.path.exists(path) else 0
+        if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(folder).free <= max(partial, previous):
+            reason = f"no space left on the device holding {folder}"
+        else:   # torch's own words, without its C++ source location
+            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1].split("] ")[-1][:100]
+        raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    write_atomic(path, write)
+
+
+class StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM in training: the loop ends its step (and evaluation), the run saves and exit() ends
+    the process with 128 + the signal. A second signal quits at once; the last checkpoint stays as it was."""
+
+    def __enter__(self):
+        self.signum, self.previous = 0, {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
+              f"without saving", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def exit(self, step, out):
+        print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
+        raise SystemExit(128 + self.signum)
+
+
+class Run:
+    """One run's folder (runs/<script>/<env>/<variant>/seed<N>/, or --out): config.json, log.csv (a row per log step
+    and one per evaluated target), ckpt.pt (all an exact resume needs) and curve.png. Run(...) writes nothing: it names
+    the folder, refuses what must not happen there and, with --resume, takes the run's settings from its checkpoint
+    (self.cfg). start() creates and locks the folder, or restores the resumed run. A new folder that never got a log
+    line is removed again when the run fails."""
+
+    def __init__(self, script, cfg, given, presets, columns=()):
+        self.script, self.ck, self.lock, self.made = script, None, None, False
+        self.fields = ["step", "loss", "lr", *columns, *EVAL_FIELDS]
+        self.out = out = run_folder(script, cfg, presets)
+        if os.path.exists(os.path.join(out, ".lock")):
+            lock_folder(out).close()           # a folder another process is using: that first
+        if cfg.resume and not os.path.exists(os.path.join(out, "ckpt.pt")):
+            if os.path.isdir(out) and set(os.listdir(out)) & {"log.csv", "config.json"}:
+                raise DataError(f"{out} has no ckpt.pt to resume from (its run stopped before its first checkpoint, or "
+                                f"the file was moved); put ckpt.pt back, or start again in a fresh --out")
+            raise DataError(f"{out} holds no run to resume (no ckpt.pt there); drop --resume to start one")
+        if cfg.resume:
+            self.lock = lock_folder(out)
+            try:
+                cfg, self.ck = load_run(script, cfg, given, presets)
+            except BaseException:
+                self.close()
+                raise
+        else:
+            refuse_occupied(out, script)
+        self.cfg, self.variant = cfg, self.ck["variant"] if self.ck else variant_name(cfg, presets)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.lock is not None:
+            self.close()
+
+    def close(self):
+        self.lock.close()
+        if self.made and os.listdir(self.out) == [".lock"]:
+            shutil.rmtree(self.out, ignore_errors=True)
+
+    def start(self, cfg, model, opt, sched, rng, d, info, need):
+        """Create and lock a new run's folder (checking again, under the lock, that it holds no run), or restore the
+        resumed run's model, optimiser, schedule, RNGs, log rows and pending losses. -> the step to continue from."""
+        self.cfg, self.d, self.info, self.device = cfg, d, info, next(model.parameters()).device
+        if self.lock is None:
+            self.made = not os.path.isdir(self.out)
+            try:
+                os.makedirs(self.out, exist_ok=True)
+            except OSError as e:
+                raise DataError(f"cannot create the output folder {self.out} ({e.strerror})") from None
+            self.lock = lock_folder(self.out)
+            refuse_occupied(self.out, self.script)
+        step, self.wall0, self.rows, self.pending, self.logged = 0, 0.0, [], [], False
+        if ck := self.ck:
+            try:
+                model.load_state_dict(ck["model"])
+                opt.load_state_dict(ck["optimizer"])
+            except (RuntimeError, ValueError, KeyError):
+                raise DataError(f"{self.out}/ckpt.pt does not fit this model and data; pass another --out") from None
+            sched.load_state_dict(ck["scheduler"])
+            step, self.wall0, self.rows = ck["step"], ck["wall_time"], list(ck["rows"])
+            self.pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
+            rng.bit_generator.state = json.loads(ck["numpy_rng"])
+            torch.set_rng_state(ck["torch_rng"])
+            if ck.get("cuda_rng") is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state_all(ck["cuda_rng"])
+            print(f"resumed from {self.out}/ckpt.pt at step {step} of {cfg.steps}")
+        print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
+              f"{d.ref_source}\n{self.script} {self.variant}: {sum(p.numel() for p in model.parameters()):,} "
+              f"parameters; a training step needs about {gb(need)} on {self.device}; run folder {self.out}", flush=True)
+        self.first, self.t_start, self.t_log, self.n_log = step, time.time(), time.time(), 0
+        return step
+
+    def wall(self):
+        return self.wall0 + time.time() - self.t_start
+
+    def add_row(self, **values):
+        """A log.csv row: every column, empty unless given."""
+        self.rows.append(dict.fromkeys(self.fields, "") | values)
+
+    def log(self, step, loss, lr, **extra):
+        """Every step: keep the loss, on its device. Every --log-every steps and at the last: check the losses are
+        finite (one sentence naming the first bad step), print a line, write log.csv with their mean (and `extra`)."""
+        self.pending.append(loss.detach())
+        self.n_log += 1
+        if step == self.first + 1 and step % self.cfg.log_every:   # a first sign of life, before the first log line
+            print(f"step {step:6d} | loss {loss.item():.5f} | first step {time.time() - self.t_log:.1f} s", flush=True)
+        if step % self.cfg.log_every and step != self.cfg.steps:
+            return
+        mean = float(np.mean(self.finite_losses(step)))
+        self.add_row(step=step, loss=f"{mean:.6f}", lr=f"{lr:.3e}", wall_time=f"{self.wall():.1f}", **extra)
+        last = next((r for r in reversed(self.rows) if r["eval_return"] != ""), None)
+        last = [r for r in self.rows if r["eval_return"] != "" and r["step"] == last["step"]][0] if last else None
+        print(f"step {step:6d} | loss {mean:.5f} | lr {lr:.2e} | {1e3 * (time.time() - self.t_log) / self.n_log:.1f} "
+              f"ms/step" + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + (
+                  f" | last eval {last['normalized_score'] or last['eval_return']} (step {last['step']})" if last else ""),
+              flush=True)
+        self.pending, self.t_log, self.n_log = [], time.time(), 0
+        self.write_log()
+
+    def finite_losses(self, step):
+        """The losses since the last log line (one device sync), or one sentence at the first non-finite."""
+        values = torch.stack(self.pending).float().tolist() if self.pending else []
+        if bad := [i for i, v in enumerate(values) if not math.isfinite(v)]:
+            raise DataError(f"the training loss is {values[bad[0]]} at step {step - len(values) + bad[0] + 1}, so the "
+                            f"run stops there (its last checkpoint is kept); lower --lr or check the data")
+        return values
+
+    def write_log(self):
+        """log.csv (and, the first time, config.json), always before ckpt.pt: the log covers the checkpoint's steps."""
+        def write(tmp):
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, self.fields, restval="")
+                w.writeheader()
+                w.writerows(self.rows)
+        if not self.logged:
+            config = dataclasses.asdict(self.cfg) | dict(script=self.script, variant=self.variant, info=self.info,
+                                                         dataset_id=self.d.dataset_id, device=str(self.device))
+            write_json(os.path.join(self.out, "config.json"), config)
+            self.logged = True
+        write_atomic(os.path.join(self.out, "log.csv"), write)
+
+    def save(self, step, model, opt, sched, rng, results=()):
+        """After an evaluation (results: [(target, evaluate()'s dict)], a log row each) or a stop signal: log.csv, then
+        ckpt.pt, each atomic; then curve.png."""
+        for g, res in results:
+            self.add_row(step=step, target="" if g is None else f"{g:g}", eval_return=f"{res['returns'].mean():.2f}",
+                         eval_return_std=f"{res['returns'].std():.2f}", normalized_score=score(res["normalized"].mean()),
+                         normalized_score_std=score(res["normalized"].std()), wall_time=f"{self.wall():.1f}",
+                         success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
+                         steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "")
+            print(f"eval step {step}{'' if g is None else f' target {g:g}'}: {summarize(res)} ({res['seconds']:.0f}s)",
+                  flush=True)
+        self.write_log()
+        d, cuda = self.d, self.device.type == "cuda"
+        state = dict(script=self.script, model=model.state_dict(), optimizer=opt.state_dict(),
+                     scheduler=sched.state_dict(), step=step, wall_time=self.wall(), config=dataclasses.asdict(self.cfg),
+                     variant=self.variant, dataset_id=d.dataset_id, info=self.info, rows=self.rows,
+                     pending_losses=self.finite_losses(step), numpy_rng=json.dumps(rng.bit_generator.state),
+                     torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
+                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
+                     return_scale=d.return_scale)
+        write_atomic(os.path.join(self.out, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
+        if results:
+            plot_curve(self.rows, os.path.join(self.out, "curve.png"),
+                       f"{self.script} {self.variant} {d.dataset_id} seed {self.cfg.seed}")
+        self.t_log, self.n_log = time.time(), 0
+
+    def finish(self, results):
+        """The run's last line: the first target's final evaluation. -> its dict of per-episode arrays."""
+        res = results[0][1]
+        if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
+            print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
+        print(f"final: normalized_score={score(res['normalized'].mean()) or 'none'} return={res['returns'].mean():.2f} "
+              f"episodes={len(res['returns'])}")
+        return res
+
+
+def score(x):
+    """A normalised score for log.csv: empty where the data has no reference returns (undefined rather than NaN)."""
+    return f"{x:.2f}" if math.isfinite(x) else ""
+
+
+def plot_curve(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    losses = [r for r in rows if r["loss"] != ""]
+    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
+    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
+            title="training loss")
+    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
+        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
+        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
+                 label=f"target {target}" if target != "" else None)
+    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
+    if any(line.get_label()[:1] != "_" for line in ax2.lines):
+        ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class Bench:
+    """--bench: stands in for Run in train(), so that exactly its steps are timed: nothing is written; steps 4 .. 3 + n
+    are timed (the first includes torch.compile's work), one row is printed, and train() ends there (Bench.Done)."""
+    class Done(Exception):
+        pass
+    ck = None   # never a resumed run
+
+    def __init__(self, cfg, label, n, tokens, eager_ms):
+        self.cfg, self.label, self.n, self.tokens, self.eager_ms, self.times = cfg, label, n, tokens, eager_ms, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *exc):
+        return kind is Bench.Done
+
+    def start(self, cfg, model, opt, sched, rng, d, info, need):
+        self.params, self.times[0] = sum(p.numel() for p in model.parameters()), time.time()
+        return 0
+
+    def log(self, step, loss, lr, **extra):
+        if step in (1, 3, 3 + self.n):
+            torch.cuda.synchronize() if torch.device(self.cfg.device).type == "cuda" else None
+            self.times[step] = time.time()
+        if step == 3 + self.n:
+            ms = 1e3 * (self.times[step] - self.times[3]) / self.n
+            self.eager_ms[0] = eager = self.eager_ms[0] or ms
+            print(f"  {self.label:15s} {ms:9.2f} ms/step {1e3 * self.tokens / ms:12,.0f} tokens/s   {eager / ms:5.2f}x "
+                  f"eager   " + (f"(first step, with compilation: {self.times[1] - self.times[0]:.1f} s)"
+                               if self.cfg.compile else f"({self.params:,} parameters)"), flush=True)
+            raise Bench.Done
+
+    def add_row(self, **values):
+        pass
+
+
+def bench_modes(cfg, script, variant, tokens):
+    """--bench: (the configuration, its Bench record) for each mode: eager, torch.compile and, on CUDA, compiled with
+    bf16 autocast. `with bench: train(mode_cfg, bench)` runs to Bench.Done; min(--steps, 20) steps are timed."""
+    device, n, eager_ms = pick_device(cfg.device), min(cfg.steps, 20), [None]
+    print(f"bench {script} {variant} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, K={cfg.context}, "
+          f"{tokens:,} tokens per batch, {n} timed steps", flush=True)
+    modes = [("eager", False, False), ("compiled", True, False)] + [("compiled + amp", True, True)] * (device.type == "cuda")
+    for label, compiled, amp in modes:
+        c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp, steps=10 ** 9, log_every=10 ** 9,
+                                eval_every=10 ** 9)
+        yield c, Bench(c, label, n, tokens, eager_ms)
+
+
+@contextlib.contextmanager
+def one_sentence_errors():
+    """A model file's main() runs in this: what a user can fix is one sentence on stderr and exit 1 (a DataError, or
+    memory the device does not have); a second Ctrl-C exits 130."""
+    try:
+        yield
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    except (MemoryError, RuntimeError) as e:
+        words = str(e).lower()
+        if not (isinstance(e, MemoryError) or re.search(r"out of memory|not enough memory|can't allocate", words)):
+            raise
+        size = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ \w)ib", words)
+        size = f" (it asked for {gb(int(size[1])) if size[1] else size[2].upper() + 'B'} at once)" if size else ""
+        print(f"error: out of memory{size}; lower --batch-size, --context or the model's size", file=sys.stderr)
+        raise SystemExit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        raise SystemExit(130)
+
+
+# ================================================================================================================
 # report: python evaluate.py report [RUNS_DIR] -> one table over seeds (printed and RUNS_DIR/report.md) and one figure
 # (RUNS_DIR/report.png). A run folder is any folder under RUNS_DIR with config.json (every Config field plus script,
 # variant, dataset_id) and log.csv (training rows, and evaluation rows with target and normalized_score filled), as the
@@ -184,7 +732,13 @@ def find_runs(runs_dir):
 
 
 def _number(v):
-    return float(v) if v != "" else None
+    """A log.csv number, None where the cell is empty; a cell that is not a finite number is a ValueError."""
+    if v == "":
+        return None
+    x = float(v)
+    if not math.isfinite(x):
+        raise ValueError(v)
+    return x
 
 
 def read_run(folder):
@@ -205,9 +759,9 @@ def read_run(folder):
     if not {"step", "target", "normalized_score", "success_rate", "steps_to_goal"} <= set(header):
         return run | dict(status="unreadable (log.csv lacks the step, target and evaluation columns)")
     parsed = []
-    for r in rows[1:]:
+    for line, r in enumerate(rows[1:], start=2):
         if len(r) != len(header):
-            continue  # a half-written line (a killed process): skipped
+            continue  # a half-written last line (a killed process): skipped
         row = dict(zip(header, r))
         try:
             parsed.append(dict(step=int(row["step"]), target=row["target"],
@@ -215,8 +769,11 @@ def read_run(folder):
                                eval_return=_number(row.get("eval_return", "")),
                                success_rate=_number(row["success_rate"]), steps_to_goal=_number(row["steps_to_goal"])))
         except ValueError:
-            continue  # a malformed number: skipped as well
-    evals = [r for r in parsed if r["normalized_score"] is not None]
+            bad = next(f"{k} '{row[k]}'" for k in ("step", "normalized_score", "eval_return", "success_rate",
+                                                   "steps_to_goal") if not _parses(row.get(k, ""), k == "step"))
+            return run | dict(status=f"unreadable (log.csv line {line}: {bad} is not a finite number)")
+    # an evaluation row has a return; its normalised score is empty where the data has no reference returns
+    evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
     if not evals:
         return run | dict(status="no evaluation yet")
     run["evals"] = [r for r in evals if r["target"] == evals[0]["target"]]  # the headline target
@@ -225,9 +782,23 @@ def read_run(folder):
     return run
 
 
+def _parses(v, integer=False):
+    try:
+        int(v) if integer else _number(v)
+        return True
+    except ValueError:
+        return False
+
+
 def _last(run):
     """A run's final evaluation (of its headline target)."""
     return max(run["evals"], key=lambda e: e["step"])
+
+
+def _best(run):
+    """A run's best normalised score over its evaluations (None where it has none)."""
+    scores = [e["normalized_score"] for e in run["evals"]]
+    return None if None in scores else max(scores)
 
 
 def _mean_std(values, scale=1.0):
@@ -266,7 +837,7 @@ def report(runs_dir="runs"):
         steps = sorted({r["steps"] for r in g})
         cells = [*key, str(len(g)), str(steps[0]) if len(steps) == 1 else "differ: " + ", ".join(map(str, steps)),
                  _mean_std([_last(r)["normalized_score"] for r in g]),
-                 _mean_std([max(e["normalized_score"] for e in r["evals"]) for r in g]),
+                 _mean_std([_best(r) for r in g]),
                  _mean_std([_last(r)["eval_return"] for r in g])]
         if goal:
             cells += [_mean_std([_last(r)["success_rate"] for r in g], 100.0),
@@ -300,7 +871,8 @@ def plot_report(groups, path):
             by_step = defaultdict(list)
             for run in groups[key]:
                 for e in run["evals"]:
-                    by_step[e["step"]].append(e["normalized_score"])
+                    if e["normalized_score"] is not None:
+                        by_step[e["step"]].append(e["normalized_score"])
             steps = sorted(by_step)
             line, = ax.plot(steps, [np.mean(by_step[s]) for s in steps], marker="o", markersize=3,
                             label=f"{key[1]}/{key[2]} ({len(groups[key])} seeds)")

@@ -49,16 +49,29 @@ Glossary (paper symbol -> code name, shape):
     alpha       GPT2-P's penalty weight (Eq. 9)                   Config.markov_penalty
 
 Layout: docstring -> Config -> the model (GPT-2 blocks, GPT2-DT(MA), the GPT-2 language model; only torch, math,
-dataclasses) -> the Markov-head quantities (pure torch) -> what the file plugs into the harness -> figures and
-analyses -> GPT-2 weight I/O and download -> the harness (identical in every model file) -> main().
-Outputs go to runs/gpt2_dtma/<env>/<variant>/seed<N>/.
+dataclasses: copy it alone) -> the Markov-head quantities (pure torch) -> the paper's pieces (blocks and Markov heads,
+optimiser groups, loss, policy, G_Markov) -> train(), the loop, as in dt.py -> figures and analyses -> GPT-2 weight
+I/O and download -> --bench and main(). The run folder, checkpoint and exact resume are evaluate.py's (the run
+record). Outputs go to runs/gpt2_dtma/<env>/<variant>/seed<N>/.
 """
+import dataclasses
+import glob
+import json
 import math
+import os
+import shutil
+import struct
+import sys
+import urllib.request
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import data as data_lib
+import evaluate as ev
 
 
 def arg(default, help, run=False):
@@ -329,7 +342,6 @@ class GPT2(nn.Module):
         return idx
 # <<< model: end
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # the paper's analysis quantities (pure torch): Markov heads (Def. 4.1-4.2), G_Markov (Eq. 9, Tabs. 5-6), attention
 # to the last token (Thm 4.3, Fig. 4), attention by distance (Figs. 1/7), head importance (Sec. 4.1.2, Fig. 2)
@@ -432,29 +444,31 @@ def head_importance(model, batch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# what GPT2-DT(MA) plugs into the harness below: data, model, optimiser, loss, policy, G_Markov logging
-import dataclasses  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-import data as data_lib  # noqa: E402
-import evaluate as eval_lib  # noqa: E402
+# the paper's pieces: the blocks and their Markov heads, optimiser groups, context, loss, policy, G_Markov
 
 SCRIPT = "gpt2_dtma"
-LOG_EXTRA = ["g_markov"]   # G_Markov on a fixed batch at every log step (Fig. 9)
 GPT2_NAMES = ("gpt2", "openai-community/gpt2")
 
 
 def check_model(cfg):
-    """A one-sentence problem with this file's own flags, or None (the harness checks the generic ones)."""
+    """This file's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first."""
+    problem = model_problem(cfg)
+    if problem:
+        raise data_lib.DataError(problem)
+
+
+def model_problem(cfg):
+    if cfg.init == "random":   # GPT-2 small's shape unless given, within the bounds a GPT-2 config.json is held to
+        for name in ("n_embd", "n_head", "n_layer"):
+            if (getattr(cfg, name) or 0) > GPT2_LIMITS[name]:
+                return (f"--{name.replace('_', '-')} {getattr(cfg, name)}: a GPT-2 has at most {GPT2_LIMITS[name]} "
+                        f"(the bound its config.json is held to)")
     if cfg.init in GPT2_NAMES or cfg.init == "random":
         g = GPT2Config()                                 # GPT-2 small (the shape --init random copies)
     else:
         try:
             g = gpt2_config_of(cfg.init)
-        except DataError as e:
+        except data_lib.DataError as e:
             return str(e)
     if cfg.n_embd is not None and cfg.init != "random" and cfg.n_embd != g.n_embd:
         return f"--n-embd {cfg.n_embd}: the checkpoint's width is {g.n_embd} (pretrained blocks bring their own)"
@@ -479,52 +493,34 @@ def check_model(cfg):
     if cfg.keep_ckpt_at < 0 or cfg.keep_ckpt_at > cfg.steps or cfg.keep_ckpt_at % cfg.eval_every:
         return (f"--keep-ckpt-at {cfg.keep_ckpt_at} must be a step of the run (0 to --steps {cfg.steps}) at which it "
                 f"checkpoints, i.e. a multiple of --eval-every {cfg.eval_every}")
-    chosen = [f for f in ("sample", "text_attention", "bench", *ANALYSES) if getattr(cfg, f)]
-    if len(chosen) > 1 and {"sample", "text_attention"} & set(chosen):
-        return f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command"
     return None
-
-
-def load_dataset(cfg):
-    return data_lib.load_data(cfg.dataset or cfg.env)
-
-
-def configure(cfg, d):
-    """The paper's K when --context is not given: 20 on MuJoCo (Tab. 6's k=20 row equals Tab. 3), 50 on the mazes
-    (Tab. 5's k=50 row equals Tab. 4)."""
-    return cfg if cfg.context is not None else dataclasses.replace(cfg, context=50 if d.goal_reaching else 20)
-
-
-def eval_targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else the dataset's (the paper does not give its targets)."""
-    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
 
 
 def build_model(cfg, info):
     """GPT2-DT(MA) with the first n_layer blocks of the pretrained GPT-2 (--init), or the same shape from scratch
-    (--init random). A fresh build loads the weights and records in info what a rebuild needs without them: the
+    (--init random). A new build loads the weights and records in info what a rebuild needs without them: the
     shape and the layer-0 Markov heads (GPT-2 small: 1, 5, 10 as in Tab. 1; another checkpoint: Def. 4.1 on its
     weights with --markov-r; --init random with more than 10 heads: the paper's 1, 5, 10 by definition, as random
     weights have none). A rebuild (--resume, analyses) takes them from info; its weights come from the checkpoint."""
     sd = None
     if "shape" not in info:
+        info["shape"] = shape_of(cfg)
         if cfg.init == "random":
-            g, source = GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12), "random init"
+            g, source = GPT2Config(n_embd=info["shape"]["n_embd"], n_head=info["shape"]["n_head"]), "random init"
             heads = MARKOV_HEADS if g.n_head > max(MARKOV_HEADS) else ()
         else:
             g, sd, source = *load_gpt2_checkpoint(cfg.init), find_gpt2_weights(cfg.init)
             small = (g.n_embd, g.n_head) == (768, 12)
             heads = MARKOV_HEADS if small else find_markov_heads(sd["h.0.attn.c_attn.weight"], g.n_head, cfg.markov_r)
-        info["shape"] = dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer,
-                             eps=g.layer_norm_epsilon)
         info["markov_heads"] = list(heads)
         why = ("the paper's, by definition: random weights have none" if sd is None else
                "GPT-2 small's, Tab. 1" if small else f"Def. 4.1 with r={cfg.markov_r:g} on these weights")
         print(f"blocks from {source}: {info['shape']['n_layer']} of width {g.n_embd} with {g.n_head} heads; layer-0 "
               f"Markov heads {label(heads)} ({why})")
         if cfg.markov_penalty and not heads:
-            raise DataError(f"--markov-penalty: the Markov test (Def. 4.1, r={cfg.markov_r:g}) finds no Markov head "
-                            f"in layer 0 of {source}, so there is nothing to penalise; try a smaller --markov-r")
+            raise data_lib.DataError(f"--markov-penalty: the Markov test (Def. 4.1, r={cfg.markov_r:g}) finds no "
+                                     f"Markov head in layer 0 of {source}, so there is nothing to penalise; try a "
+                                     f"smaller --markov-r")
     s = info["shape"]
     model = DecisionTransformer(dataclasses.replace(cfg, n_embd=s["n_embd"], n_head=s["n_head"], n_layer=s["n_layer"]),
                                 info["obs_dim"], info["act_dim"], info["max_ep_len"], eps=s["eps"])
@@ -536,6 +532,14 @@ def build_model(cfg, info):
     return model
 
 
+def shape_of(cfg):
+    """A new run's blocks, before any weight is read: --init's config (GPT-2 small's for 'gpt2'; for 'random', GPT-2
+    small's with --n-embd / --n-head), the first --n-layer blocks."""
+    g = (GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12) if cfg.init == "random" else
+         GPT2Config() if cfg.init in GPT2_NAMES else gpt2_config_of(cfg.init))
+    return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer, eps=g.layer_norm_epsilon)
+
+
 def is_frozen(name):
     """--freeze-attention (App. F, Tab. 8: GPT2-DT (part) "only fine-tune[s] the parameters in embedding layer and FFN
     layer"): every pretrained tensor that is neither, i.e. the attention (c_attn, c_proj) and the LayerNorms ln_1,
@@ -544,18 +548,19 @@ def is_frozen(name):
         f".{part}." in name for part in ("attn.c_attn", "attn.c_proj", "ln_1", "ln_2"))
 
 
-def make_optimizer(model, cfg):
-    """AdamW over the trained parameters (App. C), the gate without weight decay: decay pulls W_g to 0, i.e. towards
-    the uniform mixture that MoA is there to move away from. lr: linear warmup, then constant (App. C)."""
+def param_groups(model):
+    """AdamW's groups over the trained parameters (App. C), the gate without weight decay: decay pulls W_g to 0, i.e.
+    towards the uniform mixture that MoA is there to move away from."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [dict(params=[p for n, p in trained if ".gate_" not in n]),
               dict(params=[p for n, p in trained if ".gate_" in n], weight_decay=0.0)]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0)
+    return [g for g in groups if g["params"]]
 
 
-def get_batch(d, cfg, rng):
-    return d.sample(cfg.batch_size, cfg.context, rng)
+def paper_context(cfg, d):
+    """The paper's K when --context is not given: 20 on MuJoCo (Tab. 6's k=20 row equals Tab. 3), 50 on the mazes
+    (Tab. 5's k=50 row equals Tab. 4)."""
+    return cfg if cfg.context is not None else dataclasses.replace(cfg, context=50 if d.goal_reaching else 20)
 
 
 def loss_fn(model, batch, cfg):
@@ -571,17 +576,31 @@ def loss_fn(model, batch, cfg):
     return loss
 
 
-def make_act(model, cfg):
-    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position."""
+def policy(model):
+    """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step."""
     def act(batch, live):
         return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[0][:, -1]
     return act
 
 
+def targets(cfg, d):
+    """Return-to-go prompts, raw units: --target-return, else the dataset's (the paper does not give its targets)."""
+    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+
+
+def evaluate(model, d, cfg, device):
+    """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
+    model.eval()
+    results = [(g, ev.evaluate(policy(model), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device))
+               for g in targets(cfg, d)]
+    model.train()
+    return results
+
+
 @torch.no_grad()
-def log_extra(model, probe, cfg):
-    """G_Markov (Fig. 9, Tabs. 5-6) on a fixed batch, in eval mode; {} when the model has no gate or no Markov heads
-    (so that no empty step-0 row is logged)."""
+def g_markov(model, probe):
+    """G_Markov (Fig. 9, Tabs. 5-6) on a fixed batch, in eval mode, as log.csv's g_markov; {} when the model has no
+    gate or no Markov heads."""
     if not (model.blocks[0].attn.moa and model.markov_heads):
         return {}
     was = model.training
@@ -591,27 +610,66 @@ def log_extra(model, probe, cfg):
     return {"g_markov": f"{markov_gate_mass(gates[0], probe['mask'], model.markov_heads).item():.4f}"}
 
 
-def after_eval(model, d, cfg, out, rows, final):
-    """gates.png (Fig. 9) after each evaluation; at --keep-ckpt-at, a copy of that step's checkpoint (Figs. 1/7)."""
-    if final:
-        return
-    plot_gates(rows, os.path.join(out, "gates.png"), model.markov_heads, model.blocks[0].attn.n_head,
-               f"{SCRIPT} {variant_name(cfg)} {d.dataset_id} seed {cfg.seed}")
-    step = int(rows[-1]["step"])
-    if cfg.keep_ckpt_at and step == cfg.keep_ckpt_at:
-        write_atomic(os.path.join(out, f"ckpt_step{step}.pt"),
-                     lambda tmp: shutil.copyfile(os.path.join(out, "ckpt.pt"), tmp))
+# ----------------------------------------------------------------------------------------------------------------
+# training: dt.py's loop; GPT2-DTMA's own are the pretrained blocks, the optimiser groups, the loss's GPT2-P term, and
+# G_Markov in the log (Fig. 9) with gates.png
 
-
-def tokens_per_step(cfg):
-    return 3
+def train(cfg, run, d=None):
+    """Fine-tune GPT2-DT(MA) (or, with --resume, continue the run) and evaluate it in the env. The run record
+    (evaluate.Run) keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
+    -> the first target's final evaluation (per-episode arrays)."""
+    d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
+    cfg = paper_context(cfg, d)                                     # K: 20 on MuJoCo, 50 on mazes (Tabs. 5-6)
+    ev.check_data(cfg, d)                                           # a context or target that means nothing here
+    device = ev.pick_device(cfg.device)
+    info = run.ck["info"] if run.ck else d.info()                  # a resumed run is rebuilt without the GPT-2 file
+    template = d.sample(2, cfg.context, np.random.default_rng(0))
+    with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
+        meta = build_model(cfg, dict(info, shape=info.get("shape") or shape_of(cfg), markov_heads=[]))
+        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, info).to(device)                       # a new run: GPT-2's blocks loaded into it
+    opt = torch.optim.AdamW(param_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0))  # App. C
+    rng = np.random.default_rng(cfg.seed)                           # draws the training windows
+    probe = d.sample(cfg.batch_size, cfg.context, np.random.default_rng(cfg.seed + 20_000))   # G_Markov's windows
+    probe = {k: v.to(device) for k, v in probe.items()}
+    step = run.start(cfg, model, opt, sched, rng, d, info, need)    # --resume: all of the above as the run left it
+    if step == 0 and run.ck is None:
+        run.add_row(step=0, wall_time="0.0", **g_markov(model, probe))   # G_Markov before fine-tuning (Fig. 9)
+    fwd = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)   # --amp: bf16 forward pass
+    results = None
+    with ev.StopSignal() as stop:                                   # Ctrl-C: end this step, save, exit 130
+        while step < cfg.steps and not stop.signum:
+            batch = {k: v.to(device, non_blocking=True) for k, v in d.sample(cfg.batch_size, cfg.context, rng).items()}
+            with autocast:
+                loss = loss_fn(fwd, batch, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            logging = step % cfg.log_every == 0 or step == cfg.steps
+            run.log(step, loss, sched.get_last_lr()[0], **(g_markov(model, probe) if logging else {}))
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                results = evaluate(model, d, cfg, device)           # the env, for each target
+                run.save(step, model, opt, sched, rng, results)     # log.csv, then ckpt.pt, then curve.png
+                plot_gates(run.rows, os.path.join(run.out, "gates.png"), model.markov_heads,
+                           model.blocks[0].attn.n_head, f"{SCRIPT} {run.variant} {d.dataset_id} seed {cfg.seed}")
+                if step == cfg.keep_ckpt_at:                        # the early checkpoint of Figs. 1/7
+                    ev.write_atomic(os.path.join(run.out, f"ckpt_step{step}.pt"),
+                                    lambda tmp: shutil.copyfile(os.path.join(run.out, "ckpt.pt"), tmp))
+        if stop.signum and step < cfg.steps:
+            run.save(step, model, opt, sched, rng)
+            stop.exit(step, run.out)
+    return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# figures and analyses: each reads a run's checkpoint (the harness's load_run) and never trains; --markov without a
-# run, --text-attention and --sample need only the GPT-2 weights (main() at the end sends them here)
-import glob  # noqa: E402
-
+# figures and analyses: each reads a run's checkpoint (load_model) and never trains; --markov without a run,
+# --text-attention and --sample need only the GPT-2 weights
 
 def plt_agg():
     import matplotlib
@@ -650,7 +708,7 @@ def plot_gates(rows, path, heads, n_head, title):
 
 
 def start_model(cfg, info, device="cpu"):
-    """The model the run started from, rebuilt as the harness builds it (same seed; the pretrained weights loaded
+    """The model the run started from, rebuilt as train() builds it (same seed; the pretrained weights loaded
     again): 'before fine-tuning' in the figures."""
     torch.manual_seed(cfg.seed)
     fresh = {k: info[k] for k in ("obs_dim", "act_dim", "max_ep_len", "goal_dim")}
@@ -755,8 +813,7 @@ def attention_maps(cfg, run):
     """--attention-maps, Fig. 4: layer-0 attention probabilities (3K x 3K, averaged over 32 dataset windows) of the
     model before fine-tuning (pretrained body + fresh DT embeddings, the 'random embedding' premise of Thm 4.3) and
     after (the run's checkpoint). A Markov head shows a bright diagonal."""
-    d = load_dataset(cfg)
-    cfg = configure(cfg, d)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
     dev = next(run["model"].parameters()).device
     models = {"before": start_model(cfg, run["ck"]["info"], dev), "after": run["model"]}
     b = full_windows(d, 32, cfg.context, cfg.seed + 30_000)
@@ -788,12 +845,11 @@ def attention_distance(cfg, run):
     action) spreads over the tokens before it, by distance, averaged over heads, layers and 32 dataset windows, at
     step 0 (rebuilt), at each kept early checkpoint (--keep-ckpt-at) and at the end. GPT2-DT is local early on; DT
     (--init random --no-moa) learns it later."""
-    d = load_dataset(cfg)
-    cfg = configure(cfg, d)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
     dev = next(run["model"].parameters()).device
     models = {0: start_model(cfg, run["ck"]["info"], dev)}
     for path in glob.glob(os.path.join(run["out"], "ckpt_step*.pt")):
-        ck = read_checkpoint(path)
+        ck = ev.read_checkpoint(path, SCRIPT)
         m = build_model(cfg, ck["info"])
         m.load_state_dict(ck["model"])
         models[ck["step"]] = m.to(dev).eval()
@@ -812,7 +868,7 @@ def attention_distance(cfg, run):
     for step, c in curves.items():
         ax.plot(range(len(c)), c.numpy(), "o-", ms=3, label=f"step {step}")
     ax.set(xlabel="distance from s_K (tokens; 3 = one timestep)", ylabel="attention probability",
-           title=f"{SCRIPT} {variant_name(cfg)}: attention of the last state token")
+           title=f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}: attention of the last state token")
     ax.legend(fontsize=8)
     save_figure(fig, os.path.join(run["out"], "attention_distance.png"))
     return curves
@@ -821,17 +877,16 @@ def attention_distance(cfg, run):
 def importance_analysis(cfg, run, n_contexts=64):
     """--importance, Fig. 2 / Fig. 8: roll the fine-tuned model out in the env (on --device), keep the contexts it
     acted on, then zero each of the L x N heads in turn on those same contexts and measure ||a' - a'_{-head}||_2."""
-    d = load_dataset(cfg)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
     model = run["model"]
     device = next(model.parameters()).device
-    seen, policy = [], make_act(model, cfg)
+    seen, decide = [], policy(model)
 
     def act(batch, live):
         seen.append({k: v.clone() for k, v in batch.items()})
-        return policy(batch, live)
+        return decide(batch, live)
     with torch.no_grad():
-        eval_lib.evaluate(act, d, min(cfg.eval_episodes, 5), eval_targets(cfg, d)[0], cfg.seed + 40_000, cfg.context,
-                          device)
+        ev.evaluate(act, d, min(cfg.eval_episodes, 5), targets(cfg, d)[0], cfg.seed + 40_000, cfg.context, device)
     allc = {k: torch.cat([s[k] for s in seen]) for k in seen[0]}
     pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(allc["mask"]))[:n_contexts])
     imp = head_importance(model, {k: v[pick.to(v.device)] for k, v in allc.items()})   # (L, N)
@@ -878,7 +933,7 @@ def text_attention(cfg):
     model, enc = load_lm(cfg), tiktoken_gpt2()
     ids = enc.encode(cfg.text_attention)[: model.cfg.n_positions]
     if len(ids) < 2:
-        raise DataError("--text-attention needs a text of at least two tokens")
+        raise data_lib.DataError("--text-attention needs a text of at least two tokens")
     with torch.no_grad():
         probs = model(torch.tensor([ids]), need_probs=True)[1][0]                    # (1, N, T, T) layer 0
     P = probs[0]
@@ -908,16 +963,20 @@ def text_attention(cfg):
     save_figure(fig, os.path.join(out, "text_attention.png"))
 
 
+def load_model(cfg, given):
+    """An analysis's run: its settings, and dict(model in eval mode, checkpoint, folder), from its checkpoint."""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    return cfg, dict(model=model.to(ev.pick_device(cfg.device)).eval(), ck=ck, out=ev.run_folder(SCRIPT, cfg, PRESETS))
+
+
 ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attention_distance": attention_distance,
             "importance": importance_analysis}   # flag -> fn(cfg, run): reads the run's checkpoint, never trains
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # GPT-2 weights: a hand-written safetensors reader, the name mapping, config.json, the cache and the download
-import json  # noqa: E402
-import struct  # noqa: E402
-import sys  # noqa: E402
-import urllib.request  # noqa: E402
 
 SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
                       "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
@@ -1158,548 +1217,38 @@ def tiktoken_gpt2():
                               f"them)") from None
 
 
-# >>> harness: begin ==============================================================================================
-# The run harness: flags, input checks, run folder, lock, checkpoint, exact resume, logging, curves, benchmark.
-# IDENTICAL in dt.py, gpt2_dtma.py, lsdt.py, starformer.py and dema.py (tests/test_harness.py compares the copies):
-# fix it in one file and copy the block to the others. It uses these names from the file around it:
-#   SCRIPT, Config (fields made with arg(..., run=True) do not change what is trained), PRESETS, LOG_EXTRA,
-#   check_model(cfg) -> problem or None, load_dataset(cfg) -> data, configure(cfg, data) -> cfg,
-#   eval_targets(cfg, data), build_model(cfg, info), make_optimizer(model, cfg) -> (optimizer, lr factor of step),
-#   get_batch(data, cfg, rng), loss_fn(model, batch, cfg), make_act(model, cfg), log_extra(model, probe, cfg),
-#   after_eval(model, data, cfg, out, rows, final), tokens_per_step(cfg), ANALYSES {flag: fn(cfg, run)}.
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-DataError = data_lib.DataError   # a problem the user can fix: main() prints it as one sentence and exits 1
-LOG_FIELDS = ["step", "loss", "lr", *LOG_EXTRA, "target", "eval_return", "eval_return_std", "normalized_score",
-              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
-CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
-             "pending_losses", "numpy_rng", "torch_rng"}
-
-
-def parse_flags(argv):
-    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
-    -> (cfg, the names of the fields the command line set, the preset's included)."""
-    p = data_lib.FlagParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
-                            formatter_class=argparse.RawTextHelpFormatter)   # a bad flag: one sentence, exit 1
-    for f in dataclasses.fields(Config):
-        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
-        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]
-        if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-            p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{text} (default: {f.default})")
-    given = vars(p.parse_args(argv))
-    preset = given.get("preset", "")
-    if preset and preset not in PRESETS:
-        p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
-    values = {**PRESETS.get(preset, {}), **given}
-    if values.get("dataset"):
-        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
-    return Config(**values), set(values)
-
-
-def parse_args(argv):
-    return parse_flags(argv)[0]
-
-
-def device_problem(name):
-    kind, _, index = name.partition(":")
-    if name in ("auto", "cpu"):
-        return None
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            return f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu"
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            return f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
-        return None
-    if name == "mps":
-        return None if torch.backends.mps.is_available() else "--device mps: MPS is not available here; use --device cpu"
-    return f"unknown --device '{name}'; use auto, cpu, cuda, cuda:N or mps"
-
-
-def check_config(cfg):
-    """Every flag, before any work is done: raises DataError with one sentence about the first bad value."""
-    for f in dataclasses.fields(cfg):
-        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise DataError(f"{flag} must be a finite number, got {v}")
-        if f.name.endswith("dropout") and not 0 <= v < 1:
-            raise DataError(f"{flag} must lie in [0, 1), got {v}")
-    for name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
-                 "n_head"):
-        v = getattr(cfg, name, None)
-        if v is not None and v <= 0:
-            raise DataError(f"--{name.replace('_', '-')} must be a positive whole number, got {v}")
-    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
-                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
-        if not ok:
-            raise DataError(f"--{name} must be {rule}, got {v}")
-    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
-        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
-    chosen = [name for name in ANALYSES if getattr(cfg, name)] + (["bench"] if cfg.bench else [])
-    if len(chosen) > 1:
-        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
-    problem = device_problem(cfg.device) or check_model(cfg)
-    if problem:
-        raise DataError(problem)
-    data_lib.resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
-    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise DataError(f"--out {cfg.out} is a file, not a folder")
-
-
-def pick_device(name):
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-def variant_name(cfg):
-    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
-    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_no-return-token_context5'."""
-    base = {f.name: f.default for f in dataclasses.fields(Config)} | PRESETS.get(cfg.preset, {})
-    parts = [cfg.preset] if cfg.preset else []
-    for f in dataclasses.fields(Config):
-        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
-        if f.metadata["run"] or f.name == "preset" or v == base[f.name]:
-            continue
-        parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}" if isinstance(v, float)
-                     else f"{flag}{v}")
-    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
-
-
-def run_folder(cfg):
-    return cfg.out or os.path.join("runs", SCRIPT, (cfg.dataset or cfg.env).replace("/", "-"), variant_name(cfg),
-                                   f"seed{cfg.seed}")
-
-
-def read_checkpoint(path):
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
-        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
-                        f"move it away or pass another --out") from None
-    if not isinstance(ck, dict) or ck.get("script") != SCRIPT or not CKPT_KEYS <= set(ck):
-        raise DataError(f"{path} is not a checkpoint of {SCRIPT}.py; move it away or pass another --out")
-    return ck
-
-
-def settings_from_checkpoint(cfg, given, ck, path):
-    """The run's own settings, with the flags given now on top. A flag that would change what is trained (or the
-    dataset, or the seed) and differs from the checkpoint is refused in one sentence that names it."""
-    saved = {k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
-    differ = [f"--{f.name.replace('_', '-')} {saved[f.name]} there, {getattr(cfg, f.name)} here"
-              for f in dataclasses.fields(Config)
-              if f.name in given and f.name in saved and (not f.metadata["run"] or f.name == "seed")
-              and f.name != "preset" and getattr(cfg, f.name) != saved[f.name]]
-    if given & {"env", "dataset"} and data_lib.resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
-        differ.append(f"dataset {ck['dataset_id']} there, {data_lib.resolve(cfg.dataset or cfg.env)} here")
-    if differ:
-        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
-                        f"run's own, or pass a fresh --out")
-    return Config(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"}))
-
-
-def lock_folder(out):
-    """Hold <out>/.lock for this process's life. The OS releases it when the process ends, even by kill -9, so a
-    crashed run never leaves its folder locked."""
-    try:
-        f = open(os.path.join(out, ".lock"), "a+")
-    except OSError as e:
-        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
-    try:
-        if os.name == "nt":
-            import msvcrt
-            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
-        else:
-            import fcntl
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
-        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def open_run(cfg, given):
-    """-> (cfg, out folder, checkpoint or None, lock). Never replaces a run: a folder that holds one is continued
-    only with --resume (with the run's settings), and a folder in use by another process is refused."""
-    out = run_folder(cfg)
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create the output folder {out} ({e.strerror})") from None
-    lock = lock_folder(out)
-    try:
-        ckpt_path = os.path.join(out, "ckpt.pt")
-        if not cfg.resume and (os.path.exists(ckpt_path) or os.path.exists(os.path.join(out, "log.csv"))):
-            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
-        ck = read_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
-        if ck is not None:
-            cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
-        elif cfg.resume:
-            print(f"no checkpoint at {ckpt_path}; starting from scratch")
-        return cfg, out, ck, lock
-    except BaseException:
-        lock.close()
-        raise
-
-
-def load_run(cfg, given):
-    """For the analyses: the trained model of a run folder (its settings from its checkpoint), never retrained."""
-    out = run_folder(cfg)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    if not os.path.exists(ckpt_path):
-        raise DataError(f"no checkpoint at {ckpt_path}; train the run first, or pass --out <run folder>")
-    ck = read_checkpoint(ckpt_path)
-    cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
-    model = build_model(cfg, ck["info"])
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError:
-        raise DataError(f"{ckpt_path} does not fit {SCRIPT}.py's model with the run's settings") from None
-    model.to(pick_device(cfg.device)).eval()
-    return cfg, dict(model=model, ck=ck, out=out)
-
-
-def write_atomic(path, write):
-    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
-    tmp = path + ".tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as RuntimeError
-            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:100]
-            raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
-        raise
-
-
-def write_csv(path, rows):
-    def write(tmp):
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS, restval="")
-            w.writeheader()
-            w.writerows(rows)
-    write_atomic(path, write)
-
-
-def write_json(path, obj):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-    write_atomic(path, write)
-
-
-def log_row(**values):
-    return dict.fromkeys(LOG_FIELDS, "") | values
-
-
-class StopSignal:
-    """Ctrl-C (SIGINT) or SIGTERM during training: finish the current step (and its evaluation), save, exit 128 +
-    signal (130 for Ctrl-C). A second signal quits at once; the last checkpoint stays as it was."""
-
-    def __init__(self):
-        self.signum, self.previous = 0, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.previous[s] = signal.signal(s, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
-              f"without saving", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def finite_losses(pending, step):
-    """The losses of the steps since the last log line (one device sync), or one sentence at the first non-finite."""
-    values = torch.stack(pending).float().tolist() if pending else []
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            raise DataError(f"the training loss is {v} at step {step - len(values) + i + 1}, so the run stops there "
-                            f"(its last checkpoint is kept); lower --lr or check the data")
-    return values
-
-
-def train_step(fwd, model, opt, sched, batch, cfg, autocast):
-    """One gradient step: the loss (bf16 autocast if --amp; reductions stay fp32), backward, clip, AdamW, lr."""
-    with autocast:
-        loss = loss_fn(fwd, batch, cfg)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    sched.step()
-    return loss.detach()
-
-
-def run_evals(model, d, cfg, device):
-    """Evaluate every target return on cfg.eval_episodes parallel episodes; -> [(target, result dict)]."""
-    model.eval()
-    results = []
-    for g in eval_targets(cfg, d):
-        t0 = time.time()
-        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device)
-        results.append((g, res | {"seconds": time.time() - t0}))
-    model.train()
-    return results
-
-
-def plot_curve(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    losses = [r for r in rows if r["loss"] != ""]
-    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
-    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
-            title="training loss")
-    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
-        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
-        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
-                 label=f"target {target}" if target != "" else None)
-    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
-    if any(line.get_label()[:1] != "_" for line in ax2.lines):
-        ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def train(cfg, given=frozenset()):
-    """Train (or with --resume continue) the run in cfg's run folder. -> (model, the final evaluation's results)."""
-    cfg, out, ck, lock = open_run(cfg, given)
-    try:
-        return _train(cfg, out, ck)
-    finally:
-        lock.close()
-
-
-def _train(cfg, out, ck):
-    device = pick_device(cfg.device)
-    # the variant of the flags as given, as the run folder's name is (before configure's data-dependent values)
-    variant = ck.get("variant", variant_name(cfg)) if ck else variant_name(cfg)
-    d = load_dataset(cfg)
-    cfg = configure(cfg, d)
-    info = ck["info"] if ck else dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len,
-                                      goal_dim=d.goal_dim)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
-          f"{d.ref_source}; targets {eval_targets(cfg, d)}; device {device}", flush=True)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, info).to(device)
-    opt, lr_factor_of_step = make_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
-    rng = np.random.default_rng(cfg.seed)
-    probe = {k: v.to(device) for k, v in get_batch(d, cfg, np.random.default_rng(cfg.seed + 20_000)).items()}
-    step, wall0, rows, pending = 0, 0.0, [], []
-    if ck is not None:
-        try:
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-        except (RuntimeError, ValueError, KeyError):
-            raise DataError(f"{ckpt_path} does not fit this model and data; pass another --out") from None
-        sched.load_state_dict(ck["scheduler"])
-        step, wall0, rows = ck["step"], ck["wall_time"], list(ck["rows"])
-        pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
-        rng.bit_generator.state = json.loads(ck["numpy_rng"])
-        torch.set_rng_state(ck["torch_rng"])
-        if ck.get("cuda_rng") is not None and torch.device(device).type == "cuda":
-            torch.cuda.set_rng_state_all(ck["cuda_rng"])
-        print(f"resumed from {ckpt_path} at step {step} of {cfg.steps}")
-    print(f"{SCRIPT} {variant}: {sum(p.numel() for p in model.parameters()):,} parameters; run folder {out}",
-          flush=True)
-    write_json(os.path.join(out, "config.json"), dataclasses.asdict(cfg) | dict(
-        script=SCRIPT, variant=variant, dataset_id=d.dataset_id, device=device, info=info))
-    extra = log_extra(model, probe, cfg)
-    if not rows and any(v != "" for v in extra.values()):   # e.g. GPT2-DTMA's G_Markov at step 0
-        rows.append(log_row(step=0, wall_time="0.0", **extra))
-
-    def save():
-        write_csv(os.path.join(out, "log.csv"), rows)  # the log first: it always covers the checkpoint's steps
-        state = dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                     step=step, wall_time=wall(), config=dataclasses.asdict(cfg), variant=variant, dataset_id=d.dataset_id,
-                     info=info,
-                     rows=rows, pending_losses=finite_losses(pending, step), numpy_rng=json.dumps(rng.bit_generator.state),
-                     torch_rng=torch.get_rng_state(),
-                     cuda_rng=torch.cuda.get_rng_state_all() if torch.device(device).type == "cuda" else None,
-                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
-                     return_scale=d.return_scale)
-        write_atomic(ckpt_path, lambda tmp: torch.save(state, tmp))
-
-    t_start = t_log = time.time()
-    wall = lambda: wall0 + time.time() - t_start  # noqa: E731
-    fwd = torch.compile(model) if cfg.compile else model
-    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.amp)
-    evals, final, n_log, first_step = [r for r in rows if r["normalized_score"] != ""], None, 0, step
-    model.train()
-    with StopSignal() as stop:
-        while step < cfg.steps and not stop.signum:
-            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg, rng).items()}
-            pending.append(train_step(fwd, model, opt, sched, batch, cfg, autocast))
-            step, n_log = step + 1, n_log + 1
-            if step == first_step + 1 and step % cfg.log_every:   # a first sign of life, before the first log line
-                print(f"step {step:6d} | loss {pending[-1].item():.5f} | first step {time.time() - t_log:.1f} s", flush=True)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                losses = finite_losses(pending, step)
-                extra = log_extra(model, probe, cfg)
-                rows.append(log_row(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
-                                    wall_time=f"{wall():.1f}", **extra))
-                last = [r for r in evals if r["step"] == evals[-1]["step"]][:1]   # the first (headline) target's
-                last = f" | eval {float(last[0]['normalized_score']):.1f}" if last else ""
-                print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
-                      f"{1e3 * (time.time() - t_log) / n_log:.1f} ms/step"
-                      + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
-                pending, t_log, n_log = [], time.time(), 0
-                write_csv(os.path.join(out, "log.csv"), rows)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                final = run_evals(model, d, cfg, device)
-                for g, res in final:
-                    rows.append(log_row(
-                        step=step, target="" if g is None else g, eval_return=f"{res['returns'].mean():.2f}",
-                        eval_return_std=f"{res['returns'].std():.2f}", normalized_score=f"{res['normalized'].mean():.2f}",
-                        normalized_score_std=f"{res['normalized'].std():.2f}",
-                        success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                        steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
-                        wall_time=f"{wall():.1f}"))
-                    evals.append(rows[-1])
-                    print(f"eval step {step} target {g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)", flush=True)
-                save()
-                plot_curve(rows, os.path.join(out, "curve.png"), f"{SCRIPT} {variant} {d.dataset_id} seed {cfg.seed}")
-                after_eval(model, d, cfg, out, rows, final=False)
-                t_log, n_log = time.time(), 0
-        if stop.signum and step < cfg.steps:
-            save()
-            print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
-            raise SystemExit(128 + stop.signum)
-    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
-        final = run_evals(model, d, cfg, device)
-    after_eval(model, d, cfg, out, rows, final=True)
-    res = final[0][1]
-    if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
-        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
-    print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
-          f"episodes={len(res['returns'])}")
-    return model, res
-
+# ----------------------------------------------------------------------------------------------------------------
+# --bench (times train() on synthetic data) and main()
 
 def bench(cfg):
-    """--bench: ms per training step and tokens/s at this configuration (the preset's with --preset), eager against
-    torch.compile (and compiled + bf16 autocast on CUDA), on synthetic data of hopper's shape. Timed steps:
-    min(--steps, 20), after 3 warm-up steps; the compiled row also gives the time of its first step (the compile)."""
-    device = pick_device(cfg.device)
-    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * (cfg.context or 0)))
-    cfg = configure(cfg, d)
-    info = dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len, goal_dim=d.goal_dim)
-    n = min(cfg.steps, 20)
-    tokens = cfg.batch_size * cfg.context * tokens_per_step(cfg)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    modes = [("eager", False, False), ("compiled", True, False)]
-    modes += [("compiled + amp", True, True)] if torch.device(device).type == "cuda" else []
-    print(f"bench {SCRIPT} {variant_name(cfg)} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, "
-          f"K={cfg.context}, {tokens:,} tokens per batch, {n} timed steps", flush=True)
-    eager_ms = None
-    for label, compiled, amp in modes:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, info).to(device).train()
-        opt, lr_factor_of_step = make_optimizer(model, cfg)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
-        fwd = torch.compile(model) if compiled else model
-        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp)
-        rng = np.random.default_rng(cfg.seed)
-        step = lambda: train_step(fwd, model, opt, sched, {k: v.to(device) for k, v in get_batch(d, cfg, rng).items()},  # noqa: E731
-                                  cfg, autocast)
-        t0 = time.time()
-        step()
-        sync()
-        first = time.time() - t0
-        for _ in range(3):
-            step()
-        sync()
-        t0 = time.time()
-        for _ in range(n):
-            step()
-        sync()
-        ms = 1e3 * (time.time() - t0) / n
-        eager_ms = eager_ms or ms
-        print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   {eager_ms / ms:5.2f}x eager"
-              + (f"   (first step, with compilation: {first:.1f} s)" if compiled else f"   ({sum(p.numel() for p in model.parameters()):,} parameters)"),
-              flush=True)
+    """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
+    synthetic data of hopper's shape; nothing is written."""
+    cfg = dataclasses.replace(cfg, context=cfg.context or 20)
+    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
+    for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), 3 * cfg.context * cfg.batch_size):
+        with timer:
+            train(mode_cfg, timer, d)
+
+
+def parse_flags(argv=None):
+    return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
 
 
 def main(argv=None):
-    try:
-        cfg, given = parse_flags(sys.argv[1:] if argv is None else argv)
-        check_config(cfg)
-        analysis = next((name for name in ANALYSES if getattr(cfg, name)), None)
+    with ev.one_sentence_errors():
+        cfg, given = parse_flags(None if argv is None else [str(a) for a in argv])
+        ev.check_flags(cfg, "bench", "sample", "text_attention", *ANALYSES)   # every flag, before any work
+        check_model(cfg)
+        if cfg.sample or cfg.text_attention:                        # GPT-2 alone, on real text
+            return sample_text(cfg) if cfg.sample else text_attention(cfg)
         if cfg.bench:
-            bench(cfg)
-        elif analysis:
-            ANALYSES[analysis](*load_run(cfg, given))
-        else:
-            train(cfg, given)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
-        raise SystemExit(130)
-# <<< harness: end ================================================================================================
-
-
-run_harness = main   # the harness's main() above; gpt2_dtma.py's main() below hands it every command that needs a run
-
-
-def main(argv=None):
-    """--sample, --text-attention and --markov without a trained run need only the GPT-2 weights: they are run here,
-    after the same flag checks; every other command goes to the harness's main()."""
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    cfg, _ = parse_flags(argv)
-    no_run = cfg.markov and not os.path.exists(os.path.join(run_folder(cfg), "ckpt.pt"))
-    if not (cfg.sample or cfg.text_attention or no_run):
-        return run_harness(argv)
-    try:
-        check_config(cfg)
-        if cfg.sample:
-            sample_text(cfg)
-        elif cfg.text_attention:
-            text_attention(cfg)
-        else:
-            markov_analysis(cfg)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
+            return bench(cfg)
+        if cfg.markov and not os.path.exists(os.path.join(ev.run_folder(SCRIPT, cfg, PRESETS), "ckpt.pt")):
+            return markov_analysis(cfg)                             # no run: the --init weights alone
+        if analysis := next((name for name in ANALYSES if getattr(cfg, name)), None):
+            return ANALYSES[analysis](*load_model(cfg, given))
+        with ev.Run(SCRIPT, cfg, given, PRESETS, columns=["g_markov"]) as run:   # --resume: run.cfg is the run's own
+            return train(run.cfg, run)
 
 
 if __name__ == "__main__":

@@ -52,16 +52,23 @@ Glossary (paper symbol -> code name; R_t, s_t, a_t, t, B and mask as in dt.py):
 Under --amp (bf16 autocast) the Linears and matmuls (W_1, W_w, W_2, Q K^T, P V, HFM, W_O, MLP) run in bf16 and
 autocast's own rules keep its fp32 ops; nothing in LSDT is a recurrence, and the loss is reduced in fp32.
 
-Layout: docstring -> Config -> the model (only torch, math, dataclasses) -> the mixing maps (Fig. 3, 9, 11) -> what
-LSDT plugs into the harness (the paper's per-dataset table, data, schedule, loss, policy) -> the --plot-mixing
-analysis -> the harness (identical in every model file) -> main(). Outputs go to runs/lsdt/<env>/<variant>/seed<N>/.
+Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (the
+per-dataset table, data, schedule, loss, policy) -> train(), the loop, as in dt.py -> the mixing maps and maze paths
+(Fig. 3, 8, 9, 11) -> --bench -> main(), which lays the dataset's row under the flags. The run folder, checkpoint and
+exact resume are evaluate.py's (the run record). Outputs go to runs/lsdt/<env>/<variant>/seed<N>/.
 """
+import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import data as data_lib
+import evaluate as ev
 
 
 def arg(default, help, run=False):
@@ -389,48 +396,10 @@ class LSDT(nn.Module):
 # <<< model: end
 
 
-def mixing_maps(model, batch, layer=0, index=0):
-    """What each branch of one block mixes, for window `index` of a batch (keys states, actions, rtg, timesteps, mask),
-    heads averaged: 'attention' = the long-term branch's P (L, L) (Fig. 3, 9); 'kernel' = the dynamic kernels alpha
-    laid out as a banded (L, L) matrix, row i holding the weights on tokens i-k_m+1 .. i (Fig. 3, 9); 'hfm' = the HFM
-    weights A (L, D) (Fig. 11). Branches the block does not have are absent."""
-    was = model.training
-    model.eval()
-    model.keep_maps(True)
-    with torch.no_grad():
-        model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
-    model.keep_maps(False)
-    model.train(was)
-    mixer = model.blocks[layer].mixer
-    maps = {}
-    if mixer.attn is not None:
-        maps["attention"] = mixer.attn.probs[index].mean(0).cpu()                       # (L, L)
-    if isinstance(mixer.conv, DynamicConv):
-        alpha = mixer.conv.alpha[index].mean(1).cpu()                                   # (L, k) heads averaged
-        L, k = alpha.shape
-        dense = torch.zeros(L, L + k - 1)
-        rows = torch.arange(L)[:, None]
-        dense[rows, rows + torch.arange(k)[None, :]] = alpha                            # tap j of row i -> i-k+1+j
-        maps["kernel"] = dense[:, k - 1:]                                               # (L, L); taps before 0 drop
-    if mixer.fuse is not None:
-        maps["hfm"] = mixer.fuse.weights[index].cpu()                                  # (L, D)
-    return maps
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# what LSDT plugs into the harness below: the paper's per-dataset settings, data, schedule, loss, policy
-
-import dataclasses  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-import data as data_lib  # noqa: E402
-import evaluate as eval_lib  # noqa: E402
+# the paper's pieces: the per-dataset settings, data, learning-rate schedule, loss, policy
 
 SCRIPT = "lsdt"
-LOG_EXTRA = []          # extra log.csv columns (none for LSDT)
 CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm", "concat"), norm=("post", "pre"))
 
 # The paper's per-dataset settings: K and RTG target (Table 5), best xi (Table 14), width (Table 13 / D.2), heads,
@@ -470,11 +439,6 @@ _DC = dict(conv="dc", conv_ratio=1.0, norm="pre", dropout=0.1, embd_dropout=0.1,
            n_head=1, batch_size=64, lr=1e-4, weight_decay=1e-4)
 ARCH_DEFAULTS = {"dc": _DC, "dc_h": dict(_DC, n_head=2)}
 
-# The flags this command set (parse_flags' `given`): main() below records them before the harness runs, and
-# configure() lays the paper's settings under them. A command that reads an existing run (--resume of a run with a
-# checkpoint, an analysis) records every field: that run's checkpoint already holds its settings, row included.
-GIVEN = frozenset()
-
 
 def paper_row(name):
     """PAPER_TABLE key for a short name or Minari id ('hopper-medium', 'mujoco/hopper/medium-v0',
@@ -492,7 +456,8 @@ def paper_row(name):
 
 def paper_settings(cfg, given):
     """cfg with the dataset's PAPER_TABLE row and --arch's defaults laid under the flags in `given` and the preset's:
-    Config defaults < row < ARCH_DEFAULTS < --preset < flags. -> (cfg, the fields the row and --arch set)."""
+    Config defaults < row < ARCH_DEFAULTS < --preset < flags. -> (cfg, the fields the row and --arch set). A resumed
+    run or an analysis takes its settings from its checkpoint afterwards (evaluate.load_run), row included."""
     row = PAPER_TABLE.get(paper_row(cfg.dataset or cfg.env), {}) if cfg.paper_table else {}
     layers = row | ARCH_DEFAULTS.get(cfg.arch, {})
     kept = set(given) | set(PRESETS.get(cfg.preset, {}))
@@ -512,60 +477,38 @@ def settings_source(cfg):
                         ([f"--arch {cfg.arch}'s defaults"] if cfg.arch in ARCH_DEFAULTS else [])) or "nothing"
 
 
-def check_model(cfg):
-    """A one-sentence problem with LSDT's own flags (after the paper's row and --arch, see paper_settings), or None."""
-    for name, ok in CHOICES.items():
-        if getattr(cfg, name) not in ok:
-            return f"unknown --{name} '{getattr(cfg, name)}'; use {', '.join(ok[:-1])} or {ok[-1]}"
-    try:
-        data_lib.resolve(cfg.dataset or cfg.env)
-    except data_lib.DataError as e:
-        return str(e)
-    c, changes = paper_settings(cfg, GIVEN)
-
-    def why(*names):  # name the values the paper's row or --arch set, where the problem involves them
+def check_model(cfg, changes=()):
+    """LSDT's own flags, after the paper's row and --arch (paper_settings, whose `changes` are named where they take
+    part in the problem): one sentence (DataError) about the first bad one."""
+    def why(*names):
         set_by = ", ".join(f"--{k.replace('_', '-')} {changes[k]}" for k in names if k in changes)
         return f" ({set_by} from {settings_source(cfg)}; override with flags)" if set_by else ""
 
-    if not 0.0 <= c.conv_ratio <= 1.0:
-        return f"--conv-ratio must lie in [0, 1], got {c.conv_ratio}"
-    if c.kernel < 1:
-        return f"--kernel must be a positive number of taps, got {c.kernel}"
-    if not 0.0 <= c.dropkey < 1.0:
-        return f"--dropkey must lie in [0, 1), got {c.dropkey}"
-    dims = conv_dims(c)
-    if c.dropkey and all(dc == c.n_embd for dc in dims):
-        return (f"--dropkey acts on the attention branch, which this model does not have (--arch {c.arch}, conv ratio "
-                f"{c.conv_ratio}){why('conv_ratio')}")
-    for dc in sorted(set(dims)):
-        da = c.n_embd - dc
-        if da and da % c.n_head:
-            return (f"--n-head {c.n_head} does not divide the {da} attention channels (of --n-embd {c.n_embd}, conv "
-                    f"ratio {c.conv_ratio}){why('n_head', 'n_embd', 'conv_ratio')}")
-        if dc and c.conv == "dynamic" and dc % 4:
-            return (f"the dynamic-conv branch gets {dc} channels (--conv-ratio {c.conv_ratio} of --n-embd {c.n_embd}), "
-                    f"not a multiple of 4 (4 channels share each kernel, Table 13){why('n_embd', 'conv_ratio')}")
-    return None
-
-
-def load_dataset(cfg):
-    return data_lib.load_data(cfg.dataset or cfg.env)
-
-
-def configure(cfg, d):
-    """The paper's per-dataset row and --arch's defaults under the command's flags (paper_settings); prints them."""
-    cfg, changes = paper_settings(cfg, GIVEN)
-    print(f"{cfg.arch}: conv {cfg.conv}, xi={cfg.conv_ratio} (conv channels per block {conv_dims(cfg)} of "
-          f"{cfg.n_embd}), K={cfg.context}, k_m={cfg.kernel}, {cfg.fusion}, {cfg.norm}-LN, "
-          f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens"
-          + (f"; goal-state {'on' if cfg.goal_state else 'OFF'} ({d.goal_dim} goal dims)" if d.goal_dim else "")
-          + (f"; set by {settings_source(cfg)}: {changes}" if changes else ""), flush=True)
-    return cfg
-
-
-def eval_targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else the paper's (Table 5, via configure), else data.py's."""
-    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+    problem = next((f"unknown --{name} '{getattr(cfg, name)}'; use {', '.join(ok[:-1])} or {ok[-1]}"
+                    for name, ok in CHOICES.items() if getattr(cfg, name) not in ok), None)
+    dims = conv_dims(cfg) if problem is None else []
+    if problem is None and not 0.0 <= cfg.conv_ratio <= 1.0:
+        problem = f"--conv-ratio must lie in [0, 1], got {cfg.conv_ratio}"
+    elif problem is None and cfg.kernel < 1:
+        problem = f"--kernel must be a positive number of taps, got {cfg.kernel}"
+    elif problem is None and not 0.0 <= cfg.dropkey < 1.0:
+        problem = f"--dropkey must lie in [0, 1), got {cfg.dropkey}"
+    elif problem is None and cfg.dropkey and all(dc == cfg.n_embd for dc in dims):
+        problem = (f"--dropkey acts on the attention branch, which this model does not have (--arch {cfg.arch}, conv "
+                   f"ratio {cfg.conv_ratio}){why('conv_ratio')}")
+    for dc in sorted(set(dims)) if problem is None else []:
+        da = cfg.n_embd - dc
+        if da and da % cfg.n_head:
+            problem = (f"--n-head {cfg.n_head} does not divide the {da} attention channels (of --n-embd {cfg.n_embd}, "
+                       f"conv ratio {cfg.conv_ratio}){why('n_head', 'n_embd', 'conv_ratio')}")
+        elif dc and cfg.conv == "dynamic" and dc % 4:
+            problem = (f"the dynamic-conv branch gets {dc} channels (--conv-ratio {cfg.conv_ratio} of --n-embd "
+                       f"{cfg.n_embd}), not a multiple of 4 (4 channels share each kernel, Table 13)"
+                       f"{why('n_embd', 'conv_ratio')}")
+        if problem:
+            break
+    if problem:
+        raise data_lib.DataError(problem)
 
 
 def build_model(cfg, info):
@@ -584,15 +527,10 @@ def lr_factor(s, cfg):
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model, cfg):
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # both codes: AdamW, all
-    return opt, lambda s: lr_factor(s, cfg)
-
-
-def get_batch(d, cfg, rng):
-    """data.py's windows (episodes in proportion to length, left padding; the official code samples episodes
+def get_batch(d, n, cfg, rng):
+    """n of data.py's windows (episodes in proportion to length, left padding; the official code samples episodes
     uniformly and pads on the right, which a causal model cannot tell apart); --no-goal-state drops the goal."""
-    b = d.sample(cfg.batch_size, cfg.context, rng)
+    b = d.sample(n, cfg.context, rng)
     if not cfg.goal_state and d.goal_dim:
         b["states"] = b["states"][..., :-d.goal_dim]
     return b
@@ -604,9 +542,9 @@ def loss_fn(model, batch, cfg):
     return (err * batch["mask"]).sum() / batch["mask"].sum()      # MSE on actions over real (unpadded) steps (code)
 
 
-def make_act(model, cfg):
-    """The evaluate() policy: a batch of contexts -> the action predicted at the last (current) position. The state
-    is cut to the width the model embeds (without the goal under --no-goal-state)."""
+def policy(model):
+    """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step. The
+    state is cut to the width the model embeds (without the goal under --no-goal-state)."""
     n_state = model.embed_state.in_features
 
     def act(batch, live):
@@ -615,21 +553,98 @@ def make_act(model, cfg):
     return act
 
 
-def log_extra(model, probe, cfg):
-    """Extra log.csv values at each log step (LOG_EXTRA); none for LSDT."""
-    return {}
+def targets(cfg, d):
+    """Return-to-go prompts, raw units: --target-return, else the paper's (Table 5, from the row), else data.py's."""
+    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
 
 
-def after_eval(model, d, cfg, out, rows, final):
-    """Extra figures after each evaluation; none for LSDT (its maps come from --plot-mixing on the checkpoint)."""
+def evaluate(model, d, cfg, device):
+    """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
+    model.eval()
+    results = [(g, ev.evaluate(policy(model), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device))
+               for g in targets(cfg, d)]
+    model.train()
+    return results
 
 
-def tokens_per_step(cfg):
-    return 3 if cfg.action_tokens else 2
+# ----------------------------------------------------------------------------------------------------------------
+# training: dt.py's loop; LSDT's own are the model, the schedule (lr_factor) and the goal-state choice (get_batch)
+
+def train(cfg, run, d=None):
+    """Train LSDT (or, with --resume, continue the run) and evaluate it in the env. The run record (evaluate.Run)
+    keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
+    -> the first target's final evaluation (per-episode arrays)."""
+    d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
+    ev.check_data(cfg, d)                                           # a context or target that means nothing here
+    device, info = ev.pick_device(cfg.device), d.info()
+    print(f"{cfg.arch}: conv {cfg.conv}, xi={cfg.conv_ratio} (conv channels per block {conv_dims(cfg)} of "
+          f"{cfg.n_embd}), K={cfg.context}, k_m={cfg.kernel}, {cfg.fusion}, {cfg.norm}-LN, "
+          f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens"
+          + (f"; goal-state {'on' if cfg.goal_state else 'OFF'} ({d.goal_dim} goal dims)" if d.goal_dim else ""))
+    template = get_batch(d, 2, cfg, np.random.default_rng(0))
+    with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
+        meta = build_model(cfg, info)
+        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, info).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)   # both codes: AdamW, all
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    rng = np.random.default_rng(cfg.seed)                           # draws the training windows
+    step = run.start(cfg, model, opt, sched, rng, d, info, need)    # --resume: all of the above as the run left it
+    fwd = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)   # --amp: bf16 forward pass
+    results = None
+    with ev.StopSignal() as stop:                                   # Ctrl-C: end this step, save, exit 130
+        while step < cfg.steps and not stop.signum:
+            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg.batch_size, cfg, rng).items()}
+            with autocast:
+                loss = loss_fn(fwd, batch, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            run.log(step, loss, sched.get_last_lr()[0])             # every --log-every steps: a line and log.csv
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                results = evaluate(model, d, cfg, device)           # the env, for each target
+                run.save(step, model, opt, sched, rng, results)     # log.csv, then ckpt.pt, then curve.png
+        if stop.signum and step < cfg.steps:
+            run.save(step, model, opt, sched, rng)
+            stop.exit(step, run.out)
+    return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # figures and analyses (read a run's checkpoint, never train)
+
+def mixing_maps(model, batch, layer=0, index=0):
+    """What each branch of one block mixes, for window `index` of a batch (keys states, actions, rtg, timesteps, mask),
+    heads averaged: 'attention' = the long-term branch's P (L, L) (Fig. 3, 9); 'kernel' = the dynamic kernels alpha
+    laid out as a banded (L, L) matrix, row i holding the weights on tokens i-k_m+1 .. i (Fig. 3, 9); 'hfm' = the HFM
+    weights A (L, D) (Fig. 11). Branches the block does not have are absent."""
+    was = model.training
+    model.eval()
+    model.keep_maps(True)
+    with torch.no_grad():
+        model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
+    model.keep_maps(False)
+    model.train(was)
+    mixer = model.blocks[layer].mixer
+    maps = {}
+    if mixer.attn is not None:
+        maps["attention"] = mixer.attn.probs[index].mean(0).cpu()                       # (L, L)
+    if isinstance(mixer.conv, DynamicConv):
+        alpha = mixer.conv.alpha[index].mean(1).cpu()                                   # (L, k) heads averaged
+        L, k = alpha.shape
+        dense = torch.zeros(L, L + k - 1)
+        rows = torch.arange(L)[:, None]
+        dense[rows, rows + torch.arange(k)[None, :]] = alpha                            # tap j of row i -> i-k+1+j
+        maps["kernel"] = dense[:, k - 1:]                                               # (L, L); taps before 0 drop
+    if mixer.fuse is not None:
+        maps["hfm"] = mixer.fuse.weights[index].cpu()                                  # (L, D)
+    return maps
+
 
 def plot_mixing(model, batch, path, index=0):
     """Fig. 3 / 9 / 11 for one window: block 1's attention P, dynamic kernels alpha (as L x L) and HFM weights A."""
@@ -665,28 +680,37 @@ def plot_mixing(model, batch, path, index=0):
     return path
 
 
-def mixing_analysis(cfg, run):
+def load_model(cfg, given):
+    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
+
+
+def mixing_analysis(cfg, given):
     """--plot-mixing (Fig. 3, 9, 11): the run's maps on the fullest of 8 windows of its dataset -> mixing.png."""
-    d = load_dataset(cfg)
-    device = next(run["model"].parameters()).device
-    b = get_batch(d, dataclasses.replace(cfg, batch_size=8), np.random.default_rng(cfg.seed + 1))
-    b = {k: v.to(device) for k, v in b.items()}
-    path = plot_mixing(run["model"], b, os.path.join(run["out"], "mixing.png"), index=int(b["mask"].sum(1).argmax()))
+    cfg, model, out = load_model(cfg, given)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
+    device = next(model.parameters()).device
+    b = {k: v.to(device) for k, v in get_batch(d, 8, cfg, np.random.default_rng(cfg.seed + 1)).items()}
+    path = plot_mixing(model, b, os.path.join(out, "mixing.png"), index=int(b["mask"].sum(1).argmax()))
     print(f"mixing maps: {path}" if path else "mixing maps: nothing to plot (no attention, dynamic conv or HFM)")
 
 
-def paths_analysis(cfg, run):
+def paths_analysis(cfg, given):
     """--plot-paths (Fig. 8, B.1): --eval-episodes rollouts of the run's checkpoint in the maze, each episode's (x, y)
     path (green: reached the goal) over the goals of the dataset's episodes (grey) and the eval goals (stars)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    d = load_dataset(cfg)
+    cfg, model, out = load_model(cfg, given)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
     if not d.goal_reaching:
-        raise DataError(f"--plot-paths draws maze paths, and {d.dataset_id} is not a goal-reaching maze dataset")
-    model, seed, target = run["model"], cfg.seed + 10_000, eval_targets(cfg, d)[0]
-    res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, target, seed, cfg.context,
-                            next(model.parameters()).device)
+        raise data_lib.DataError(f"--plot-paths draws maze paths, and {d.dataset_id} is not a goal-reaching maze "
+                                 f"dataset")
+    seed, target = cfg.seed + 10_000, targets(cfg, d)[0]
+    res = ev.evaluate(policy(model), d, cfg.eval_episodes, target, seed, cfg.context, next(model.parameters()).device)
     data_goals = np.concatenate([e["observations"][:, -d.goal_dim:] for e in d.episodes])      # (N, 2) raw x, y
     env = d.make_env()
     eval_goals = np.array([env.reset(seed=seed + i)[0]["desired_goal"] for i in range(cfg.eval_episodes)])  # evaluate's
@@ -703,556 +727,43 @@ def paths_analysis(cfg, run):
                  f"{100 * res['success'].mean():.0f}% reached")
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    path = os.path.join(run["out"], "paths.png")
+    path = os.path.join(out, "paths.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    print(f"paths: {path} ({eval_lib.summarize(res)})")
+    print(f"paths: {path} ({ev.summarize(res)})")
 
 
-ANALYSES = {"plot_mixing": mixing_analysis, "plot_paths": paths_analysis}  # flag -> fn(cfg, run): reads the checkpoint
-
-
-# >>> harness: begin ==============================================================================================
-# The run harness: flags, input checks, run folder, lock, checkpoint, exact resume, logging, curves, benchmark.
-# IDENTICAL in dt.py, gpt2_dtma.py, lsdt.py, starformer.py and dema.py (tests/test_harness.py compares the copies):
-# fix it in one file and copy the block to the others. It uses these names from the file around it:
-#   SCRIPT, Config (fields made with arg(..., run=True) do not change what is trained), PRESETS, LOG_EXTRA,
-#   check_model(cfg) -> problem or None, load_dataset(cfg) -> data, configure(cfg, data) -> cfg,
-#   eval_targets(cfg, data), build_model(cfg, info), make_optimizer(model, cfg) -> (optimizer, lr factor of step),
-#   get_batch(data, cfg, rng), loss_fn(model, batch, cfg), make_act(model, cfg), log_extra(model, probe, cfg),
-#   after_eval(model, data, cfg, out, rows, final), tokens_per_step(cfg), ANALYSES {flag: fn(cfg, run)}.
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-DataError = data_lib.DataError   # a problem the user can fix: main() prints it as one sentence and exits 1
-LOG_FIELDS = ["step", "loss", "lr", *LOG_EXTRA, "target", "eval_return", "eval_return_std", "normalized_score",
-              "normalized_score_std", "success_rate", "steps_to_goal", "wall_time"]
-CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
-             "pending_losses", "numpy_rng", "torch_rng"}
-
-
-def parse_flags(argv):
-    """Every Config field is a flag (--batch-size for batch_size). --preset applies first, explicit flags win.
-    -> (cfg, the names of the fields the command line set, the preset's included)."""
-    p = data_lib.FlagParser(prog=f"{SCRIPT}.py", description=__doc__.split("\n\n")[1],
-                            formatter_class=argparse.RawTextHelpFormatter)   # a bad flag: one sentence, exit 1
-    for f in dataclasses.fields(Config):
-        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
-        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}[f.type]
-        if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-            p.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{text} (default: {f.default})")
-    given = vars(p.parse_args(argv))
-    preset = given.get("preset", "")
-    if preset and preset not in PRESETS:
-        p.error(f"unknown preset '{preset}'; known: {', '.join(PRESETS)}")
-    values = {**PRESETS.get(preset, {}), **given}
-    if values.get("dataset"):
-        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
-    return Config(**values), set(values)
-
-
-def parse_args(argv):
-    return parse_flags(argv)[0]
-
-
-def device_problem(name):
-    kind, _, index = name.partition(":")
-    if name in ("auto", "cpu"):
-        return None
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            return f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu"
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            return f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
-        return None
-    if name == "mps":
-        return None if torch.backends.mps.is_available() else "--device mps: MPS is not available here; use --device cpu"
-    return f"unknown --device '{name}'; use auto, cpu, cuda, cuda:N or mps"
-
-
-def check_config(cfg):
-    """Every flag, before any work is done: raises DataError with one sentence about the first bad value."""
-    for f in dataclasses.fields(cfg):
-        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise DataError(f"{flag} must be a finite number, got {v}")
-        if f.name.endswith("dropout") and not 0 <= v < 1:
-            raise DataError(f"{flag} must lie in [0, 1), got {v}")
-    for name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
-                 "n_head"):
-        v = getattr(cfg, name, None)
-        if v is not None and v <= 0:
-            raise DataError(f"--{name.replace('_', '-')} must be a positive whole number, got {v}")
-    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
-                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
-        if not ok:
-            raise DataError(f"--{name} must be {rule}, got {v}")
-    if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
-        raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
-    chosen = [name for name in ANALYSES if getattr(cfg, name)] + (["bench"] if cfg.bench else [])
-    if len(chosen) > 1:
-        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
-    problem = device_problem(cfg.device) or check_model(cfg)
-    if problem:
-        raise DataError(problem)
-    data_lib.resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
-    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise DataError(f"--out {cfg.out} is a file, not a folder")
-
-
-def pick_device(name):
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-def variant_name(cfg):
-    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
-    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_no-return-token_context5'."""
-    base = {f.name: f.default for f in dataclasses.fields(Config)} | PRESETS.get(cfg.preset, {})
-    parts = [cfg.preset] if cfg.preset else []
-    for f in dataclasses.fields(Config):
-        v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
-        if f.metadata["run"] or f.name == "preset" or v == base[f.name]:
-            continue
-        parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}" if isinstance(v, float)
-                     else f"{flag}{v}")
-    return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
-
-
-def run_folder(cfg):
-    return cfg.out or os.path.join("runs", SCRIPT, (cfg.dataset or cfg.env).replace("/", "-"), variant_name(cfg),
-                                   f"seed{cfg.seed}")
-
-
-def read_checkpoint(path):
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
-        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
-                        f"move it away or pass another --out") from None
-    if not isinstance(ck, dict) or ck.get("script") != SCRIPT or not CKPT_KEYS <= set(ck):
-        raise DataError(f"{path} is not a checkpoint of {SCRIPT}.py; move it away or pass another --out")
-    return ck
-
-
-def settings_from_checkpoint(cfg, given, ck, path):
-    """The run's own settings, with the flags given now on top. A flag that would change what is trained (or the
-    dataset, or the seed) and differs from the checkpoint is refused in one sentence that names it."""
-    saved = {k: v for k, v in ck["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
-    differ = [f"--{f.name.replace('_', '-')} {saved[f.name]} there, {getattr(cfg, f.name)} here"
-              for f in dataclasses.fields(Config)
-              if f.name in given and f.name in saved and (not f.metadata["run"] or f.name == "seed")
-              and f.name != "preset" and getattr(cfg, f.name) != saved[f.name]]
-    if given & {"env", "dataset"} and data_lib.resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
-        differ.append(f"dataset {ck['dataset_id']} there, {data_lib.resolve(cfg.dataset or cfg.env)} here")
-    if differ:
-        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
-                        f"run's own, or pass a fresh --out")
-    return Config(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"}))
-
-
-def lock_folder(out):
-    """Hold <out>/.lock for this process's life. The OS releases it when the process ends, even by kill -9, so a
-    crashed run never leaves its folder locked."""
-    try:
-        f = open(os.path.join(out, ".lock"), "a+")
-    except OSError as e:
-        raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
-    try:
-        if os.name == "nt":
-            import msvcrt
-            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
-        else:
-            import fcntl
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
-        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def open_run(cfg, given):
-    """-> (cfg, out folder, checkpoint or None, lock). Never replaces a run: a folder that holds one is continued
-    only with --resume (with the run's settings), and a folder in use by another process is refused."""
-    out = run_folder(cfg)
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create the output folder {out} ({e.strerror})") from None
-    lock = lock_folder(out)
-    try:
-        ckpt_path = os.path.join(out, "ckpt.pt")
-        if not cfg.resume and (os.path.exists(ckpt_path) or os.path.exists(os.path.join(out, "log.csv"))):
-            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
-        ck = read_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
-        if ck is not None:
-            cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
-        elif cfg.resume:
-            print(f"no checkpoint at {ckpt_path}; starting from scratch")
-        return cfg, out, ck, lock
-    except BaseException:
-        lock.close()
-        raise
-
-
-def load_run(cfg, given):
-    """For the analyses: the trained model of a run folder (its settings from its checkpoint), never retrained."""
-    out = run_folder(cfg)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    if not os.path.exists(ckpt_path):
-        raise DataError(f"no checkpoint at {ckpt_path}; train the run first, or pass --out <run folder>")
-    ck = read_checkpoint(ckpt_path)
-    cfg = settings_from_checkpoint(cfg, given, ck, ckpt_path)
-    model = build_model(cfg, ck["info"])
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError:
-        raise DataError(f"{ckpt_path} does not fit {SCRIPT}.py's model with the run's settings") from None
-    model.to(pick_device(cfg.device)).eval()
-    return cfg, dict(model=model, ck=ck, out=out)
-
-
-def write_atomic(path, write):
-    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
-    tmp = path + ".tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as RuntimeError
-            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:100]
-            raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
-        raise
-
-
-def write_csv(path, rows):
-    def write(tmp):
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS, restval="")
-            w.writeheader()
-            w.writerows(rows)
-    write_atomic(path, write)
-
-
-def write_json(path, obj):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-    write_atomic(path, write)
-
-
-def log_row(**values):
-    return dict.fromkeys(LOG_FIELDS, "") | values
-
-
-class StopSignal:
-    """Ctrl-C (SIGINT) or SIGTERM during training: finish the current step (and its evaluation), save, exit 128 +
-    signal (130 for Ctrl-C). A second signal quits at once; the last checkpoint stays as it was."""
-
-    def __init__(self):
-        self.signum, self.previous = 0, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.previous[s] = signal.signal(s, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
-              f"without saving", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def finite_losses(pending, step):
-    """The losses of the steps since the last log line (one device sync), or one sentence at the first non-finite."""
-    values = torch.stack(pending).float().tolist() if pending else []
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            raise DataError(f"the training loss is {v} at step {step - len(values) + i + 1}, so the run stops there "
-                            f"(its last checkpoint is kept); lower --lr or check the data")
-    return values
-
-
-def train_step(fwd, model, opt, sched, batch, cfg, autocast):
-    """One gradient step: the loss (bf16 autocast if --amp; reductions stay fp32), backward, clip, AdamW, lr."""
-    with autocast:
-        loss = loss_fn(fwd, batch, cfg)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    sched.step()
-    return loss.detach()
-
-
-def run_evals(model, d, cfg, device):
-    """Evaluate every target return on cfg.eval_episodes parallel episodes; -> [(target, result dict)]."""
-    model.eval()
-    results = []
-    for g in eval_targets(cfg, d):
-        t0 = time.time()
-        res = eval_lib.evaluate(make_act(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device)
-        results.append((g, res | {"seconds": time.time() - t0}))
-    model.train()
-    return results
-
-
-def plot_curve(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    losses = [r for r in rows if r["loss"] != ""]
-    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
-    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
-            title="training loss")
-    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
-        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
-        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
-                 label=f"target {target}" if target != "" else None)
-    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
-    if any(line.get_label()[:1] != "_" for line in ax2.lines):
-        ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def train(cfg, given=frozenset()):
-    """Train (or with --resume continue) the run in cfg's run folder. -> (model, the final evaluation's results)."""
-    cfg, out, ck, lock = open_run(cfg, given)
-    try:
-        return _train(cfg, out, ck)
-    finally:
-        lock.close()
-
-
-def _train(cfg, out, ck):
-    device = pick_device(cfg.device)
-    # the variant of the flags as given, as the run folder's name is (before configure's data-dependent values)
-    variant = ck.get("variant", variant_name(cfg)) if ck else variant_name(cfg)
-    d = load_dataset(cfg)
-    cfg = configure(cfg, d)
-    info = ck["info"] if ck else dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len,
-                                      goal_dim=d.goal_dim)
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
-          f"{d.ref_source}; targets {eval_targets(cfg, d)}; device {device}", flush=True)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, info).to(device)
-    opt, lr_factor_of_step = make_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
-    rng = np.random.default_rng(cfg.seed)
-    probe = {k: v.to(device) for k, v in get_batch(d, cfg, np.random.default_rng(cfg.seed + 20_000)).items()}
-    step, wall0, rows, pending = 0, 0.0, [], []
-    if ck is not None:
-        try:
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-        except (RuntimeError, ValueError, KeyError):
-            raise DataError(f"{ckpt_path} does not fit this model and data; pass another --out") from None
-        sched.load_state_dict(ck["scheduler"])
-        step, wall0, rows = ck["step"], ck["wall_time"], list(ck["rows"])
-        pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
-        rng.bit_generator.state = json.loads(ck["numpy_rng"])
-        torch.set_rng_state(ck["torch_rng"])
-        if ck.get("cuda_rng") is not None and torch.device(device).type == "cuda":
-            torch.cuda.set_rng_state_all(ck["cuda_rng"])
-        print(f"resumed from {ckpt_path} at step {step} of {cfg.steps}")
-    print(f"{SCRIPT} {variant}: {sum(p.numel() for p in model.parameters()):,} parameters; run folder {out}",
-          flush=True)
-    write_json(os.path.join(out, "config.json"), dataclasses.asdict(cfg) | dict(
-        script=SCRIPT, variant=variant, dataset_id=d.dataset_id, device=device, info=info))
-    extra = log_extra(model, probe, cfg)
-    if not rows and any(v != "" for v in extra.values()):   # e.g. GPT2-DTMA's G_Markov at step 0
-        rows.append(log_row(step=0, wall_time="0.0", **extra))
-
-    def save():
-        write_csv(os.path.join(out, "log.csv"), rows)  # the log first: it always covers the checkpoint's steps
-        state = dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                     step=step, wall_time=wall(), config=dataclasses.asdict(cfg), variant=variant, dataset_id=d.dataset_id,
-                     info=info,
-                     rows=rows, pending_losses=finite_losses(pending, step), numpy_rng=json.dumps(rng.bit_generator.state),
-                     torch_rng=torch.get_rng_state(),
-                     cuda_rng=torch.cuda.get_rng_state_all() if torch.device(device).type == "cuda" else None,
-                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
-                     return_scale=d.return_scale)
-        write_atomic(ckpt_path, lambda tmp: torch.save(state, tmp))
-
-    t_start = t_log = time.time()
-    wall = lambda: wall0 + time.time() - t_start  # noqa: E731
-    fwd = torch.compile(model) if cfg.compile else model
-    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.amp)
-    evals, final, n_log, first_step = [r for r in rows if r["normalized_score"] != ""], None, 0, step
-    model.train()
-    with StopSignal() as stop:
-        while step < cfg.steps and not stop.signum:
-            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg, rng).items()}
-            pending.append(train_step(fwd, model, opt, sched, batch, cfg, autocast))
-            step, n_log = step + 1, n_log + 1
-            if step == first_step + 1 and step % cfg.log_every:   # a first sign of life, before the first log line
-                print(f"step {step:6d} | loss {pending[-1].item():.5f} | first step {time.time() - t_log:.1f} s", flush=True)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                losses = finite_losses(pending, step)
-                extra = log_extra(model, probe, cfg)
-                rows.append(log_row(step=step, loss=f"{np.mean(losses):.6f}", lr=f"{sched.get_last_lr()[0]:.3e}",
-                                    wall_time=f"{wall():.1f}", **extra))
-                last = [r for r in evals if r["step"] == evals[-1]["step"]][:1]   # the first (headline) target's
-                last = f" | eval {float(last[0]['normalized_score']):.1f}" if last else ""
-                print(f"step {step:6d} | loss {np.mean(losses):.5f} | lr {sched.get_last_lr()[0]:.2e} | "
-                      f"{1e3 * (time.time() - t_log) / n_log:.1f} ms/step"
-                      + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
-                pending, t_log, n_log = [], time.time(), 0
-                write_csv(os.path.join(out, "log.csv"), rows)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                final = run_evals(model, d, cfg, device)
-                for g, res in final:
-                    rows.append(log_row(
-                        step=step, target="" if g is None else g, eval_return=f"{res['returns'].mean():.2f}",
-                        eval_return_std=f"{res['returns'].std():.2f}", normalized_score=f"{res['normalized'].mean():.2f}",
-                        normalized_score_std=f"{res['normalized'].std():.2f}",
-                        success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                        steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
-                        wall_time=f"{wall():.1f}"))
-                    evals.append(rows[-1])
-                    print(f"eval step {step} target {g}: {eval_lib.summarize(res)} ({res['seconds']:.0f}s)", flush=True)
-                save()
-                plot_curve(rows, os.path.join(out, "curve.png"), f"{SCRIPT} {variant} {d.dataset_id} seed {cfg.seed}")
-                after_eval(model, d, cfg, out, rows, final=False)
-                t_log, n_log = time.time(), 0
-        if stop.signum and step < cfg.steps:
-            save()
-            print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
-            raise SystemExit(128 + stop.signum)
-    if final is None:  # resumed at or past --steps: evaluate what the checkpoint holds
-        final = run_evals(model, d, cfg, device)
-    after_eval(model, d, cfg, out, rows, final=True)
-    res = final[0][1]
-    if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
-        print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
-    print(f"final: normalized_score={res['normalized'].mean():.2f} return={res['returns'].mean():.2f} "
-          f"episodes={len(res['returns'])}")
-    return model, res
-
+# ----------------------------------------------------------------------------------------------------------------
+# --bench (times train() on synthetic data) and main()
 
 def bench(cfg):
-    """--bench: ms per training step and tokens/s at this configuration (the preset's with --preset), eager against
-    torch.compile (and compiled + bf16 autocast on CUDA), on synthetic data of hopper's shape. Timed steps:
-    min(--steps, 20), after 3 warm-up steps; the compiled row also gives the time of its first step (the compile)."""
-    device = pick_device(cfg.device)
-    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * (cfg.context or 0)))
-    cfg = configure(cfg, d)
-    info = dict(obs_dim=d.obs_dim, act_dim=d.act_dim, max_ep_len=d.max_ep_len, goal_dim=d.goal_dim)
-    n = min(cfg.steps, 20)
-    tokens = cfg.batch_size * cfg.context * tokens_per_step(cfg)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    modes = [("eager", False, False), ("compiled", True, False)]
-    modes += [("compiled + amp", True, True)] if torch.device(device).type == "cuda" else []
-    print(f"bench {SCRIPT} {variant_name(cfg)} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, "
-          f"K={cfg.context}, {tokens:,} tokens per batch, {n} timed steps", flush=True)
-    eager_ms = None
-    for label, compiled, amp in modes:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, info).to(device).train()
-        opt, lr_factor_of_step = make_optimizer(model, cfg)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor_of_step)
-        fwd = torch.compile(model) if compiled else model
-        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp)
-        rng = np.random.default_rng(cfg.seed)
-        step = lambda: train_step(fwd, model, opt, sched, {k: v.to(device) for k, v in get_batch(d, cfg, rng).items()},  # noqa: E731
-                                  cfg, autocast)
-        t0 = time.time()
-        step()
-        sync()
-        first = time.time() - t0
-        for _ in range(3):
-            step()
-        sync()
-        t0 = time.time()
-        for _ in range(n):
-            step()
-        sync()
-        ms = 1e3 * (time.time() - t0) / n
-        eager_ms = eager_ms or ms
-        print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   {eager_ms / ms:5.2f}x eager"
-              + (f"   (first step, with compilation: {first:.1f} s)" if compiled else f"   ({sum(p.numel() for p in model.parameters()):,} parameters)"),
-              flush=True)
+    """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
+    synthetic data of hopper's shape; nothing is written."""
+    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
+    tokens = (3 if cfg.action_tokens else 2) * cfg.context * cfg.batch_size
+    for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
+        with timer:
+            train(mode_cfg, timer, d)
+
+
+def parse_flags(argv=None):
+    return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
 
 
 def main(argv=None):
-    try:
-        cfg, given = parse_flags(sys.argv[1:] if argv is None else argv)
-        check_config(cfg)
-        analysis = next((name for name in ANALYSES if getattr(cfg, name)), None)
+    with ev.one_sentence_errors():
+        cfg, given = parse_flags(argv)
+        ev.check_flags(cfg, "bench", "plot_mixing", "plot_paths")  # every flag, before any work
+        cfg, changes = paper_settings(cfg, given)                   # the dataset's row and --arch's, under the flags
+        check_model(cfg, changes)
         if cfg.bench:
-            bench(cfg)
-        elif analysis:
-            ANALYSES[analysis](*load_run(cfg, given))
-        else:
-            train(cfg, given)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
-        raise SystemExit(130)
-# <<< harness: end ================================================================================================
-
-
-run_harness = main   # the harness's main() above; lsdt.py's main() below records the command's flags, then calls it
-harness_variant_name = variant_name   # the harness's; lsdt.py's own below names the configuration actually trained
-
-
-def variant_name(cfg):
-    """The run folder's variant, counted from Config's defaults like every file's, but of the configuration after the
-    dataset's row and --arch (paper_settings): '--preset cpu' on hopper-medium-replay trains the row's K=20 and xi=1,
-    so it is 'cpu_context20_conv-ratio1', and '--preset cpu --context 10 --conv-ratio 0.5' is 'cpu'. Named from the
-    flags alone, both would be 'cpu'."""
-    return harness_variant_name(paper_settings(cfg, GIVEN)[0])
-
-
-def main(argv=None):
-    """Records which flags this command sets (GIVEN, for configure's paper rows), then runs the harness's main()."""
-    global GIVEN
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg, given = parse_flags(argv)
-    reads_a_run = any(getattr(cfg, a) for a in ANALYSES) or (
-        cfg.resume and os.path.exists(os.path.join(run_folder(cfg), "ckpt.pt")))
-    GIVEN = frozenset(f.name for f in dataclasses.fields(Config)) if reads_a_run else frozenset(given)
-    return run_harness(argv)
+            return bench(cfg)
+        if cfg.plot_mixing or cfg.plot_paths:
+            return (mixing_analysis if cfg.plot_mixing else paths_analysis)(cfg, given)
+        if changes and not cfg.resume:
+            print(f"set by {settings_source(cfg)}: {changes}")
+        with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
+            return train(run.cfg, run)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,12 @@ def test_convert_refuses_what_it_cannot_convert(tmp_path, minari_tmp):
         data.convert_d4rl(str(garbage), "d4rl/hopper/garbage-v0")
     with pytest.raises(data.DataError, match="namespace/name-vN"):
         data.convert_d4rl(wide, "hopper-medium")
+    import h5py
+    grouped = write_d4rl(tmp_path / "hopper_grouped.hdf5", drop=("timeouts",))
+    with h5py.File(grouped, "a") as f:
+        f.create_group("timeouts")                                  # a key that is an HDF5 group, not an array
+    with pytest.raises(data.DataError, match="holds timeouts as an HDF5 group, not an array"):
+        data.convert_d4rl(grouped, "d4rl/hopper/grouped-v0")
     assert not os.path.exists(minari_tmp / "d4rl" / "hopper" / "wide-v0")   # nothing half-written is left
 
 
@@ -122,4 +128,4 @@ def test_converted_file_trains_and_finds_its_paper_rows(tmp_path, minari_tmp, ca
     assert len(final) == 1 and "normalized_score=" in final[0] and "nan" not in final[0]
     assert json.load(open(out / "config.json"))["dataset_id"] == "d4rl/hopper/medium-replay-v2"
     assert lsdt.paper_row("d4rl/hopper/medium-replay-v2") == "hopper-medium-replay"
-    assert dema.paper_settings("d4rl/hopper/medium-replay-v2")["n_embd"] == 256
+    assert dema.paper_values("d4rl/hopper/medium-replay-v2")["n_embd"] == 256

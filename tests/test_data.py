@@ -177,6 +177,47 @@ def test_damaged_dataset_says_damaged_not_missing(tiny_hopper, minari_path, tmp_
     assert e.value.code == 1 and err.startswith("error: ") and "damaged" in err and len(err.strip().splitlines()) == 1
 
 
+def test_malformed_episodes_say_damaged_and_the_run_leaves_no_folder(make_dataset, minari_path, tmp_path, capsys):
+    """An episode with no steps, or with fewer observations than actions + 1: 'damaged', one sentence, and a model
+    script stops before it makes its run folder."""
+    import glob
+    import h5py
+    import gymnasium as gym
+    import dt
+    env = gym.make("Hopper-v5")
+    few = [hopper_episode([1.0, 2.0], 0), hopper_episode([1.0, 2.0, 3.0], 1)]
+    few[1]["observations"] = few[1]["observations"][:3]                        # T observations for T actions
+    name = make_dataset("test/hopper/few-obs-v0", few, env=env)
+    with pytest.raises(data.DataError, match=r"is damaged \(episode 1 has 3 observations .* for 3 actions"):
+        data.load_data(name)
+    empty = make_dataset("test/hopper/empty-episode-v0", [hopper_episode([1.0, 2.0], 0), hopper_episode([1.0], 1)],
+                         env=env)
+    with h5py.File(glob.glob(str(minari_path / empty / "data" / "*.hdf5"))[0], "a") as f:   # episode 1 loses its steps
+        g = f["episode_1"]
+        for k in ("observations", "actions", "rewards", "terminations", "truncations"):
+            rows, dtype = g[k].shape, g[k].dtype
+            del g[k]
+            g.create_dataset(k, data=np.zeros(((1,) if k == "observations" else (0,)) + rows[1:], dtype))
+    with pytest.raises(data.DataError, match=r"is damaged \(episode 1 has no steps\)"):
+        data.load_data(empty)
+    for bad in (name, empty):
+        out = tmp_path / bad.replace("/", "_")
+        with pytest.raises(SystemExit) as e:
+            dt.main(["--dataset", bad, "--steps", "2", "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 1 and "damaged" in err and "\n" not in err and not out.exists(), err
+
+
+def test_datasets_path_that_is_a_file_is_one_sentence(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "a_file"))
+    with pytest.raises(SystemExit) as e:
+        data.main(["info", "hopper-medium"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err == (f"error: MINARI_DATASETS_PATH={tmp_path / 'a_file'} is a file, not a folder "
+                                         f"of datasets; point it at a folder")
+
+
 def test_non_finite_data_is_refused(make_dataset):
     import gymnasium as gym
     env = gym.make("Hopper-v5")

@@ -348,13 +348,12 @@ def test_init_follows_the_official_code():
 
 
 def test_paper_settings_and_flag_order():
-    assert dema.paper_settings("hopper-medium") == dict(n_embd=256, d_model=64, lr=1e-4)
-    assert dema.paper_settings("mujoco/walker2d/expert-v0")["lr"] == 1e-3
-    assert dema.paper_settings("replica/hopper/medium-replay-v0")["n_embd"] == 256
+    assert dema.paper_values("hopper-medium") == dict(n_embd=256, d_model=64, lr=1e-4)
+    assert dema.paper_values("mujoco/walker2d/expert-v0")["lr"] == 1e-3
+    assert dema.paper_values("replica/hopper/medium-replay-v0")["n_embd"] == 256
 
-    def parse(*argv):
-        cfg, given = dema.parse_flags(list(argv))
-        return dema.parse_flags(dema.paper_flags(cfg, given) + list(argv))[0]
+    def parse(*argv):                                          # as main() reads a command line
+        return dema.paper_settings(*dema.parse_flags(list(argv)))
     cfg = parse("--env", "halfcheetah-medium")
     assert (cfg.n_embd, cfg.d_model, cfg.lr) == (128, 64, 1e-3)
     cfg = parse("--env", "halfcheetah-medium", "--preset", "cpu", "--d-model", "24")
@@ -382,11 +381,11 @@ def test_overfits_one_batch():
 
 
 def test_rnn_act_carries_state_like_the_full_history():
-    """make_act in rnn mode over an interleaved pair of episodes (one finishing early, one restarting) equals the
+    """policy() in rnn mode over an interleaved pair of episodes (one finishing early, one restarting) equals the
     full forward over each episode's history."""
     cfg = tiny_cfg(mode="rnn")
     model = tiny_model(dtype=torch.float32)
-    act = dema.make_act(model, cfg)
+    act = dema.policy(model, cfg)
     g = torch.Generator().manual_seed(2)
     T = 7
     eps = [dict(s=torch.randn(T, 5, generator=g), a=torch.rand(T, 2, generator=g) * 2 - 1,

@@ -82,9 +82,9 @@ def test_lr_schedule_by_hand():
 
 
 def test_preset_then_explicit_flags():
-    cfg = dt.parse_args(["--preset", "cpu", "--n-embd", "48", "--resume"])
+    cfg = dt.parse_flags(["--preset", "cpu", "--n-embd", "48", "--resume"])[0]
     assert cfg.n_embd == 48 and cfg.n_layer == dt.PRESETS["cpu"]["n_layer"] and cfg.resume is True
-    assert dt.parse_args([]).n_embd == 128 and dt.parse_args([]).steps == 100_000
+    assert dt.parse_flags([])[0].n_embd == 128 and dt.parse_flags([])[0].steps == 100_000
 
 
 def run_cli(args, out):

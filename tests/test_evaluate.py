@@ -78,3 +78,16 @@ def test_rtg_and_previous_step_bookkeeping(tiny_hopper):
     assert torch.allclose(later["prev_action"][rows[3]], torch.full((d.act_dim,), 0.3))    # a_0 before the window
     assert torch.allclose(later["actions"][rows[3], -1], torch.zeros(d.act_dim))           # a_t not known yet
     assert len(env0) == res["lengths"][0]                                                  # stops at its own end
+
+
+def test_a_non_finite_action_stops_the_evaluation_in_one_sentence(tiny_hopper):
+    """A NaN action would make the env's state, and every later return, NaN: evaluate() refuses it at that step."""
+    import pytest
+    d = data.load_data(tiny_hopper)
+
+    def act(batch, live):
+        a = torch.zeros(len(live), d.act_dim)
+        a[0, 1] = float("nan") if batch["timesteps"][0, -1] == 3 else 0.0
+        return a
+    with pytest.raises(data.DataError, match="non-finite action at step 3"):
+        evaluate.evaluate(act, d, 2, 3600.0, seed=0, context=4, progress=False)

@@ -420,7 +420,7 @@ def test_freeze_attention_trains_only_embeddings_ffn_and_new_layers(tmp_path):
     pattern = r"ln_f\.|blocks\.\d+\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj)\."     # written here, not from the code
     frozen = {n for n, _ in m.named_parameters() if re.match(pattern, n)}
     assert len(frozen) == 2 + 2 * 8                                # ln_f + per block: ln_1, ln_2, c_attn, c_proj (w, b)
-    opt, _ = G.make_optimizer(m, cfg)
+    opt = torch.optim.AdamW(G.param_groups(m), lr=cfg.lr, weight_decay=cfg.weight_decay)   # as train() does
     in_opt = {id(p) for group in opt.param_groups for p in group["params"]}
     named = dict(m.named_parameters())
     assert in_opt == {id(p) for n, p in named.items() if n not in frozen}
@@ -588,10 +588,10 @@ def test_cli_maze_reports_steps_to_goal_and_gpt2_p(tiny_maze, tmp_path, capsys):
 def test_default_context_is_the_papers_per_task():
     class D:
         goal_reaching = True
-    assert G.configure(G.Config(), D()).context == 50
+    assert G.paper_context(G.Config(), D()).context == 50
     D.goal_reaching = False
-    assert G.configure(G.Config(), D()).context == 20
-    assert G.configure(G.Config(context=7), D()).context == 7
+    assert G.paper_context(G.Config(), D()).context == 20
+    assert G.paper_context(G.Config(context=7), D()).context == 7
     assert G.Config().context is None                               # so the variant name leaves it out unless given
 
 
@@ -690,9 +690,9 @@ def test_analyses_rebuild_the_runs_exact_starting_point(tiny_hopper, tmp_path, c
     cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--lr", 1e-12, "--steps", 1, "--eval-every", 1, "--seed", 3,
         "--out", out)
     cfg, given = G.parse_flags(["--out", str(out)])                  # the run's flags come from its checkpoint
-    tables = G.markov_analysis(*G.load_run(cfg, given))
+    tables = G.markov_analysis(*G.load_model(cfg, given))
     ratios = {lab: [r["model_ratio"] for r in rows] for lab, rows in tables.items()}
     assert ratios["init"] == pytest.approx(ratios["fine-tuned"], rel=1e-6)
-    P = G.attention_maps(*G.load_run(cfg, given))
+    P = G.attention_maps(*G.load_model(cfg, given))
     assert torch.allclose(P["before"], P["after"], atol=1e-6)
     capsys.readouterr()

@@ -1,7 +1,8 @@
-"""The run harness, against all five model scripts: the copies are identical, every bad flag is one sentence and
-exit 1, a run is never replaced or shared, --resume after an interrupt at an arbitrary moment gives bit-identical
-weights, saves are atomic, I/O failures are one sentence, --compile matches eager, analyses never retrain, and each
-model block runs alone with nothing but torch, math and dataclasses."""
+"""The run record (evaluate.py) as the five model scripts use it, each test against every script where the behaviour
+is the script's: every bad flag is one sentence and exit 1, a run is never replaced or shared, --resume after an
+interrupt at an arbitrary moment gives bit-identical weights, saves are atomic, I/O failures and sizes that cannot fit
+are one sentence with the folder unchanged, --compile matches eager, analyses never retrain, and each model block runs
+alone with nothing but torch, math and dataclasses."""
 import csv
 import importlib
 import json
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
+import evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -72,20 +75,11 @@ def log_rows(out):
         return [{k: v for k, v in r.items() if k != "wall_time"} for r in csv.DictReader(f)]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# one harness, copied: the marked blocks are identical
-
 def marked(path, name):
     text = open(os.path.join(ROOT, path)).read()
     m = re.search(rf"^# >>> {name}: begin.*?^# <<< {name}: end", text, re.S | re.M)
     assert m, f"{path} has no '# >>> {name}: begin' ... '# <<< {name}: end' block"
     return m.group(0)
-
-
-@pytest.mark.parametrize("script", SCRIPTS[1:])
-def test_harness_block_is_dt_pys(script):
-    assert marked(f"{script}.py", "harness") == marked("dt.py", "harness"), \
-        f"{script}.py's harness block differs from dt.py's: fix it in one file and copy the block to all five"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,7 +88,8 @@ def test_harness_block_is_dt_pys(script):
 BAD = [["--steps", "0"], ["--steps", "-3"], ["--batch-size", "0"], ["--context", "0"], ["--lr", "-1"],
        ["--lr", "nan"], ["--eval-every", "0"], ["--log-every", "0"], ["--eval-episodes", "0"], ["--grad-clip", "0"],
        ["--warmup-steps", "-1"], ["--n-head", "5"], ["--dropout", "2"], ["--dropout", "-0.1"], ["--device", "tpu"],
-       ["--target-return", "nan"], ["--target-return", "inf"], ["--preset", "cpu", "--steps", "0"]]
+       ["--target-return", "nan"], ["--target-return", "inf"], ["--preset", "cpu", "--steps", "0"],
+       ["--seed", "-1"], ["--seed", "100000000000000000000000000000"], ["--eval-episodes", "100000000"]]
 if not torch.cuda.is_available():
     BAD.append(["--device", "cuda"])
 
@@ -131,12 +126,13 @@ def test_run_folder_names_the_variant(tiny_maze, tmp_path, monkeypatch, capsys):
     import dt
     monkeypatch.chdir(tmp_path)
     cfg, _ = dt.parse_flags(["--preset", "cpu"])
-    assert dt.variant_name(cfg) == "cpu"
-    assert dt.variant_name(dt.parse_flags([])[0]) == "default"
+    assert evaluate.variant_name(cfg, dt.PRESETS) == "cpu"
+    assert evaluate.variant_name(dt.parse_flags([])[0], dt.PRESETS) == "default"
     cfg, _ = dt.parse_flags(["--preset", "cpu", "--no-return-token", "--context", "5", "--seed", "3", "--steps", "7",
                              "--eval-episodes", "2", "--lr", "1e-3"])  # lr 1e-3 is the preset's: not a variant
-    assert dt.variant_name(cfg) == "cpu_context5_no-return-token"
-    assert dt.run_folder(cfg) == os.path.join("runs", "dt", "hopper-medium", "cpu_context5_no-return-token", "seed3")
+    assert evaluate.variant_name(cfg, dt.PRESETS) == "cpu_context5_no-return-token"
+    assert evaluate.run_folder("dt", cfg, dt.PRESETS) == os.path.join("runs", "dt", "hopper-medium",
+                                                                      "cpu_context5_no-return-token", "seed3")
     dt.main(["--dataset", tiny_maze, *TINY["dt"][:-4], "--steps", "2", "--eval-every", "2", "--eval-episodes", "1"])
     folder = tmp_path / "runs" / "dt" / tiny_maze.replace("/", "-") / "context4_n-embd16_n-layer1" / "seed0"
     config = json.loads((folder / "config.json").read_text())
@@ -147,14 +143,15 @@ def test_run_folder_names_the_variant(tiny_maze, tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # never overwrite, never share
 
-def test_a_finished_run_is_not_replaced(tiny_hopper, tmp_path, capsys):
-    import dt
-    args = flags("dt", tmp_path / "run", "--steps", 4, "--eval-every", 4, dataset=tiny_hopper)
-    dt.main(args)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_finished_run_is_not_replaced(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    args = flags(script, tmp_path / "run", "--steps", 4, "--eval-every", 4, dataset=tiny_hopper)
+    m.main(args)
     before = {f: (tmp_path / "run" / f).read_bytes() for f in ("ckpt.pt", "log.csv", "config.json")}
-    err = one_sentence_exit_1(capsys, dt.main, args)
+    err = one_sentence_exit_1(capsys, m.main, args)
     assert "already holds a run" in err and "--resume" in err
-    err = one_sentence_exit_1(capsys, dt.main, args[:-2] + ["--steps", "6"])   # another --steps: still refused
+    err = one_sentence_exit_1(capsys, m.main, args[:-2] + ["--steps", "6"])   # another --steps: still refused
     assert {f: (tmp_path / "run" / f).read_bytes() for f in before} == before
     assert not list((tmp_path / "run").glob("*.tmp"))
 
@@ -174,16 +171,17 @@ def test_resume_refuses_other_settings_by_name(script, tiny_hopper, tmp_path, ca
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 3
 
 
-def test_a_folder_in_use_is_refused(tiny_hopper, tmp_path, capsys):
-    import dt
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_folder_in_use_is_refused(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
     (tmp_path / "run").mkdir()
-    lock = dt.lock_folder(str(tmp_path / "run"))        # as another process's run would hold it
+    lock = evaluate.lock_folder(str(tmp_path / "run"))  # as another process's run would hold it
     try:
-        err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "run", "--steps", 2, dataset=tiny_hopper))
+        err = one_sentence_exit_1(capsys, m.main, flags(script, tmp_path / "run", "--steps", 2, dataset=tiny_hopper))
         assert "in use" in err and str(os.getpid()) in err
     finally:
         lock.close()
-    dt.main(flags("dt", tmp_path / "run", "--steps", 2, "--eval-every", 2, dataset=tiny_hopper))  # free again
+    m.main(flags(script, tmp_path / "run", "--steps", 2, "--eval-every", 2, dataset=tiny_hopper))  # free again
 
 
 def start(script, args, cwd=ROOT):
@@ -201,21 +199,25 @@ def wait_for(p, prefix):
     raise AssertionError(f"the process ended before printing '{prefix}': {''.join(lines)} {p.stderr.read()}")
 
 
-def test_two_processes_on_one_folder(tiny_hopper, tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_processes_on_one_folder(script, tiny_hopper, tmp_path):
     """A second process on a folder in use refuses; a killed run's lock is released by the OS."""
-    args = flags("dt", tmp_path, "--steps", 100_000, "--eval-every", 100_000, "--log-every", 10, dataset=tiny_hopper)
-    first = start("dt", args)
+    args = flags(script, tmp_path, "--steps", 100_000, "--eval-every", 20, "--log-every", 10, dataset=tiny_hopper)
+    first = start(script, args)
     try:
-        wait_for(first, "step")
-        second = subprocess.run([sys.executable, "dt.py", *args, "--resume"], cwd=ROOT, capture_output=True, text=True)
-        assert second.returncode == 1 and "in use by another run" in second.stderr, second.stderr
-        assert len(second.stderr.strip().splitlines()) == 1
+        wait_for(first, "eval step 20")
+        for extra in (["--resume"], []):     # resuming it, or starting another run there
+            second = subprocess.run([sys.executable, f"{script}.py", *map(str, args), *extra], cwd=ROOT,
+                                    capture_output=True, text=True)
+            assert second.returncode == 1 and "in use by another run" in second.stderr, second.stderr
+            assert len(second.stderr.strip().splitlines()) == 1
     finally:
         first.kill()
         first.wait()
-    again = subprocess.run([sys.executable, "dt.py", *args[:-6], "--steps", "3", "--eval-every", "3", "--resume"],
-                           cwd=ROOT, capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr
+    reached = torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"]
+    again = subprocess.run([sys.executable, f"{script}.py", "--out", str(tmp_path), "--steps", str(reached + 20),
+                            "--resume"], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,13 +260,14 @@ def test_sigint_at_arbitrary_moments_then_resume_is_bit_identical(script, tiny_h
     assert interrupted, "no run was still training when the signal came: make the runs longer"
 
 
-def test_kill_9_loses_no_logged_step(tiny_hopper, tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_kill_9_loses_no_logged_step(script, tiny_hopper, tmp_path):
     """SIGKILL at any instant: log.csv covers every step of the checkpoint, and the resumed run's log is whole."""
     common = ["--steps", 200, "--eval-every", 40, "--log-every", 10]
     straight, run = tmp_path / "straight", tmp_path / "killed"
-    assert start("dt", flags("dt", straight, *common, dataset=tiny_hopper)).wait(timeout=300) == 0
+    assert start(script, flags(script, straight, *common, dataset=tiny_hopper)).wait(timeout=300) == 0
     assert not list(straight.glob("*.tmp"))
-    p = start("dt", flags("dt", run, *common, dataset=tiny_hopper))
+    p = start(script, flags(script, run, *common, dataset=tiny_hopper))
     wait_for(p, "eval step 40")
     time.sleep(0.4)
     p.kill()
@@ -272,7 +275,7 @@ def test_kill_9_loses_no_logged_step(tiny_hopper, tmp_path):
     ck = torch.load(run / "ckpt.pt", weights_only=True)
     on_disk = log_rows(run)
     assert all({k: str(v) for k, v in r.items() if k != "wall_time"} in on_disk for r in ck["rows"])
-    p = start("dt", ["--out", run, "--resume"])
+    p = start(script, ["--out", run, "--resume"])
     assert p.wait(timeout=300) == 0, p.stderr.read()
     assert log_rows(run) == log_rows(straight)
     assert_same_weights(final_weights(straight), final_weights(run))
@@ -281,35 +284,41 @@ def test_kill_9_loses_no_logged_step(tiny_hopper, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # I/O failures: one sentence, nothing lost
 
-def test_damaged_checkpoints_are_one_sentence(tiny_hopper, tmp_path, capsys):
-    import dt
-    args = flags("dt", tmp_path, "--steps", 2, "--eval-every", 2, dataset=tiny_hopper)
-    dt.main(args)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_damaged_checkpoints_are_one_sentence(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    args = flags(script, tmp_path, "--steps", 2, "--eval-every", 2, dataset=tiny_hopper)
+    m.main(args)
     good = (tmp_path / "ckpt.pt").read_bytes()
+    saved_rows = [r["step"] for r in torch.load(tmp_path / "ckpt.pt", weights_only=True)["rows"]]
     for content, words in ((good[: len(good) // 2], "cannot be read"), (os.urandom(5000), "cannot be read"),
                            (b"", "cannot be read")):
         (tmp_path / "ckpt.pt").write_bytes(content)
-        assert words in one_sentence_exit_1(capsys, dt.main, args + ["--resume", "--steps", "3"])
+        assert words in one_sentence_exit_1(capsys, m.main, args + ["--resume", "--steps", "3"])
     torch.save({"model": {}, "step": 3}, tmp_path / "ckpt.pt")                     # someone else's torch file
-    assert "not a checkpoint of dt.py" in one_sentence_exit_1(capsys, dt.main, args + ["--resume"])
+    assert f"not a checkpoint of {script}.py" in one_sentence_exit_1(capsys, m.main, args + ["--resume"])
     (tmp_path / "ckpt.pt").write_bytes(good)
     (tmp_path / "log.csv").write_text("garbage,\n\x00\x01 not a log\n")           # the checkpoint holds the log
-    dt.main(args + ["--resume", "--steps", "3", "--eval-every", "3"])
-    assert [r["step"] for r in log_rows(tmp_path)] == ["2", "2", "2", "3", "3", "3"]
+    m.main(args + ["--resume", "--steps", "3", "--eval-every", "3"])
+    steps = [int(r["step"]) for r in log_rows(tmp_path)]
+    assert steps[:len(saved_rows)] == saved_rows and set(steps[len(saved_rows):]) == {3}
 
 
-def test_unwritable_out_is_one_sentence(tiny_hopper, tmp_path, capsys):
-    import dt
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_unwritable_out_is_one_sentence(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
     (tmp_path / "file").write_text("x")
-    err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "file", "--steps", 2, dataset=tiny_hopper))
+    err = one_sentence_exit_1(capsys, m.main, flags(script, tmp_path / "file", "--steps", 2, dataset=tiny_hopper))
     assert "is a file" in err
-    err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "file" / "run", "--steps", 2, dataset=tiny_hopper))
+    err = one_sentence_exit_1(capsys, m.main, flags(script, tmp_path / "file" / "run", "--steps", 2,
+                                                    dataset=tiny_hopper))
     assert "cannot create the output folder" in err
 
 
-def test_full_disk_keeps_the_previous_checkpoint(tiny_hopper, tmp_path, capsys, monkeypatch):
-    import dt
-    saves, real_save = [], torch.save
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_full_disk_keeps_the_previous_checkpoint(script, tiny_hopper, tmp_path, capsys, monkeypatch):
+    m = module(script)
+    saves, real_save, real_usage = [], torch.save, evaluate.shutil.disk_usage
 
     def failing_save(obj, path, *a, **kw):
         saves.append(path)
@@ -320,9 +329,11 @@ def test_full_disk_keeps_the_previous_checkpoint(tiny_hopper, tmp_path, capsys, 
         return real_save(obj, path, *a, **kw)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path, "--steps", 4, "--eval-every", 2,
-                                                     dataset=tiny_hopper))
-    assert "could not write" in err and "previous copy is kept" in err
+    monkeypatch.setattr(evaluate.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))   # the disk is full
+    err = one_sentence_exit_1(capsys, m.main, flags(script, tmp_path, "--steps", 4, "--eval-every", 2,
+                                                    dataset=tiny_hopper))
+    assert "could not write" in err and "previous copy is kept" in err and "enforce fail" not in err
+    assert f"no space left on the device holding {tmp_path}" in err
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2 and not list(tmp_path.glob("*.tmp"))
 
 
@@ -331,9 +342,9 @@ def test_non_finite_loss_stops_with_the_step(script, tiny_hopper, tmp_path, caps
     m = module(script)
     calls, real = [0], m.loss_fn
 
-    def poisoned(*a, **kw):
-        calls[0] += 1
-        loss = real(*a, **kw)
+    def poisoned(model, batch, cfg):
+        calls[0] += batch["states"].device.type != "meta"     # not train()'s memory count, on the meta device
+        loss = real(model, batch, cfg)
         return loss * float("nan") if calls[0] == 3 else loss
 
     monkeypatch.setattr(m, "loss_fn", poisoned)
@@ -379,12 +390,15 @@ def test_amp_runs_and_loss_stays_fp32(script, tiny_hopper, tmp_path, capsys):
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
-def test_bench_prints_one_line_per_mode(capsys, monkeypatch):
-    import dt
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_times_train_and_writes_nothing(script, capsys, monkeypatch, tmp_path):
+    m = module(script)
     monkeypatch.setattr(torch, "compile", lambda model: model)   # the compile itself is tested above
-    dt.main(["--bench", *TINY["dt"], "--steps", "2"])
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("bench dt") and "tokens per batch" in lines[0]
+    monkeypatch.chdir(tmp_path)
+    m.main(["--bench", *TINY[script], "--steps", "2"])
+    lines = [line for line in capsys.readouterr().out.strip().splitlines() if not line.startswith(("lsdt:", "blocks"))]
+    assert lines[0].startswith(f"bench {script}") and "tokens per batch" in lines[0]
+    assert os.listdir(tmp_path) == []                          # no run folder
     assert [line.split()[0] for line in lines[1:]] == ["eager", "compiled"]
     assert all("ms/step" in line and "tokens/s" in line for line in lines[1:])
 
@@ -426,3 +440,113 @@ def test_model_block_runs_alone(script):
     with torch.no_grad():
         y = eval(forward, ns)
     assert y.shape == (B, K, 3) and torch.isfinite(y).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the holes a fault trial found: each one sentence, exit 1, the folder unchanged
+
+def snapshot(folder):
+    """Every file of a folder with its bytes (the lock file aside); None when the folder does not exist."""
+    if not os.path.isdir(folder):
+        return None
+    return {f: open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder)) if f != ".lock"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_needs_a_checkpoint(script, tiny_hopper, tmp_path, capsys, monkeypatch):
+    """--resume where ckpt.pt is missing (the run stopped before its first checkpoint, or the file was moved away)
+    never starts a fresh run over the folder's log.csv and config.json, and never reaches for a dataset."""
+    m = module(script)
+    monkeypatch.setattr(m.data_lib, "load_data", lambda *a, **k: pytest.fail("--resume without ckpt.pt loaded data"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.csv").write_text("step,loss\n100,0.5\n")
+    (run / "config.json").write_text(json.dumps({"script": script, "steps": 200}))
+    before = snapshot(run)
+    for extra in ([], ["--dataset", tiny_hopper, "--steps", "300"]):
+        err = one_sentence_exit_1(capsys, m.main, ["--out", str(run), "--resume", *extra])
+        assert "no ckpt.pt to resume from" in err and "put ckpt.pt back" in err, err
+        assert snapshot(run) == before
+    for folder in (tmp_path / "missing", tmp_path / "empty"):
+        if folder.name == "empty":
+            folder.mkdir()
+        err = one_sentence_exit_1(capsys, m.main, ["--out", str(folder), "--resume"])
+        assert "holds no run to resume" in err and "drop --resume" in err, err
+        assert snapshot(folder) == ({} if folder.name == "empty" else None)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_out_never_writes_into_a_folder_that_is_not_its_run(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    gpt2 = tmp_path / "gpt2"                        # someone's model folder, with a config.json of its own
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"n_layer": 12, "n_embd": 768}))
+    (gpt2 / "model.safetensors").write_bytes(b"weights")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.md").write_text("my notes")
+    other = tmp_path / "other"                      # a run of another script
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"script": "someone_else", "steps": 3}))
+    (other / "log.csv").write_text("step\n")
+    for folder, words in ((gpt2, "not a run of"), (notes, "not a run of"), (other, "not a run of")):
+        before = snapshot(folder)
+        err = one_sentence_exit_1(capsys, m.main, flags(script, folder, "--steps", 2, dataset=tiny_hopper))
+        assert words in err and "nothing there is overwritten" in err, err
+        assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_cannot_shorten_a_run(script, tiny_hopper, tmp_path, capsys):
+    m = module(script)
+    m.main(flags(script, tmp_path, "--steps", 4, "--eval-every", 4, dataset=tiny_hopper))
+    before = snapshot(tmp_path)
+    err = one_sentence_exit_1(capsys, m.main, ["--out", str(tmp_path), "--resume", "--steps", "2"])
+    assert "--steps 2 is below the step this run has reached (4)" in err, err
+    assert snapshot(tmp_path) == before and json.loads((tmp_path / "config.json").read_text())["steps"] == 4
+
+
+# script -> flags that make one training step far too large for any machine (the model's own width flags)
+HUGE = {"dt": ["--n-embd", "65536"], "gpt2_dtma": ["--n-embd", "65536", "--n-head", "16"],
+        "lsdt": ["--n-embd", "65536"], "starformer": ["--n-embd", "65536"], "dema": ["--d-model", "65536"]}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_sizes_that_mean_nothing_or_cannot_fit_are_one_sentence_before_any_folder(script, tiny_hopper, tmp_path,
+                                                                                   capsys):
+    """A context longer than any episode and a return target far outside the data mean nothing; a batch or a width
+    that cannot fit says what it needs before anything is allocated (train() sizes a step on the meta device)."""
+    m = module(script)
+    target = ["--reward-input", "rtg"] if script == "starformer" else []      # StARformer has a target only then
+    for bad, words in ((["--context", "100000"], "longer than the longest episode"),
+                       ([*target, "--target-return", "1e30"], "more than 100 times the largest episode return"),
+                       (["--batch-size", "100000000"], "a training step needs about"),
+                       (HUGE[script], "a GPT-2 has at most" if script == "gpt2_dtma" else "a training step needs about")):
+        out = tmp_path / "_".join(bad).replace("-", "")
+        err = one_sentence_exit_1(capsys, m.main, flags(script, out, *bad, dataset=tiny_hopper))
+        assert words in err, (bad, err)
+        assert not out.exists(), f"{bad}: the output folder was created"
+
+
+def test_gpt2_random_blocks_stay_within_gpt2s_bounds(tiny_hopper, tmp_path, capsys):
+    import gpt2_dtma
+    err = one_sentence_exit_1(capsys, gpt2_dtma.main, flags("gpt2_dtma", tmp_path / "r", "--n-layer", 99,
+                                                           dataset=tiny_hopper))
+    assert "--n-layer 99: a GPT-2 has at most 96" in err and not (tmp_path / "r").exists()
+
+
+def test_an_allocation_failure_is_one_sentence(tiny_hopper, tmp_path, capsys, monkeypatch):
+    """Where the memory count cannot see it (another process takes the memory), the allocator's error is still one
+    sentence, without torch's C++ words."""
+    import dt
+    real = dt.DecisionTransformer.forward
+
+    def out_of_memory(*a, **kw):
+        if torch.is_grad_enabled() and a[1].device.type != "meta":
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you "
+                               "tried to allocate 644245094400 bytes.")
+        return real(*a, **kw)
+    monkeypatch.setattr(dt.DecisionTransformer, "forward", out_of_memory)
+    err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "r", "--steps", 2, dataset=tiny_hopper))
+    assert err == "error: out of memory (it asked for 600 GB at once); lower --batch-size, --context or the model's size"
+    assert not (tmp_path / "r").exists()        # a new folder that never got a log line is removed again

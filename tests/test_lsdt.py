@@ -147,9 +147,11 @@ def test_branch_channel_split_and_xi_extremes():
     m1 = build(make_cfg(conv_ratio=1.0)).blocks[0].mixer
     assert m1.attn is None and m1.fuse is None and m1.conv is not None
     assert build(make_cfg(fusion="concat")).blocks[0].mixer.fuse is None
-    assert "multiple of 4" in lsdt.check_model(make_cfg(conv_ratio=0.3))  # 9.6 -> 10 conv channels
-    assert "[0, 1]" in lsdt.check_model(make_cfg(conv_ratio=1.5))
-    assert lsdt.check_model(make_cfg()) is None
+    with pytest.raises(lsdt.data_lib.DataError, match="multiple of 4"):
+        lsdt.check_model(make_cfg(conv_ratio=0.3))                   # 9.6 -> 10 conv channels
+    with pytest.raises(lsdt.data_lib.DataError, match=r"\[0, 1\]"):
+        lsdt.check_model(make_cfg(conv_ratio=1.5))
+    lsdt.check_model(make_cfg())
 
 
 def test_xi0_mixer_is_dt_attention():
@@ -355,8 +357,8 @@ def test_lr_schedule_hand_values():
     for arch in ("dc", "dc_h"):
         assert [f(s, arch=arch) for s in (0, 4, 9, 10, 60, 110, 200)] == pytest.approx([0.1, 0.5, 1, 1, 1, 1, 1])
     model = build(make_cfg())
-    opt, factor = lsdt.make_optimizer(model, cfg)                    # the harness wraps factor in LambdaLR
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)          # as train() builds them
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lsdt.lr_factor(s, cfg))
     for _ in range(60):
         opt.step()
         sched.step()
@@ -566,12 +568,12 @@ def test_cli_bad_input_is_one_sentence_before_any_work(argv, words, tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
-def test_variant_names_the_configuration_trained(monkeypatch):
-    """Two commands that train different models never share a run folder: the name is taken after the paper's row."""
+def test_variant_names_the_configuration_trained():
+    """Two commands that train different models never share a run folder: main() names it after the paper's row."""
+    import evaluate
+
     def name(*argv):
-        cfg, given = lsdt.parse_flags(list(argv))
-        monkeypatch.setattr(lsdt, "GIVEN", frozenset(given))
-        return lsdt.variant_name(cfg)
+        return evaluate.variant_name(lsdt.paper_settings(*lsdt.parse_flags(list(argv)))[0], lsdt.PRESETS)
     mr = ["--dataset", "replica/hopper/medium-replay-v0", "--preset", "cpu"]
     assert name(*mr) == "cpu_context20_conv-ratio1"                          # the row's K=20, xi=1
     assert name(*mr, "--context", "10", "--conv-ratio", "0.5") == "cpu"        # Config's defaults, given as flags

@@ -130,3 +130,19 @@ def test_report_cli_errors(tmp_path, capsys):
             evaluate.main(["report", str(runs_dir)])
         err = capsys.readouterr().err
         assert e.value.code == 1 and err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_value_that_is_not_a_number_is_named_not_in_progress(tmp_path):
+    """A finished run whose log.csv holds a score that is not a finite number (hand-edited, or NaN) is unreadable,
+    and says where; it is never reported as a run in progress, nor averaged as 'nan'."""
+    root = str(tmp_path)
+    write_run(root, "dt", HOPPER, "default", 0, 200, hopper_evals([10, 20], (100, 200)))
+    for seed, bad in ((1, "abc"), (2, "nan")):
+        folder = write_run(root, "dt", HOPPER, "default", seed, 200, hopper_evals([10, 20.5], (100, 200)))
+        text = open(os.path.join(folder, "log.csv")).read().replace(",20.5,", f",{bad},", 1)
+        open(os.path.join(folder, "log.csv"), "w").write(text)
+    text = evaluate.report(root)
+    hop = HOPPER.replace("/", "-")
+    assert f"- dt/{hop}/default/seed1: unreadable (log.csv line 4: normalized_score 'abc' is not a finite number)" in text
+    assert f"- dt/{hop}/default/seed2: unreadable (log.csv line 4: normalized_score 'nan' is not a finite number)" in text
+    assert table_row(text, HOPPER, "dt", "default")[:3] == ["1", "200", "20.0 ± 0.0"] and "in progress" not in text

@@ -213,11 +213,11 @@ def test_reward_input_rtg_is_table_2():
 def test_reward_input_rtg_evaluates_with_the_target(tiny_hopper):
     d = data.load_data(tiny_hopper)
     cfg = tiny_cfg(context=5, reward_input="rtg", target_return=1234.0)
-    assert sf.eval_targets(cfg, d) == [1234.0]
-    assert sf.eval_targets(tiny_cfg(reward_input="rtg"), d) == d.target_returns
+    assert sf.targets(cfg, d) == [1234.0]
+    assert sf.targets(tiny_cfg(reward_input="rtg"), d) == d.target_returns
     torch.manual_seed(0)
     model = sf.StARformer(cfg, d.obs_dim, d.act_dim).eval()
-    act, first = sf.make_act(model, cfg), {}
+    act, first = sf.policy(model), {}
 
     def recording_act(batch, live):
         a = act(batch, live)
@@ -226,7 +226,7 @@ def test_reward_input_rtg_evaluates_with_the_target(tiny_hopper):
         first.setdefault("batch", batch)
         return a
 
-    evaluate.evaluate(recording_act, d, 1, sf.eval_targets(cfg, d)[0], seed=7, context=5, progress=False)
+    evaluate.evaluate(recording_act, d, 1, sf.targets(cfg, d)[0], seed=7, context=5, progress=False)
     assert first["rtg"] == pytest.approx(1234.0 * d.return_scale)
     other = dict(first["batch"], rtg=torch.zeros_like(first["batch"]["rtg"]))   # the model reads the target
     assert (act(other, None)[0] - first["action"]).abs().max() > 1e-5
@@ -319,7 +319,7 @@ def test_evaluation_feeds_the_env_reward_of_the_previous_action(tiny_hopper):
     d = data.load_data(tiny_hopper)
     torch.manual_seed(0)
     cfg = tiny_cfg(context=5)
-    act = sf.make_act(sf.StARformer(cfg, d.obs_dim, d.act_dim).eval(), cfg)
+    act = sf.policy(sf.StARformer(cfg, d.obs_dim, d.act_dim).eval())
     fed, taken = [], []
 
     def recording_act(batch, live):
@@ -330,7 +330,7 @@ def test_evaluation_feeds_the_env_reward_of_the_previous_action(tiny_hopper):
         taken.append(a[0].numpy().copy())
         return a
 
-    res = evaluate.evaluate(recording_act, d, 1, sf.eval_targets(cfg, d)[0], seed=7, context=5, progress=False)
+    res = evaluate.evaluate(recording_act, d, 1, sf.targets(cfg, d)[0], seed=7, context=5, progress=False)
     env = d.make_env()                         # replay the same actions in a fresh env: the independent reference
     env.reset(seed=7)
     rewards = [env.step(a)[1] for a in taken]
@@ -382,7 +382,7 @@ def test_cli_rtg_run_evaluates_its_target(tiny_hopper, tmp_path, capsys):
     run_cli(["--dataset", tiny_hopper, "--steps", "5", "--eval-every", "5", "--reward-input", "rtg",
              "--target-return", "1234"], tmp_path)
     final_line(capsys)
-    assert [r["target"] for r in log_rows(tmp_path) if r["eval_return"]] == ["1234.0"]
+    assert [r["target"] for r in log_rows(tmp_path) if r["eval_return"]] == ["1234"]
 
 
 def test_cli_maze_reports_success(tiny_maze, tmp_path, capsys):
@@ -406,10 +406,10 @@ def test_resume_gives_identical_weights(tiny_hopper, tmp_path, capsys):
 
 
 def test_flags_presets_and_bad_input(tiny_hopper, tmp_path, capsys):
-    cfg = sf.parse_args(["--preset", "cpu", "--n-embd", "48"])
+    cfg = sf.parse_flags(["--preset", "cpu", "--n-embd", "48"])[0]
     assert cfg.n_embd == 48 and cfg.n_layer == sf.PRESETS["cpu"]["n_layer"] and cfg.steps == 6000 and cfg.lr_decay
-    assert sf.parse_args([]).n_embd == 192 and sf.parse_args(["--preset", "code"]).n_embd == 128
-    assert sf.variant_name(sf.parse_args(["--no-reward-token"])) == "no-reward-token"
+    assert sf.parse_flags([])[0].n_embd == 192 and sf.parse_flags(["--preset", "code"])[0].n_embd == 128
+    assert evaluate.variant_name(sf.parse_flags(["--no-reward-token"])[0], sf.PRESETS) == "no-reward-token"
     for bad, word in ((["--context", "0"], "--context"), (["--n-embd", "20", "--n-head", "3"], "--n-head"),
                       (["--step-embd", "8", "--step-head", "3"], "--step-head"), (["--step-embd", "0"], "--step-embd"),
                       (["--patch-size", "0"], "--patch-size"), (["--reward-scale", "0"], "--reward-scale"),

@@ -23,6 +23,7 @@ flatten_obs. Data with a NaN or infinite observation, action or reward is refuse
 Command line:
     python data.py info hopper-medium        # summary and sampling rate (`python data.py NAME` is short for it)
     python data.py convert-d4rl hopper_medium-v2.hdf5 d4rl/hopper/medium-v2 [--env Hopper-v5]
+    python data.py mix hopper-medium hopper-expert local/hopper/medium-expert-v0    # D4RL's medium-expert recipe
 """
 import argparse
 import contextlib
@@ -224,16 +225,21 @@ class OfflineData:
         """An env's (or the dataset's) observation -> this data's flat state layout."""
         return flatten_obs(obs, self.obs_keys)
 
-    def make_env(self):
-        """The dataset's own evaluation env (Minari's eval_env_spec, else env_spec)."""
+    def make_env(self, render=False):
+        """The dataset's own evaluation env (Minari's eval_env_spec, else env_spec); render=True: one that renders
+        240 x 240 RGB frames offscreen (MuJoCo needs MUJOCO_GL on a machine without a display, evaluate.pick_gl)."""
         import gymnasium as gym
         if self.env_spec is None:
             raise DataError(f"'{self.dataset_id}' is synthetic data and has no environment to evaluate in")
         if self.family == "maze":
-            with contextlib.redirect_stdout(io.StringIO()):   # its import prints a notice about the Adroit envs
-                import gymnasium_robotics
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                import gymnasium_robotics   # (its import prints a notice about its Adroit envs)
             gym.register_envs(gymnasium_robotics)
-        return gym.make(self.env_spec)
+        if not render:
+            return gym.make(self.env_spec)
+        # the locomotion robots' own "track" camera follows the body (the default camera would watch it walk away)
+        track = dict(camera_name="track") if self.env_spec.id.split("-")[0] in D4RL_REF_SCORES else {}
+        return gym.make(self.env_spec, render_mode="rgb_array", width=240, height=240, **track)
 
     def sample(self, batch_size, K, rng):
         """B windows of K steps: the last step is uniform over all dataset steps (so episodes are drawn in
@@ -417,17 +423,7 @@ def convert_d4rl(path, dataset_id, env_id=None):
     import gymnasium as gym
     import minari
     from minari.data_collector import EpisodeBuffer
-    from minari.dataset.minari_dataset import parse_dataset_id
-    try:
-        namespace = parse_dataset_id(dataset_id)[0]
-    except (ValueError, TypeError):  # TypeError: minari's parser on an id without -vN
-        namespace = None
-    if namespace is None:  # load_data reads an id without a namespace as a short name
-        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
-    folder = dataset_folder(dataset_id)
-    if os.path.exists(folder):
-        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id "
-                        f"(nothing is overwritten)")
+    folder = _new_dataset_folder(dataset_id)
     env_id = _d4rl_env(path, dataset_id, env_id)
     a = _read_d4rl(path)
     try:
@@ -483,6 +479,77 @@ def convert_d4rl(path, dataset_id, env_id=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# several Minari datasets of one environment -> one local dataset (python data.py mix)
+
+def _new_dataset_folder(dataset_id):
+    """The folder a new local dataset `dataset_id` gets; one sentence if the id is malformed or already taken."""
+    from minari.dataset.minari_dataset import parse_dataset_id
+    try:
+        namespace = parse_dataset_id(dataset_id)[0]
+    except (ValueError, TypeError):  # TypeError: minari's parser on an id without -vN
+        namespace = None
+    if namespace is None:  # load_data reads an id without a namespace as a short name
+        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
+    folder = dataset_folder(dataset_id)
+    if os.path.exists(folder):
+        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is overwritten)")
+    return folder
+
+
+def mix(sources, dataset_id):
+    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL built
+    medium-expert this way: all of medium, then all of expert). The sources must share the environment (as Minari
+    compares specs: max_episode_steps may differ, the larger is kept) and the observation and action spaces; the
+    evaluation env and the reference returns are carried over, and the sources are listed in the metadata
+    (`combined_datasets`, as minari.combine_datasets names them). Episode infos are not copied (no model here reads
+    them). -> the number of episodes."""
+    import minari
+    from minari.data_collector import EpisodeBuffer
+    ids = [resolve(s) for s in sources]
+    if len(ids) < 2:
+        raise DataError("mix needs at least two source datasets, then the new id")
+    folder = _new_dataset_folder(dataset_id)
+    loaded = [_open_minari(i, download=True) for i in ids]               # (MinariDataset, metadata, episodes) each
+    first, (first_ds, first_meta, _) = ids[0], loaded[0]
+    spec = first_ds.env_spec
+    for i, (ds, meta, _) in zip(ids[1:], loaded[1:]):
+        same = spec is not None and ds.env_spec is not None and replace(ds.env_spec, max_episode_steps=None) == \
+            replace(spec, max_episode_steps=None)
+        if not same:
+            raise DataError(f"{first} and {i} are datasets of different environments ("
+                            f"{getattr(spec, 'id', None)} and {getattr(ds.env_spec, 'id', None)}); mix takes one "
+                            f"environment's datasets")
+        if ds.observation_space != first_ds.observation_space or ds.action_space != first_ds.action_space:
+            raise DataError(f"{first} and {i} have different observation or action spaces, so their episodes cannot "
+                            f"form one dataset")
+        for key in ("ref_min_score", "ref_max_score"):
+            if meta.get(key) != first_meta.get(key):
+                raise DataError(f"{first} and {i} have different reference returns ({key} {first_meta.get(key)} and "
+                                f"{meta.get(key)}), so the mix would have no single normalised score")
+    steps = [ds.env_spec.max_episode_steps for ds, _, _ in loaded]
+    spec = replace(spec, max_episode_steps=None if None in steps else max(steps))
+    buffers = [EpisodeBuffer(id=n, observations=ep.observations, actions=ep.actions, rewards=list(ep.rewards),
+                             terminations=list(ep.terminations), truncations=list(ep.truncations), infos={})
+               for n, ep in enumerate(ep for _, _, episodes in loaded for ep in episodes)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ... metadata
+            ds = minari.create_dataset_from_buffers(
+                dataset_id, buffers, env=spec, eval_env=getattr(first_ds, "_eval_env_spec", None),
+                observation_space=first_ds.observation_space, action_space=first_ds.action_space,
+                ref_min_score=first_meta.get("ref_min_score"), ref_max_score=first_meta.get("ref_max_score"),
+                algorithm_name="data.py mix", description=f"every episode of {', then '.join(ids)}")
+        ds.storage.update_metadata({"combined_datasets": ids})
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # no half-written dataset (the folder did not exist before)
+        raise
+    counts = ", ".join(f"{len(episodes)} from {i}" for i, (_, _, episodes) in zip(ids, loaded))
+    print(f"{dataset_id}: {len(buffers)} episodes ({counts}), {sum(len(b.actions) for b in buffers):,} steps, env "
+          f"{spec.id}, written to {folder}")
+    return len(buffers)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # command line
 
 def info(name):
@@ -501,8 +568,8 @@ def info(name):
 
 
 def main(argv=None):
-    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, or turn a D4RL "
-                   "MuJoCo HDF5 file into a local Minari dataset.")
+    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, turn a D4RL "
+                   "MuJoCo HDF5 file into a local Minari dataset, or mix datasets of one environment into one.")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",
@@ -511,6 +578,10 @@ def main(argv=None):
     p_conv.add_argument("path", help="the D4RL file, e.g. hopper_medium-v2.hdf5")
     p_conv.add_argument("dataset_id", help="the new dataset's Minari id, e.g. d4rl/hopper/medium-v2")
     p_conv.add_argument("--env", default=None, help="its gymnasium env (default: the robot's v5 env, from the names)")
+    p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset, episode by episode (D4RL's "
+                           "medium-expert: medium, then expert)")
+    p_mix.add_argument("sources", nargs="+", metavar="SOURCE", help="short names or Minari ids, in order")
+    p_mix.add_argument("dataset_id", help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
         argv = ["info", *argv]  # python data.py NAME: short for info NAME
@@ -518,6 +589,8 @@ def main(argv=None):
     try:
         if args.command == "info":
             info(args.name)
+        elif args.command == "mix":
+            mix(args.sources, args.dataset_id)
         else:
             convert_d4rl(args.path, args.dataset_id, args.env)
     except DataError as e:

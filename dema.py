@@ -140,6 +140,8 @@ class Config:
     s6_layers: str = arg("all", "the layers --s6-ablation changes: 'all' or 0-based indices, e.g. 0,2", run=True)
     s6_donor: str = arg("", "--s6-ablation swap: the run folder (or ckpt.pt) of another DeMa with the same D, N, "
                             "d_conv, expand (the paper: one trained on another environment)", run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
+                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
     # no run needed
     bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
     params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
@@ -767,6 +769,17 @@ def load_model(cfg, given):
     return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
 
 
+def gif(cfg, given):
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
+    cfg, model, out = load_model(cfg, given)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
+    path = os.path.join(out, "episode.gif")
+    res = ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
+          f"-> {path}")
+
+
 def attention_episode(cfg, given):
     """--attention (Fig. 4, App. J): one evaluation episode (the first target, evaluation seed) with the run's
     checkpoint; at every decision step, each layer's last attention row (the s_t token's) over the window, |alpha|
@@ -931,14 +944,14 @@ def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
         cfg = paper_settings(cfg, given)                            # the dataset's E, D, lr, ... under the flags
-        ev.check_flags(cfg, "bench_scan", "params", "bench", "attention", "s6_ablation")   # before any work
+        ev.check_flags(cfg, "bench_scan", "params", "bench", "attention", "s6_ablation", "gif")   # before any work
         check_model(cfg)
         if cfg.bench_scan or cfg.params:
             return bench_scan(cfg) if cfg.bench_scan else param_table()
         if cfg.bench:
             return bench(cfg)
-        if cfg.attention or cfg.s6_ablation:
-            return (attention_episode if cfg.attention else s6_ablation)(cfg, given)
+        if cfg.attention or cfg.s6_ablation or cfg.gif:
+            return (attention_episode if cfg.attention else s6_ablation if cfg.s6_ablation else gif)(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
 

@@ -27,6 +27,7 @@ schedule, loss, policy) -> train(), the loop -> --bench-eval and --bench -> main
 exact resume are evaluate.py's (the run record), called from train(). Outputs go to runs/dt/<env>/<variant>/seed<N>/.
 """
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -81,6 +82,8 @@ class Config:
     top_fraction: float = arg(1.0, "train on the best episodes by return that hold this fraction of the steps (%BC)")
     # analysis (reads the run's checkpoint, never trains)
     bench_eval: bool = arg(False, "time batched vs sequential evaluation (10 episodes) of the run's checkpoint", run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
+                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
 
 
 # A small DT that learns hopper-medium on 2 CPU cores in about ten minutes. Narrower, shallower, shorter context,
@@ -221,7 +224,10 @@ def policy(model):
 
 
 def targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else the DT paper's two per environment (data.py)."""
+    """Return-to-go prompts, raw units: --target-return, else the DT paper's two per environment (data.py); none for
+    behaviour cloning (--no-return-token), which reads no return."""
+    if not cfg.return_token:
+        return [None]
     return [cfg.target_return] if cfg.target_return is not None else d.target_returns
 
 
@@ -279,14 +285,31 @@ def train(cfg, run, d=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --bench-eval (reads a run's checkpoint, never trains) and --bench (times train() on synthetic data)
+# --gif and --bench-eval (read a run's checkpoint, never train) and --bench (times train() on synthetic data)
 
-def bench_eval(cfg, given):
-    """--bench-eval: 10 episodes of the run's checkpoint, batched against sequential evaluation (same returns)."""
+def load_model(cfg, given):
+    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
     cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
     model = build_model(cfg, ck["info"])
     model.load_state_dict(ck["model"])
-    d, act = load_dataset(cfg), policy(model.eval())
+    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
+
+
+def gif(cfg, given):
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
+    cfg, model, out = load_model(cfg, given)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
+    path = os.path.join(out, "episode.gif")
+    res = ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
+          f"-> {path}")
+
+
+def bench_eval(cfg, given):
+    """--bench-eval: 10 episodes of the run's checkpoint, batched against sequential evaluation (same returns)."""
+    cfg, model, _ = load_model(cfg, given)
+    d, act = load_dataset(cfg), policy(model.cpu())
     rb = ev.evaluate(act, d, 10, targets(cfg, d)[0], cfg.seed, cfg.context, progress=False)
     t0 = time.time()
     rs = ev.evaluate_sequential(act, d, 10, targets(cfg, d)[0], cfg.seed, cfg.context)
@@ -313,13 +336,13 @@ def parse_flags(argv=None):
 def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
-        ev.check_flags(cfg, "bench", "bench_eval")                  # every flag, before any work
+        ev.check_flags(cfg, "bench", "bench_eval", "gif")           # every flag, before any work
         if not 0 < cfg.top_fraction <= 1:
             raise data_lib.DataError(f"--top-fraction must lie in (0, 1], got {cfg.top_fraction}")
         if cfg.bench:
             return bench(cfg)
-        if cfg.bench_eval:
-            return bench_eval(cfg, given)
+        if cfg.bench_eval or cfg.gif:
+            return (bench_eval if cfg.bench_eval else gif)(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
 

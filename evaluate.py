@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -50,13 +51,14 @@ def _as_numpy(a):
     return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
 
 
-def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True):
+def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0):
     """Run `episodes` episodes in parallel (env i reset with seed + i) with return-to-go target `target_return`
     (None for a model that takes no return target: the rtg column is then 0)
     (raw units). Returns dict of per-episode arrays: returns, lengths, normalized; goal tasks add success,
     steps_to_goal (first step with info['success'], the horizon when never reached) and positions (a list of
     (length + 1, 2) arrays: the agent's x, y after reset and after each step, for drawing paths); seconds: the wall
-    time it took.
+    time it took; with render_every > 0, frames: episode 0 rendered after reset and every render_every steps (and
+    at its end), as (step, return so far, RGB array) tuples.
 
     The loop is the DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps count from 0 here):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False    # the RTG prompt at reset
@@ -68,7 +70,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]                       # the rolling context of the last K steps
     """
     n, H, K = episodes, d.max_ep_len, context
-    envs = [d.make_env() for _ in range(n)]
+    envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
     # Per-env history, H + 1 rows each (a row for the step after the last): states, actions, rewards, RTG, timesteps.
     hist = dict(states=np.zeros((n, H + 1, d.obs_dim), np.float32), actions=np.zeros((n, H + 1, d.act_dim), np.float32),
                 rewards=np.zeros((n, H + 1), np.float32), rtg=np.zeros((n, H + 1), np.float32),
@@ -78,6 +80,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         obs, _ = env.reset(seed=seed + i)
         hist["states"][i, 0] = d.normalize_states(d.flatten_obs(obs))           # s_0
         positions[i].append(_position(obs))
+    frames = [(0, 0.0, envs[0].render())] if render_every else []
     hist["rtg"][:, 0] = (target_return or 0.0) * d.return_scale                 # R_0: the prompt (None: no RTG, 0)
     # The same memory seen as one flat array of n * (H + 1) rows: env i's history is the block of rows
     # i*(H+1) .. i*(H+1)+H, so row i*(H+1) + t is env i's step t. data.gather_windows then cuts each live env's last
@@ -114,6 +117,8 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             if info.get("success", False) and not success[i]:
                 success[i], steps_to_goal[i] = True, t + 1
             done[i] = terminated or truncated
+            if render_every and i == 0 and ((t + 1) % render_every == 0 or done[i]):
+                frames.append((t + 1, returns[0], envs[0].render()))
         if progress and sys.stderr.isatty():
             print(f"\r  eval target {target_return}: step {t + 1}/{H}, {int((~done).sum())} of {n} running, "
                   f"{time.time() - t0:.0f}s", end="", file=sys.stderr, flush=True)
@@ -121,7 +126,52 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     for env in envs:
         env.close()
-    return _result(d, returns, lengths, success, steps_to_goal, positions) | dict(seconds=time.time() - t0)
+    return _result(d, returns, lengths, success, steps_to_goal, positions) | dict(seconds=time.time() - t0) | (
+        dict(frames=frames) if render_every else {})
+
+
+def pick_gl():
+    """An offscreen OpenGL backend for MuJoCo, where the user set none: MUJOCO_GL is left as it is when set, else the
+    first of egl, osmesa (and glfw where there is a display) that makes a context, tried in a child process, since a
+    failing backend can take the process with it. One sentence where none works."""
+    if os.environ.get("MUJOCO_GL"):
+        return os.environ["MUJOCO_GL"]
+    display = sys.platform != "linux" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    for backend in (["glfw"] if display else []) + ["egl", "osmesa"]:
+        probe = "import mujoco; c = mujoco.GLContext(8, 8); c.make_current(); c.free()"
+        if subprocess.run([sys.executable, "-c", probe], env=os.environ | {"MUJOCO_GL": backend},
+                          capture_output=True, timeout=120).returncode == 0:
+            os.environ["MUJOCO_GL"] = backend
+            return backend
+    raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
+                    "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
+
+
+def episode_gif(act, d, target_return, seed, context, device, path, title, max_frames=150):
+    """One evaluation episode rendered into an animated GIF at `path`: at most max_frames + 2 frames of 240 x 240
+    (every ceil(horizon / max_frames) steps, at the env's own speed), the step and the return so far drawn on each.
+    -> evaluate()'s result for the episode."""
+    from PIL import Image, ImageDraw, ImageFont
+    backend, every = pick_gl(), -(-d.max_ep_len // max_frames)
+    try:
+        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every)
+    except Exception as e:   # the GL errors differ by backend and library (mujoco.FatalError, AttributeError, ...)
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset MUJOCO_GL to "
+                        f"let the script find a backend, or set it to egl or osmesa with that library installed "
+                        f"(Debian's libegl1 or libosmesa6)") from None
+    font = ImageFont.load_default(size=13)
+    images = []
+    for step, ret, rgb in res["frames"]:
+        img = Image.fromarray(rgb)
+        text = f"{title}{'' if target_return is None else f', target {target_return:g}'}\nstep {step}   return {ret:.1f}"
+        ImageDraw.Draw(img).text((6, 4), text, font=font, fill="white", stroke_width=2, stroke_fill="black")
+        images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
+    dt = getattr(d.make_env().unwrapped, "dt", 0.01)   # seconds of simulated time per env step
+    images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
+                   duration=max(20, int(round(every * dt * 100)) * 10))
+    return res
 
 
 def _position(obs):
@@ -628,22 +678,34 @@ def score(x):
 
 
 def plot_curve(rows, path, title):
+    """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
+    has no reference returns), plus, on goal-reaching data, the success rate and the steps to the goal."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    losses = [r for r in rows if r["loss"] != ""]
-    ax1.plot([int(r["step"]) for r in losses], [float(r["loss"]) for r in losses])
-    ax1.set(xlabel="gradient step", ylabel="training loss (mean over the log interval)", yscale="log",
-            title="training loss")
-    for target in dict.fromkeys(r["target"] for r in rows if r["normalized_score"] != ""):
-        ev = [r for r in rows if r["normalized_score"] != "" and r["target"] == target]
-        ax2.plot([int(r["step"]) for r in ev], [float(r["normalized_score"]) for r in ev], "o-",
-                 label=f"target {target}" if target != "" else None)
-    ax2.set(xlabel="gradient step", ylabel="normalised score (100 = expert)", title="evaluation")
-    if any(line.get_label()[:1] != "_" for line in ax2.lines):
-        ax2.legend()
-    fig.suptitle(title)
+    evals = [r for r in rows if r["eval_return"] != ""]
+    scored = any(r["normalized_score"] != "" for r in evals)
+    panels = [("loss", "training loss", "mean over the log interval"),
+              ("normalized_score", "normalised score", "100 = expert") if scored else
+              ("eval_return", "evaluation return", "no reference returns, so no normalised score")]
+    if any(r["success_rate"] != "" for r in evals):
+        panels += [("success_rate", "success rate (%)", ""), ("steps_to_goal", "steps to the goal", "the horizon if missed")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
+    for ax, (col, name, note) in zip(axes[0], panels):
+        series = {"": rows} if col == "loss" else {t: [r for r in evals if r["target"] == t] for t in
+                                                   dict.fromkeys(r["target"] for r in evals)}
+        for target, part in series.items():
+            pts = [(int(r["step"]), float(r[col]) * (100 if col == "success_rate" else 1)) for r in part if r[col] != ""]
+            if pts:
+                ax.plot(*zip(*pts), "o-" if len(pts) < 40 else "-", ms=3, label=f"target {target}" if target else None)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "no evaluation yet" if col != "loss" else "no logged loss yet", ha="center",
+                    va="center", transform=ax.transAxes, color="gray")
+        ax.set(xlabel="gradient step", ylabel=name, yscale="log" if col == "loss" and ax.lines else "linear")
+        ax.set_title(name + (f"\n({note})" if note else ""), fontsize=9)
+        if any(line.get_label()[:1] != "_" for line in ax.lines):
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -827,15 +889,17 @@ def report(runs_dir="runs"):
     lines = ["Normalised score (D4RL: 100 * (return - random) / (expert - random)) of each run's headline target "
              "(the first target in its log.csv): **last** = the final evaluation, **best** = the best evaluation "
              "during training, each taken per seed, then mean ± std over seeds (population std, ddof=0: 0.0 with one "
-             "seed); **last return** = the final evaluation's raw episode return, the same way."
+             "seed); **last return** = the final evaluation's raw episode return, the same way; **target** = the "
+             "headline target's return-to-go prompt (none for a model without one)."
              + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
-    columns = ["dataset", "script", "variant", "seeds", "steps", "last score", "best score", "last return"]
+    columns = ["dataset", "script", "variant", "seeds", "steps", "target", "last score", "best score", "last return"]
     columns += ["success % (last)", "steps to goal (last)"] if goal else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for key in sorted(groups):
         g = groups[key]
-        steps = sorted({r["steps"] for r in g})
+        steps, targets = sorted({r["steps"] for r in g}), sorted({r["evals"][0]["target"] or "none" for r in g})
         cells = [*key, str(len(g)), str(steps[0]) if len(steps) == 1 else "differ: " + ", ".join(map(str, steps)),
+                 targets[0] if len(targets) == 1 else "differ: " + ", ".join(targets),
                  _mean_std([_last(r)["normalized_score"] for r in g]),
                  _mean_std([_best(r) for r in g]),
                  _mean_std([_last(r)["eval_return"] for r in g])]
@@ -865,7 +929,8 @@ def plot_report(groups, path):
     datasets = sorted({key[0] for key in groups})
     cols = min(3, len(datasets))
     rows = -(-len(datasets) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    most = max(sum(k[0] == dataset for k in groups) for dataset in datasets)   # legend lines under a subplot
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, (3.6 + 0.2 * most) * rows), squeeze=False)
     for ax, dataset in zip(axes.flat, datasets):
         for key in sorted(k for k in groups if k[0] == dataset):
             by_step = defaultdict(list)
@@ -875,11 +940,11 @@ def plot_report(groups, path):
                         by_step[e["step"]].append(e["normalized_score"])
             steps = sorted(by_step)
             line, = ax.plot(steps, [np.mean(by_step[s]) for s in steps], marker="o", markersize=3,
-                            label=f"{key[1]}/{key[2]} ({len(groups[key])} seeds)")
+                            label=f"{key[1]}/{key[2]} ({len(groups[key])} seed{'s' * (len(groups[key]) > 1)})")
             ax.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps],
                             color=line.get_color(), alpha=0.2)
         ax.set(title=dataset, xlabel="step", ylabel="normalised score")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)   # under, off the curves
     for ax in axes.flat[len(datasets):]:
         ax.axis("off")
     fig.suptitle("mean over seeds; band: min..max over seeds", fontsize=9)

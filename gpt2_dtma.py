@@ -134,6 +134,8 @@ class Config:
     attention_distance: bool = arg(False, "attention mass against token distance at step 0, at --keep-ckpt-at and at "
                                           "the end (Figs. 1/7)", run=True)
     importance: bool = arg(False, "head importance by zeroing each head during rollouts (Fig. 2, Fig. 8)", run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
+                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
     # checks of the GPT-2 weights alone (no run needed)
     text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text (tiktoken), Markov heads marked",
                               run=True)
@@ -770,8 +772,9 @@ def markov_analysis(cfg, run=None):
         ratios = [x["model_ratio"] for x in tables[lab]]
         ax.bar(range(n_head), ratios, color=["tab:red" if h in marked else "tab:blue" for h in range(n_head)])
         ax.axhline(cfg.markov_r, ls=":", color="gray", label=f"r = {cfg.markov_r:g}")
-        ax.set(xlabel="layer-0 head", ylabel="mean|A_ii| / mean|A_ij| (C x C)", yscale="log",
-               title=f"{lab}: Def. 4.1 (ii) ratio (red: Markov at init)")
+        ax.set(xlabel="layer-0 head", ylabel="mean|A_ii| / mean|A_ij| (C x C)", yscale="log")
+        ax.set_title(f"{lab}: Def. 4.1 (ii) ratio per head\n" + (f"red: Markov at init (r = {cfg.markov_r:g})" if marked
+                     else f"no head is Markov at init (r = {cfg.markov_r:g})"), fontsize=9)
         ax.set_xticks(range(n_head))
         ax.legend(fontsize=7)
         for j, h in enumerate(shown):
@@ -781,10 +784,10 @@ def markov_analysis(cfg, run=None):
                 ax = axes[row, 1 + 2 * j + k]
                 im = ax.imshow(A, cmap="RdBu_r", vmin=-v, vmax=v)
                 fig.colorbar(im, ax=ax, fraction=0.046, label="A_ij")
-                ax.set(xlabel="key dimension j", ylabel="query dimension i",
-                       title=f"{lab}, head {h}{' (Markov)' if h in marked else ''}: "
+                ax.set(xlabel="key dimension j", ylabel="query dimension i")
+                ax.set_title(f"{lab}, head {h}{' (Markov)' if h in marked else ''}: "
                              f"{'C×C, first 64 rows/cols' if lay == 'model' else 'D×D'}\n"
-                             f"ratio {tables[lab][h][lay + '_ratio']:.2f}")
+                             f"ratio {tables[lab][h][lay + '_ratio']:.2f}", fontsize=9)
     os.makedirs(out, exist_ok=True)
     save_figure(fig, os.path.join(out, "markov_heads.png"))
     return tables
@@ -914,6 +917,17 @@ def importance_analysis(cfg, run, n_contexts=64):
     return imp
 
 
+def gif(cfg, run):
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
+    model = run["model"]
+    d = data_lib.load_data(cfg.dataset or cfg.env)
+    path = os.path.join(run["out"], "episode.gif")
+    res = ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
+          f"-> {path}")
+
+
 def load_lm(cfg):
     return load_gpt2_lm("gpt2" if cfg.init == "random" else cfg.init).eval()
 
@@ -972,7 +986,7 @@ def load_model(cfg, given):
 
 
 ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attention_distance": attention_distance,
-            "importance": importance_analysis}   # flag -> fn(cfg, run): reads the run's checkpoint, never trains
+            "importance": importance_analysis, "gif": gif}   # flag -> fn(cfg, run): reads the run's checkpoint, never trains
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -130,6 +130,8 @@ class Config:
                                    "HFM weights of block 1 (Fig. 3, 9, 11)", run=True)
     plot_paths: bool = arg(False, "write paths.png from the run's checkpoint: --eval-episodes maze rollouts drawn over "
                                   "the dataset's goals (Fig. 8)", run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
+                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
 
 
 # A small LSDT for a 2-core CPU at dt.py's cpu-preset budget. The preset wins over the dataset's PAPER_TABLE row for
@@ -674,6 +676,16 @@ def plot_mixing(model, batch, path, index=0):
         ax.set_title({"attention": "long-term branch: attention P", "kernel": "short-term branch: dynamic kernels",
                       "hfm": "HFM weights (tokens x channels)"}[name] + " (block 1)")
         fig.colorbar(im, ax=ax, label=colorbar[name])
+    mixer = model.blocks[0].mixer
+    xi = mixer.dc / (mixer.da + mixer.dc)                                           # block 1's conv share
+    absent = ([f"no attention panel: xi = {xi:g} gives every channel to the convolution"]
+              if mixer.attn is None else []) + \
+             ([f"no kernel panel: xi = {xi:g} leaves the convolution no channel"] if mixer.conv is None else []) + \
+             (["no HFM panel: " + ("HFM fuses two branches, and this block has one" if mixer.attn is None or
+                                   mixer.conv is None else "--fusion concat joins the branches without it")]
+              if mixer.fuse is None else [])
+    if absent:
+        fig.suptitle("\n".join(absent), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -686,6 +698,17 @@ def load_model(cfg, given):
     model = build_model(cfg, ck["info"])
     model.load_state_dict(ck["model"])
     return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
+
+
+def gif(cfg, given):
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
+    cfg, model, out = load_model(cfg, given)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
+    path = os.path.join(out, "episode.gif")
+    res = ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
+          f"-> {path}")
 
 
 def mixing_analysis(cfg, given):
@@ -753,13 +776,13 @@ def parse_flags(argv=None):
 def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
-        ev.check_flags(cfg, "bench", "plot_mixing", "plot_paths")  # every flag, before any work
+        ev.check_flags(cfg, "bench", "plot_mixing", "plot_paths", "gif")   # every flag, before any work
         cfg, changes = paper_settings(cfg, given)                   # the dataset's row and --arch's, under the flags
         check_model(cfg, changes)
         if cfg.bench:
             return bench(cfg)
-        if cfg.plot_mixing or cfg.plot_paths:
-            return (mixing_analysis if cfg.plot_mixing else paths_analysis)(cfg, given)
+        if cfg.plot_mixing or cfg.plot_paths or cfg.gif:
+            return (mixing_analysis if cfg.plot_mixing else paths_analysis if cfg.plot_paths else gif)(cfg, given)
         if changes and not cfg.resume:
             print(f"set by {settings_source(cfg)}: {changes}")
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg

@@ -55,6 +55,7 @@ variant is a model option (patch tokens + Nature-DQN encoder + discrete head), t
 Atari data is not available here, so this script does not train it.
 """
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,6 +116,9 @@ class Config:
     reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: groups (a_{t-1}, s_t), Table 1's imitation setting")
     reward_input: str = arg("reward", "what fills the reward slot of group t: 'reward' r_{t-1} (the method) or "
                                       "'rtg' the return-to-go R_t (Table 2; evaluated with --target-return)")
+    # analysis (reads the run's checkpoint, never trains)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
+                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
 
 
 PRESETS = {
@@ -458,7 +462,27 @@ def train(cfg, run, d=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --bench (times train() on synthetic data) and main()
+# --gif (reads a run's checkpoint, never trains), --bench (times train() on synthetic data) and main()
+
+def load_model(cfg, given):
+    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
+
+
+def gif(cfg, given):
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
+    cfg, model, out = load_model(cfg, given)
+    d = data_lib.load_data(cfg.dataset or cfg.env)
+    path = os.path.join(out, "episode.gif")
+    res = ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
+          f"-> {path}")
+
+
 
 def bench(cfg):
     """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
@@ -476,10 +500,12 @@ def parse_flags(argv=None):
 def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
-        ev.check_flags(cfg)                                         # every flag, before any work
+        ev.check_flags(cfg, "bench", "gif")                         # every flag, before any work
         check_model(cfg)
         if cfg.bench:
             return bench(cfg)
+        if cfg.gif:
+            return gif(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
 

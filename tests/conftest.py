@@ -88,3 +88,4 @@ def tiny_maze(make_dataset):
 
 def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore::UserWarning:minari.*")  # metadata advice for test datasets
+    config.option.reportchars = (config.option.reportchars or "") + "s"       # say why a test was skipped

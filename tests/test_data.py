@@ -332,3 +332,47 @@ def test_cli_help_info_and_shortcut(tiny_hopper, capsys):
         data.main(args)
         out = capsys.readouterr().out
         assert out.startswith(f"{tiny_hopper}: 12 episodes") and "windows/s" in out
+
+
+# ---- python data.py mix: D4RL's medium-expert recipe from Minari's own datasets ---------------------------------
+
+def test_mix_concatenates_datasets_of_one_environment(make_dataset, minari_path, tiny_hopper, tiny_maze, tmp_path,
+                                                      capsys):
+    import gymnasium as gym
+    import minari
+    from conftest import rollout
+    import dt
+    env = gym.make("Hopper-v5")
+    a = make_dataset("test/hopper/mix-a-v0", rollout(env, 3, 30, seed=5), env=env, ref_min_score=-20.0,
+                     ref_max_score=3000.0)
+    b = make_dataset("test/hopper/mix-b-v0", rollout(env, 2, 30, seed=9), env=env, ref_min_score=-20.0,
+                     ref_max_score=3000.0)
+    assert data.mix([a, b], "test/hopper/mixed-v0") == 5
+    mixed, da, db = (data.load_data(n) for n in ("test/hopper/mixed-v0", a, b))
+    assert len(mixed.episodes) == 5
+    for got, want in zip(mixed.episodes, da.episodes + db.episodes):             # all of a, then all of b
+        assert np.array_equal(got["actions"], want["actions"]) and np.array_equal(got["rewards"], want["rewards"])
+    meta = minari.load_dataset("test/hopper/mixed-v0").storage.metadata
+    assert meta["combined_datasets"] == [a, b] and (meta["ref_min_score"], meta["ref_max_score"]) == (-20.0, 3000.0)
+    assert mixed.env_spec.id == "Hopper-v5" and (mixed.ref_min, mixed.ref_max) == (-20.0, 3000.0)
+    dt.main(["--dataset", "test/hopper/mixed-v0", "--n-embd", "16", "--n-layer", "1", "--context", "4",
+             "--batch-size", "8", "--steps", "2", "--eval-every", "2", "--eval-episodes", "1",
+             "--out", str(tmp_path / "run")])                                  # a model trains on it
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("final: ")
+    wide = make_dataset("test/hopper/mix-wide-v0", rollout(env, 2, 20, seed=3), env=env,
+                        observation_space=gym.spaces.Box(-1e6, 1e6, (11,), np.float64))
+    other_refs = make_dataset("test/hopper/mix-refs-v0", rollout(env, 2, 20, seed=4), env=env, ref_min_score=0.0,
+                              ref_max_score=1.0)
+    for sources, new, words in (([a, tiny_maze], "test/x/y-v0", "different environments"),
+                                ([a, wide], "test/x/y-v0", "different observation or action spaces"),
+                                ([a, other_refs], "test/x/y-v0", "different reference returns"),
+                                ([a, "test/hopper/not-here-v0"], "test/x/y-v0", "not-here-v0"),
+                                ([a, b], "test/hopper/mixed-v0", "already exists"),
+                                ([a], "test/x/y-v0", "at least two")):
+        with pytest.raises(data.DataError, match=words):
+            data.mix(sources, new)
+        assert not (minari_path / "test" / "x").exists()                       # nothing half-written
+    with pytest.raises(SystemExit) as e:                                          # the CLI: one sentence, exit 1
+        data.main(["mix", a, tiny_maze, "test/x/y-v0"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("error: ") and "\n" not in err and "different environments" in err

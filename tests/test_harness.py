@@ -550,3 +550,32 @@ def test_an_allocation_failure_is_one_sentence(tiny_hopper, tmp_path, capsys, mo
     err = one_sentence_exit_1(capsys, dt.main, flags("dt", tmp_path / "r", "--steps", 2, dataset=tiny_hopper))
     assert err == "error: out of memory (it asked for 600 GB at once); lower --batch-size, --context or the model's size"
     assert not (tmp_path / "r").exists()        # a new folder that never got a log line is removed again
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --gif: an episode you can watch, from the run's checkpoint
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_gif_renders_one_episode_and_changes_nothing_else(script, tiny_hopper, tiny_maze, tmp_path, capsys):
+    """A frame after reset, one every ceil(horizon / 150) steps and the last; 240 x 240; the run's files untouched.
+    Skipped, with the reason, where MuJoCo finds no offscreen OpenGL."""
+    from PIL import Image
+    try:
+        evaluate.pick_gl()
+    except evaluate.DataError as e:
+        pytest.skip(f"no offscreen OpenGL here: {e}")
+    m = module(script)
+    for dataset in (tiny_hopper, tiny_maze) if script in ("dt", "lsdt") else (tiny_hopper,):
+        out = tmp_path / dataset.split("/")[1]
+        m.main(flags(script, out, "--steps", 2, "--eval-every", 2, dataset=dataset))
+        before = snapshot(out)
+        capsys.readouterr()
+        m.main(["--out", str(out), "--gif"])
+        said = capsys.readouterr().out
+        gif = Image.open(out / "episode.gif")
+        length = int(re.search(r"length=(\d+)", said)[1])
+        every = -(-(1000 if dataset == tiny_hopper else 40) // 150)          # the envs' horizons
+        assert gif.n_frames == 1 + length // every + (length % every > 0), (said, gif.n_frames)
+        assert gif.size == (240, 240) and os.path.getsize(out / "episode.gif") < 5 * 2 ** 20
+        after = snapshot(out)
+        assert after.pop("episode.gif") and after == before

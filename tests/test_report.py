@@ -75,18 +75,19 @@ def table_row(text, dataset, script, variant):
 def test_report_numbers_by_hand(runs):
     text = evaluate.report(runs)
     header = [c.strip() for c in next(l for l in text.splitlines() if l.startswith("| dataset")).strip("|").split("|")]
-    assert header == ["dataset", "script", "variant", "seeds", "steps", "last score", "best score", "last return",
+    assert header == ["dataset", "script", "variant", "seeds", "steps", "target", "last score", "best score", "last return",
                       "success % (last)", "steps to goal (last)"]
     # dt/default, target 3600: last = 40, 45, 55 -> mean 46.67, population std
     #   sqrt(((-6.67)^2 + (-1.67)^2 + 8.33^2) / 3) = 6.24
     #                          best = 50, 45, 60 -> mean 51.67, std 6.24 (the 1800 rows' 90 never counts)
     #   last return (10 x the score in these logs) = 400, 450, 550 -> mean 466.67, std 62.36
-    assert table_row(text, HOPPER, "dt", "default") == ["3", "300", "46.7 ± 6.2", "51.7 ± 6.2", "466.7 ± 62.4", "-",
-                                                        "-"]
+    assert table_row(text, HOPPER, "dt", "default") == ["3", "300", "3600.0", "46.7 ± 6.2", "51.7 ± 6.2",
+                                                        "466.7 ± 62.4", "-", "-"]
     # dt/cpu: last = 20, 25 -> 22.5 ± 2.5; best = 20, 30 -> 25.0 ± 5.0 (the half-written line's 990 is skipped)
-    assert table_row(text, HOPPER, "dt", "cpu") == ["2", "200", "22.5 ± 2.5", "25.0 ± 5.0", "225.0 ± 25.0", "-", "-"]
+    assert table_row(text, HOPPER, "dt", "cpu") == ["2", "200", "3600.0", "22.5 ± 2.5", "25.0 ± 5.0", "225.0 ± 25.0",
+                                                    "-", "-"]
     # lsdt maze: last = 60, 50; best = 60, 70; success 80 %, 60 %; steps to goal 150, 180
-    assert table_row(text, MAZE, "lsdt", "default") == ["2", "100", "55.0 ± 5.0", "65.0 ± 5.0", "550.0 ± 50.0",
+    assert table_row(text, MAZE, "lsdt", "default") == ["2", "100", "20.0", "55.0 ± 5.0", "65.0 ± 5.0", "550.0 ± 50.0",
                                                         "70.0 ± 10.0", "165.0 ± 15.0"]
     lines = text.splitlines()
     rows = [l for l in lines if l.startswith("| replica")]
@@ -108,9 +109,9 @@ def test_report_steps_that_differ_and_one_seed(tmp_path):
     write_run(root, "dt", HOPPER, "default", 1, 200, hopper_evals([10, 20], (100, 200)))
     write_run(root, "dema", HOPPER, "default", 0, 100, hopper_evals([33], (100,)))
     text = evaluate.report(root)
-    assert table_row(text, HOPPER, "dt", "default") == ["2", "differ: 100, 200", "30.0 ± 10.0", "30.0 ± 10.0",
-                                                        "300.0 ± 100.0"]
-    assert table_row(text, HOPPER, "dema", "default") == ["1", "100", "33.0 ± 0.0", "33.0 ± 0.0", "330.0 ± 0.0"]
+    assert table_row(text, HOPPER, "dt", "default") == ["2", "differ: 100, 200", "3600.0", "30.0 ± 10.0",
+                                                        "30.0 ± 10.0", "300.0 ± 100.0"]
+    assert table_row(text, HOPPER, "dema", "default") == ["1", "100", "3600.0", "33.0 ± 0.0", "33.0 ± 0.0", "330.0 ± 0.0"]
     assert "success" not in text and "Not in the table" not in text
 
 
@@ -145,4 +146,4 @@ def test_a_value_that_is_not_a_number_is_named_not_in_progress(tmp_path):
     hop = HOPPER.replace("/", "-")
     assert f"- dt/{hop}/default/seed1: unreadable (log.csv line 4: normalized_score 'abc' is not a finite number)" in text
     assert f"- dt/{hop}/default/seed2: unreadable (log.csv line 4: normalized_score 'nan' is not a finite number)" in text
-    assert table_row(text, HOPPER, "dt", "default")[:3] == ["1", "200", "20.0 ± 0.0"] and "in progress" not in text
+    assert table_row(text, HOPPER, "dt", "default")[:4] == ["1", "200", "3600.0", "20.0 ± 0.0"] and "in progress" not in text

@@ -84,6 +84,12 @@ def resolve(name):
                     f"(or pass any Minari dataset id with --dataset, e.g. mujoco/hopper/medium-v0)")
 
 
+def is_maze(name):
+    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name before any data is read (presets
+    and the papers' per-dataset rows are chosen from it)."""
+    return "maze" in name.lower()             # short names (pointmaze-umaze) and Minari ids (D4RL/antmaze/...) alike
+
+
 # Dict observations are flattened in a fixed key order. PointMaze's `observation` starts with the ball's x, y, so its
 # state is observation ++ desired_goal. AntMaze's `observation` leaves out the torso's x, y (they are `achieved_goal`),
 # while D4RL's AntMaze state started with them (29-d), so its state is achieved_goal ++ observation ++ desired_goal:
@@ -239,7 +245,14 @@ class OfflineData:
             return gym.make(self.env_spec)
         # the locomotion robots' own "track" camera follows the body (the default camera would watch it walk away)
         track = dict(camera_name="track") if self.env_spec.id.split("-")[0] in D4RL_REF_SCORES else {}
-        return gym.make(self.env_spec, render_mode="rgb_array", width=240, height=240, **track)
+        env = gym.make(self.env_spec, render_mode="rgb_array", width=240, height=240, **track)
+        robot = getattr(env.unwrapped, "point_env", None) or getattr(env.unwrapped, "ant_env", None)
+        if self.family == "maze" and robot is not None:   # the whole maze from above (its own camera crops the medium)
+            m = env.unwrapped.maze                        # read at the first render, so set before it
+            robot.mujoco_renderer.default_cam_config = dict(
+                distance=1.25 * max(m.map_length, m.map_width) * m.maze_size_scaling, elevation=-90.0, azimuth=90.0,
+                lookat=np.zeros(3))
+        return env
 
     def sample(self, batch_size, K, rng):
         """B windows of K steps: the last step is uniform over all dataset steps (so episodes are drawn in
@@ -337,12 +350,16 @@ def load_data(name, download=True):
         ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
     space = ds.observation_space
     goal_dim = int(np.prod(space["desired_goal"].shape)) if hasattr(space, "spaces") and "desired_goal" in space.spaces else 0
-    best = float(max(e["rewards"].sum() for e in episodes))
-    # MuJoCo locomotion: returns / 1000 and DT's targets. Mazes (and anything else): unscaled, and the target is the
-    # dataset's best episode return; maze datasets stop at the goal, evaluation runs on to the horizon, so a target on
-    # the evaluation scale (hundreds) would lie far outside anything the model saw.
+    returns = np.array([e["rewards"].sum() for e in episodes])
+    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, target the best episode return.
+    # PointMaze: Minari cuts an episode when its goal is reached, and a dense reward is paid on every step until
+    # then, so an episode's return grows with its length and the best return is the slowest path. Its target is the
+    # median episode's return, "reach the goal as a typical episode does" (1 on sparse data, where every episode
+    # returns 1). Kept on the dataset's scale: evaluation runs on to the horizon (returns in the hundreds), a scale
+    # the data never shows. (AntMaze's data keeps its goal to the time limit: there the best return is the fastest.)
     scale = 1e-3 if family == "mujoco" else 1.0
-    targets = list(DT_TARGETS.get(env_key, [best])) if family == "mujoco" else [best]
+    target = float(np.median(returns) if spec.id.startswith("PointMaze") else returns.max())
+    targets = list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else [target]
     max_len = max(int(spec.max_episode_steps or 0), max(len(e["actions"]) for e in episodes))
     return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
                        ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,

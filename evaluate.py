@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from data import DataError, FlagParser, gather_windows, resolve
+from data import DataError, FlagParser, gather_windows, is_maze, resolve
 
 
 def _as_numpy(a):
@@ -270,10 +270,23 @@ def parse_flags(Config, presets, argv, prog, description):
     given = vars(p.parse_args(argv))
     if given.get("preset", "") not in ("", *presets):
         p.error(f"unknown preset '{given['preset']}'; known: {', '.join(presets)}")
-    values = {**presets.get(given.get("preset", ""), {}), **given}
+    name = given.get("dataset") or given.get("env") or Config.env
+    values = {**preset_values(presets, given.get("preset", ""), name), **given}
+    maze = {k.replace("_", "-"): values[k] for k in presets.get(given.get("preset", ""), {}).get("mazes", {})
+            if k not in given} if is_maze(name) else {}
+    if maze:
+        print(f"--preset {given['preset']} on a maze: " + ", ".join(
+            f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}" for k, v in maze.items()))
     if values.get("dataset"):
         values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
     return Config(**values), set(values)
+
+
+def preset_values(presets, preset, dataset):
+    """A preset's settings for this dataset: its own, with its "mazes" entries on top on a maze (data.is_maze)."""
+    values = dict(presets.get(preset, {}))
+    mazes = values.pop("mazes", {})
+    return values | mazes if is_maze(dataset) else values
 
 
 def check_flags(cfg, *one_of):
@@ -372,7 +385,8 @@ def check_memory(model, loss, template, batch_size, device):
 def variant_name(cfg, presets):
     """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
     default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_context5_no-return-token'."""
-    base = {f.name: f.default for f in dataclasses.fields(cfg)} | presets.get(cfg.preset, {})
+    base = ({f.name: f.default for f in dataclasses.fields(cfg)}
+            | preset_values(presets, cfg.preset, cfg.dataset or cfg.env))
     parts = [cfg.preset] if cfg.preset else []
     for f in dataclasses.fields(cfg):
         v, flag = getattr(cfg, f.name), f.name.replace("_", "-")

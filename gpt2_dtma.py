@@ -147,8 +147,12 @@ class Config:
 # the pretrained weights still fit; layer 0 holds the Markov heads and its MoA gate), K=10 (Tab. 6: 77.1 on
 # hopper-medium with k=10), a short warmup and a higher lr, one evaluation at the end. A 768-wide block costs ~0.8 s
 # per step at batch 32 on one core, so this is a demonstration, not a reproduction.
+# On mazes (data.is_maze): dt.py's maze setting, K=1 without dropout, 50 evaluation episodes; the paper's K=50 is
+# --context 50. Measured with the README's random-init classroom model (2 blocks of 64) on
+# replica/pointmaze/medium-dense-v0, 50 episodes: K=1 reaches the goal in 72% / 66% of episodes (seeds 0 / 1), K=10
+# in 24% (seed 0).
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
-                       eval_episodes=10, log_every=25)}
+                       eval_episodes=10, log_every=25, mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)

@@ -114,6 +114,9 @@ class Config:
     patch_size: int = arg(7, "image states: p x p patches (7 on 4x84x84 -> 144 tokens, official Atari code)")
     # the paper's settings (Table 1 imitation, Table 2 reward -> return-to-go)
     reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: groups (a_{t-1}, s_t), Table 1's imitation setting")
+    prev_action: bool = arg(True, "a_{t-1} in each group (the method); --no-prev-action: every group gets the null "
+                                  "action an episode starts with (--preset cpu on mazes, whose noisy actions make "
+                                  "a_{t-1} a guide to copy rather than to use)")
     reward_input: str = arg("reward", "what fills the reward slot of group t: 'reward' r_{t-1} (the method) or "
                                       "'rtg' the return-to-go R_t (Table 2; evaluated with --target-return)")
     # analysis (reads the run's checkpoint, never trains)
@@ -126,7 +129,12 @@ PRESETS = {
     # 2 paired layers, D=64, d=16, T=10. No dropout: on CPU the Bernoulli masks cost ~27% of a step here, and
     # 6000 x 64 windows do not overfit a 300k-step dataset. Cosine decay so the reported last checkpoint is settled.
     "cpu": dict(n_layer=2, n_embd=64, n_head=1, step_embd=16, step_head=2, context=10, batch_size=64, lr=1e-3,
-                warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10, dropout=0.0),
+                warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10, dropout=0.0,
+                # mazes (data.is_maze): no a_{t-1} (--no-prev-action) and 50 evaluation episodes. The data's actions
+                # carry N(0, 0.5^2) noise, and every group holds a_{t-1} at any K, so dt.py's K=1 does not help:
+                # replica/pointmaze/medium-dense-v0, seed 0, 50 episodes: 2% reach the goal at K=10 and at K=1 with
+                # a_{t-1}, 92% (292 steps to it) at K=10 without it
+                mazes=dict(prev_action=False, eval_episodes=50)),
     # The official code's gym sizes (gym/experiment.py: embed_dim 128, n_layer 3, n_head 1, local_D 16 / 4 heads).
     "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
 }
@@ -246,6 +254,7 @@ class StARformer(nn.Module):
         self.reward_token, self.reward_input, self.reward_scale = cfg.reward_token, cfg.reward_input, cfg.reward_scale
         self.patch_size = cfg.patch_size
         self.null_action = act_dim if discrete else NULL_ACTION
+        self.prev_action = cfg.prev_action
         d, D = cfg.step_embd, cfg.n_embd
         # Sec. 3.2.1: state tokens z_{s_t^i} = FC(s_t^i) + e_i^spatial, one FC shared by all patches and all t
         if self.image:
@@ -308,6 +317,8 @@ class StARformer(nn.Module):
         # Sec. 3.2.1: Z_t^0 = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n}} (the paper's order; the code puts r last,
         # which only permutes FC_l's weights)
         prev_a, prev_r = step_inputs(actions, rewards, timesteps, prev_action, prev_reward, self.null_action)
+        if not self.prev_action:   # --no-prev-action: every group holds the null action of an episode's first step
+            prev_a = torch.full_like(prev_a, self.null_action)
         tokens = [self.embed_action(prev_a).unsqueeze(2)]                      # (B,T,1,d)
         if self.reward_token:
             r = rtg if self.reward_input == "rtg" else prev_r                  # Table 2: R_t in place of r_{t-1}

@@ -210,6 +210,27 @@ def test_left_padding_is_inert():
 
 
 @pytest.mark.parametrize("layout", ["b3ld", "bl3d"])
+def test_no_prev_action_means_no_action_reaches_the_output(layout):
+    """--no-prev-action: every step's a_{t-1} slot holds the null a_{-1} = 0, so no action (in the window or before
+    it) changes a prediction, in the full forward and step by step; with a_{t-1} (the method) they do."""
+    b = random_window()
+    other = dict(b, actions=-b["actions"], prev_action=-b["prev_action"])
+    model = tiny_model(token_layout=layout, prev_action=False)
+    out = model(*window_args(b))
+    assert torch.allclose(model(*window_args(other)), out, atol=1e-12, rtol=0)
+    zero = dict(b, actions=torch.zeros_like(b["actions"]), prev_action=torch.zeros_like(b["prev_action"]))
+    model.prev_action = True                                                   # the same weights, fed zeros
+    assert torch.allclose(model(*window_args(zero)), out, atol=1e-12, rtol=0)
+    assert not torch.allclose(model(*window_args(b)), out, atol=1e-6)          # a_{t-1} matters in the method
+    model.prev_action = False
+    cache, steps = model.init_cache(3, dtype=torch.float64), []
+    for t in range(b["states"].shape[1]):
+        a, cache = model.step(b["states"][:, t], b["actions"][:, t], b["rtg"][:, t], b["timesteps"][:, t], cache)
+        steps.append(a)
+    assert torch.allclose(torch.stack(steps, 1), out, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["b3ld", "bl3d"])
 def test_causal_future_does_not_change_the_past(layout):
     cfg = tiny_cfg(token_layout=layout)
     model, b = tiny_model(token_layout=layout), random_window()
@@ -361,7 +382,8 @@ def test_paper_settings_and_flag_order():
     assert parse("--env", "pointmaze-medium").dropout == 0.1
     # evaluation episodes: 100 as in the official MuJoCo code, 50 on mazes (F.2); the preset and the flag win
     assert parse("--env", "hopper-medium").eval_episodes == 100 and parse("--env", "pointmaze-umaze").eval_episodes == 50
-    assert parse("--env", "antmaze-umaze", "--preset", "cpu").eval_episodes == dema.PRESETS["cpu"]["eval_episodes"]
+    assert parse("--env", "hopper-medium", "--preset", "cpu").eval_episodes == dema.PRESETS["cpu"]["eval_episodes"]
+    assert parse("--env", "antmaze-umaze", "--preset", "cpu").eval_episodes == dema.PRESETS["cpu"]["mazes"]["eval_episodes"]
     assert parse("--env", "pointmaze-large", "--eval-episodes", "3").eval_episodes == 3
     assert parse() == dema.Config()                           # no dataset named: the defaults (hopper-medium's)
 

@@ -140,6 +140,29 @@ def test_run_folder_names_the_variant(tiny_maze, tmp_path, monkeypatch, capsys):
     assert config["script"] == "dt" and config["seed"] == 0
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_cpu_preset_has_a_maze_setting_under_the_flags(script, capsys):
+    """--preset cpu on a maze lays the preset's "mazes" entries (50 episodes, K=1) over its own; explicit flags still
+    win, the folder is still named "cpu", and locomotion data keeps the plain preset."""
+    m = importlib.import_module(script)
+    plain = {k: v for k, v in m.PRESETS["cpu"].items() if k != "mazes"}
+    mazes = m.PRESETS["cpu"]["mazes"]
+    assert mazes["eval_episodes"] == 50 and mazes.get("context", 1) == 1           # StARformer keeps its K
+    for name, want in (("pointmaze-medium-dense", mazes), ("replica/pointmaze/umaze-sparse-v0", mazes),
+                       ("hopper-medium", plain)):
+        capsys.readouterr()
+        cfg, _ = m.parse_flags(["--env", name, "--preset", "cpu"])
+        assert all(getattr(cfg, k) == v for k, v in (plain | want).items()), name
+        assert evaluate.variant_name(cfg, m.PRESETS) == "cpu"
+        said = capsys.readouterr().out                                    # the maze setting is named when it applies
+        assert ("--eval-episodes 50" in said) == (want is mazes), (name, said)
+    cfg, given = m.parse_flags(["--env", "pointmaze-medium-dense", "--preset", "cpu", "--context", "20"])
+    assert cfg.context == 20 and cfg.eval_episodes == 50 and "context" in given
+    assert evaluate.variant_name(cfg, m.PRESETS) == "cpu_context20"
+    cfg, _ = m.parse_flags(["--env", "pointmaze-medium-dense"])                     # no preset: the paper's settings
+    assert cfg.context != 1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # never overwrite, never share
 

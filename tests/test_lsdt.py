@@ -403,8 +403,11 @@ def test_paper_settings_layers_row_arch_preset_flags():
     cfg, given = lsdt.parse_flags(["--dataset", "D4RL/pointmaze/medium-v2", "--preset", "cpu"])
     c, changes = lsdt.paper_settings(cfg, given)
     assert (c.n_embd, c.batch_size, c.lr, c.n_layer) == (64, 64, 1e-3, 2)          # the preset's
-    assert (c.context, c.conv_ratio, c.n_head, c.kernel, c.target_return) == (20, 0.125, 2, 3, None)   # the row's
-    assert "n_embd" not in changes and changes["context"] == 20
+    assert (c.conv_ratio, c.n_head, c.kernel, c.target_return) == (0.125, 2, 3, None)   # the row's
+    assert c.context == 1 and "n_embd" not in changes and "context" not in changes    # the preset's maze K wins
+    c, changes = lsdt.paper_settings(*lsdt.parse_flags(["--dataset", "D4RL/mujoco/hopper/medium-replay-v0",
+                                                        "--preset", "cpu"]))
+    assert c.context == 20 and changes["context"] == 20 and c.n_embd == 64             # off mazes: the row's K
     cfg, given = lsdt.parse_flags(["--dataset", "D4RL/pointmaze/medium-v2", "--context", "10", "--lr", "1e-4"])
     c, _ = lsdt.paper_settings(cfg, given)
     assert (c.context, c.lr, c.batch_size, c.n_embd) == (10, 1e-4, 256, 128)        # flags (10 = Config default)
@@ -424,7 +427,8 @@ def test_evaluation_defaults_follow_the_paper():
     episodes = lambda *argv: lsdt.paper_settings(*lsdt.parse_flags(list(argv)))[0].eval_episodes
     assert lsdt.Config().eval_every == 500 and episodes("--env", "hopper-medium-replay") == 20
     assert episodes("--env", "pointmaze-large") == 100 and episodes("--env", "antmaze-medium-play") == 100
-    assert episodes("--env", "pointmaze-large", "--preset", "cpu") == lsdt.PRESETS["cpu"]["eval_episodes"]
+    assert episodes("--env", "hopper-medium-replay", "--preset", "cpu") == lsdt.PRESETS["cpu"]["eval_episodes"]
+    assert episodes("--env", "pointmaze-large", "--preset", "cpu") == lsdt.PRESETS["cpu"]["mazes"]["eval_episodes"]
     assert episodes("--env", "pointmaze-large", "--eval-episodes", "7") == 7
 
 

@@ -196,6 +196,22 @@ def test_no_reward_token_is_table_1_imitation():
     assert moved_steps(model, w, changed(w, "actions", (slice(None), 2)))[0][0] == 3   # actions still count
 
 
+def test_no_prev_action_gives_every_group_the_null_action():
+    """--no-prev-action: group t holds the episode-start null action whatever a_{t-1} was, so no action changes any
+    prediction, and the output equals the method's fed null actions; with a_{t-1} (the method) actions count."""
+    torch.manual_seed(4)
+    model = sf.StARformer(tiny_cfg(prev_action=False), 5, 2).eval()
+    w = window()
+    out = model(**w)
+    for key in ("actions", "prev_action"):
+        assert torch.equal(model(**changed(w, key, ..., 0.5)), out), key
+    model.prev_action = True                                                   # the same weights, fed null actions
+    null = dict(w, actions=torch.full_like(w["actions"], sf.NULL_ACTION),
+                prev_action=torch.full_like(w["prev_action"], sf.NULL_ACTION))
+    assert torch.allclose(model(**null), out, atol=1e-6)
+    assert moved_steps(model, w, changed(w, "actions", (slice(None), 2)))[0][0] == 3   # a_2 is group 3's a_{t-1}
+
+
 def test_reward_input_rtg_is_table_2():
     """Table 2, SF RTG: R_t fills the reward slot of group t; rewards change nothing (and the default ignores rtg)."""
     torch.manual_seed(5)

@@ -784,11 +784,8 @@ def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
     d = data_lib.load_data(cfg.dataset or cfg.env)
-    path = os.path.join(out, "episode.gif")
-    res = ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
-    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
-          f"-> {path}")
+    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
 
 def attention_episode(cfg, given):
@@ -942,7 +939,8 @@ def param_table():
         import dt
     except ImportError:   # this file copied alone into another project
         return
-    for label, kw in (("dt paper (H=128)", {}), ("dt --preset cpu", ev.preset_values(dt.PRESETS, "cpu", "hopper-medium"))):
+    for label, kw in (("dt paper (H=128)", {}),
+                      ("dt --preset cpu", ev.preset_values(dt.PRESETS, "cpu", "hopper-medium"))):
         n = sum(p.numel() for p in dt.DecisionTransformer(dt.Config(**kw), 11, 3, 1000).parameters())
         print(f"{label:50s} {n:>10,}")
 

@@ -27,7 +27,6 @@ schedule, loss, policy) -> train(), the loop -> --bench-eval and --bench -> main
 exact resume are evaluate.py's (the run record), called from train(). Outputs go to runs/dt/<env>/<variant>/seed<N>/.
 """
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -305,11 +304,8 @@ def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
     d = data_lib.load_data(cfg.dataset or cfg.env)
-    path = os.path.join(out, "episode.gif")
-    res = ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
-    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
-          f"-> {path}")
+    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
 
 def bench_eval(cfg, given):

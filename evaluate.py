@@ -147,12 +147,12 @@ def pick_gl():
                     "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
 
 
-def episode_gif(act, d, target_return, seed, context, device, path, title, max_frames=150):
-    """One evaluation episode rendered into an animated GIF at `path`: at most max_frames + 2 frames of 240 x 240
-    (every ceil(horizon / max_frames) steps, at the env's own speed), the step and the return so far drawn on each.
-    -> evaluate()'s result for the episode."""
+def episode_gif(act, d, target_return, seed, context, device, out, title, max_frames=150):
+    """--gif: one evaluation episode rendered into <out>/episode.gif: at most max_frames + 2 frames of 240 x 240
+    (every ceil(horizon / max_frames) steps, at the env's own speed), the step and the return so far drawn on each;
+    a line says what was written. -> evaluate()'s result for the episode."""
     from PIL import Image, ImageDraw, ImageFont
-    backend, every = pick_gl(), -(-d.max_ep_len // max_frames)
+    backend, every, path = pick_gl(), -(-d.max_ep_len // max_frames), os.path.join(out, "episode.gif")
     try:
         res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every)
     except Exception as e:   # the GL errors differ by backend and library (mujoco.FatalError, AttributeError, ...)
@@ -168,9 +168,12 @@ def episode_gif(act, d, target_return, seed, context, device, path, title, max_f
         text = f"{title}{'' if target_return is None else f', target {target_return:g}'}\nstep {step}   return {ret:.1f}"
         ImageDraw.Draw(img).text((6, 4), text, font=font, fill="white", stroke_width=2, stroke_fill="black")
         images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
-    dt = getattr(d.make_env().unwrapped, "dt", 0.01)   # seconds of simulated time per env step
+    env = d.make_env()
+    dt = getattr(env.unwrapped, "dt", 0.01)   # seconds of simulated time per env step
+    env.close()
     images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
                    duration=max(20, int(round(every * dt * 100)) * 10))
+    print(f"episode.gif: {summarize(res)}, {len(images)} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
     return res
 
 
@@ -270,23 +273,26 @@ def parse_flags(Config, presets, argv, prog, description):
     given = vars(p.parse_args(argv))
     if given.get("preset", "") not in ("", *presets):
         p.error(f"unknown preset '{given['preset']}'; known: {', '.join(presets)}")
-    name = given.get("dataset") or given.get("env") or Config.env
-    values = {**preset_values(presets, given.get("preset", ""), name), **given}
-    maze = {k.replace("_", "-"): values[k] for k in presets.get(given.get("preset", ""), {}).get("mazes", {})
-            if k not in given} if is_maze(name) else {}
+    name, preset = given.get("dataset") or given.get("env") or Config.env, given.get("preset", "")
+    values = {**preset_values(presets, preset, name), **given}
+    maze = {k.replace("_", "-"): v for k, v in maze_setting(presets, preset, name).items() if k not in given}
     if maze:
-        print(f"--preset {given['preset']} on a maze: " + ", ".join(
+        print(f"--preset {preset} on a maze: " + ", ".join(
             f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}" for k, v in maze.items()))
     if values.get("dataset"):
         values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
     return Config(**values), set(values)
 
 
+def maze_setting(presets, preset, dataset):
+    """A preset's "mazes" entries where the dataset is a maze (data.is_maze), else none."""
+    return presets.get(preset, {}).get("mazes", {}) if is_maze(dataset) else {}
+
+
 def preset_values(presets, preset, dataset):
-    """A preset's settings for this dataset: its own, with its "mazes" entries on top on a maze (data.is_maze)."""
-    values = dict(presets.get(preset, {}))
-    mazes = values.pop("mazes", {})
-    return values | mazes if is_maze(dataset) else values
+    """A preset's settings for this dataset: its own, with its maze setting on top (maze_setting)."""
+    own = {k: v for k, v in presets.get(preset, {}).items() if k != "mazes"}
+    return own | maze_setting(presets, preset, dataset)
 
 
 def check_flags(cfg, *one_of):

@@ -925,11 +925,8 @@ def gif(cfg, run):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     model = run["model"]
     d = data_lib.load_data(cfg.dataset or cfg.env)
-    path = os.path.join(run["out"], "episode.gif")
-    res = ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
-    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
-          f"-> {path}")
+    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                   next(model.parameters()).device, run["out"], f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
 
 def load_lm(cfg):

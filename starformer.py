@@ -55,7 +55,6 @@ variant is a model option (patch tokens + Nature-DQN encoder + discrete head), t
 Atari data is not available here, so this script does not train it.
 """
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -487,12 +486,8 @@ def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
     d = data_lib.load_data(cfg.dataset or cfg.env)
-    path = os.path.join(out, "episode.gif")
-    res = ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                         next(model.parameters()).device, path, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
-    print(f"episode.gif: {ev.summarize(res)}, {len(res['frames'])} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB "
-          f"-> {path}")
-
+    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
 
 def bench(cfg):

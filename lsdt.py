@@ -11,6 +11,8 @@ Module (HFM, App. B.3) and projected by W_O. xi = 0 is DT's attention, xi = 1 a 
     X[..., :D_a] -> causal multi-head attention (long-term)  --\
                                                                concat -> HFM -> W_O -> + X -> LN -> MLP ...
     X[..., D_a:] -> causal DynamicConv, k_m taps (short-term) --/
+App. B.10 (Table 8) tried two other routings: LSDT-res projects each part, X_i + Linear_i(X_i), before its branch;
+LSDT-weight feeds all D channels to both branches and joins them by a learned weighted sum (a modified HFM).
 
     python lsdt.py --env hopper-medium               # the paper's hopper-medium row: xi=1, D=256, no action tokens
     python lsdt.py --env hopper-medium --preset cpu  # small configuration for a 2-core laptop
@@ -23,6 +25,7 @@ What each flag reproduces:
     --conv dc                Table 3 and Fig. 2, 6 (LSDC: DC's static filters as the short-term branch, D.3)
     --arch dc / dc_h         Tables 1-3 (the Decision Convformer baselines, Table 12)
     --fusion concat          Fig. 10 (HFM vs direct concatenation, B.3)
+    --routing res / weight   Table 8 (LSDT-res, LSDT-weight: other ways of routing channels to the branches, B.10)
     --dropkey P              Table 6 (DropKey in place of attention dropout, B.8)
     --kernel K_M             Table 7 (kernel size, B.7 / B.9)
     --no-action-tokens       D.2 (hopper-medium is trained on (R, s) tokens only)
@@ -45,6 +48,7 @@ Glossary (paper symbol -> code name; R_t, s_t, a_t, t, B and mask as in dt.py):
     alpha   softmax-normalised dynamic kernels, Eq. 1                          alpha (B, L, k_m, H_c)
     P       attention probabilities softmax(Q K^T / sqrt(d))                   probs (B, N_h, L, L), analysis path
     A       HFM weights softmax(Z), over channels (Eq. 4)                      HybridFusion.weights (B, L, D)
+    A_att   LSDT-weight: the attention branch's share per channel (B.10)      BranchWeighting.weights (B, L, D)
     W_O     output projection after the concat                                 LongShortMixer.c_proj
     L_w     DC's static filter window (6 tokens)                               Config.kernel with --conv dc
     g       goal (x, y) appended to the state (goal-state conditioning, 3.3)   the last goal_dim entries of states
@@ -116,6 +120,10 @@ class Config:
     kernel: int = arg(6, "k_m, causal taps of the conv branch incl. the current token (3 for Maze2d; DC: window)")
     conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv, LSDT) | dc (DC's static filters, LSDC)")
     fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
+    routing: str = arg("split", "how a block feeds its two branches (App. B.10, Table 8): split (LSDT: X_1 | X_2, "
+                                "(1-xi) D | xi D channels) | res (LSDT-res: X_i + Linear_i(X_i) into each branch) | "
+                                "weight (LSDT-weight: all D channels into both branches, joined by a learned weighted "
+                                "sum; xi unused)")
     norm: str = arg("post", "post (official code) | pre (the paper's Figure 1, and DC)")
     dropout: float = arg(0.25, "dropout after W_O and after the MLP")
     attn_dropout: float = arg(0.1, "dropout on the attention output P V (official code)")
@@ -149,7 +157,8 @@ PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_step
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 
 def conv_dims(cfg):
-    """D_c per block: round(xi D) for LSDT / LSDC (Sec. 3.2.1); D for DC; DC_h: D, ..., D, 0 (attention last)."""
+    """D_c per block: round(xi D) for LSDT / LSDC (Sec. 3.2.1); D for DC; DC_h: D, ..., D, 0 (attention last).
+    --routing weight ignores it: both branches get all D channels there (LongShortMixer)."""
     if cfg.arch in ("dc", "dc_h"):
         dims = [cfg.n_embd] * cfg.n_layer
         if cfg.arch == "dc_h":
@@ -280,38 +289,84 @@ class HybridFusion(nn.Module):
         return a * y                                         # (B, L, D) Y_o, Eq. 4
 
 
+class BranchWeighting(nn.Module):
+    """LSDT-weight's join (App. B.10, Table 8): "a learnable weighted sum, computed using a modified version of our HFM
+    module", of the two branches' full-width outputs. The paper gives no equations; this is HFM (Eqs. 2-4) with its
+    softmax over the two branches instead of over channels: Z = MLP(concat(Y_att, Y_conv)) with HFM's halving MLP
+    (2D -> D -> 2D), A = softmax(Z) over {att, conv} per token and channel, Y = A_att * Y_att + A_conv * Y_conv."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.reduce = nn.Linear(2 * dim, dim)   # HFM's W_f (Eq. 2), on the 2D-wide concatenation
+        self.expand = nn.Linear(dim, 2 * dim)   # HFM's W_f1 || W_f2 (Eq. 3): D logits for attention, D for the conv
+        self.keep = False
+        self.weights = None
+
+    def forward(self, y_att, y_conv):
+        # y_att, y_conv: (B, L, D)
+        z = self.expand(F.relu(self.reduce(torch.cat([y_att, y_conv], dim=-1))))  # (B, L, 2D) Z
+        a = z.view(*z.shape[:-1], 2, -1).softmax(-2)                               # (B, L, 2, D) A, per channel
+        if self.keep:
+            self.weights = a[..., 0, :].detach()                                   # (B, L, D) A_att; A_conv = 1 - it
+        return a[..., 0, :] * y_att + a[..., 1, :] * y_conv                        # (B, L, D)
+
+
 class LongShortMixer(nn.Module):
     """The Masked Long-Short block's token mixer (Sec. 3.2.1, Fig. 4), in place of DT's attention: split the channels
-    (1-xi)D | xi D, attention on the first part, causal conv on the second, concatenate, fuse (HFM), W_O, dropout."""
+    (1-xi)D | xi D, attention on the first part, causal conv on the second, concatenate, fuse (HFM), W_O, dropout.
+    --routing (App. B.10, Table 8): res adds X_i + Linear_i(X_i) before each branch; weight gives both branches all of
+    X and joins them with BranchWeighting in place of the concatenation and HFM."""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
         D = cfg.n_embd
-        self.dc, self.da = conv_dim, D - conv_dim
+        self.routing = cfg.routing
+        # App. B.10, LSDT-weight: "the full embedding is fed into both branches instead of a subset" (xi unused)
+        self.dc, self.da = (D, D) if cfg.routing == "weight" else (conv_dim, D - conv_dim)
         n_types = 3 if cfg.action_tokens else 2
         self.attn = CausalSelfAttention(self.da, cfg.n_head, cfg.attn_dropout, cfg.dropkey) if self.da else None
         self.conv = None
         if self.dc:
             self.conv = (DynamicConv(self.dc, cfg.kernel, cfg.conv_dropout) if cfg.conv == "dynamic"
                          else DCConv(self.dc, cfg.kernel, n_types))
+        # App. B.10, LSDT-res: "two separate linear projections with residual connections before feeding inputs to the
+        # branches", no equations given; chosen: each projection maps its own part, X_1 + W_r1 X_1 (D_a -> D_a) and
+        # X_2 + W_r2 X_2 (D_c -> D_c), one per branch the block has
+        res = cfg.routing == "res"
+        self.res_attn = nn.Linear(self.da, self.da) if res and self.attn is not None else None
+        self.res_conv = nn.Linear(self.dc, self.dc) if res and self.conv is not None else None
         # HFM only when both branches exist (code); xi = 0 is then exactly DT's attention + W_O. The paper does not
-        # define xi = 0 (the official code fails there: ESPnet's DynamicConv with 0 channels).
-        self.fuse = HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None
+        # define xi = 0 (the official code fails there: ESPnet's DynamicConv with 0 channels). LSDT-weight: its own
+        # "modified HFM" (App. B.10) in place of the concatenation and HFM
+        if cfg.routing == "weight":
+            self.fuse = BranchWeighting(D)
+        else:
+            self.fuse = HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None
         # DC's conv mixer has no output projection and no dropout (x = x + conv(LN(x)), DC code); everything else
         # (LSDT, LSDC, DC_h's attention) has W_O followed by dropout.
         self.c_proj = None if (cfg.arch in ("dc", "dc_h") and not self.da) else nn.Linear(D, D)
         self.resid_drop = nn.Dropout(cfg.dropout) if self.c_proj is not None else nn.Identity()
 
     def forward(self, x, attn_mask, real):
-        x1, x2 = x.split([self.da, self.dc], dim=-1)          # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c)
+        if self.routing == "weight":
+            x1 = x2 = x                                       # App. B.10 LSDT-weight: all of X (B, L, D) to both
+        else:
+            x1, x2 = x.split([self.da, self.dc], dim=-1)      # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c)
+        if self.res_attn is not None:
+            x1 = x1 + self.res_attn(x1)                       # App. B.10 LSDT-res: X_1 + W_r1 X_1
+        if self.res_conv is not None:
+            x2 = x2 + self.res_conv(x2)                       # App. B.10 LSDT-res: X_2 + W_r2 X_2
         ys = []
         if self.attn is not None:
             ys.append(self.attn(x1, attn_mask))               # (B, L, D_a) long-term branch
         if self.conv is not None:
             ys.append(self.conv(x2, real))                    # (B, L, D_c) short-term branch
-        y = torch.cat(ys, dim=-1)                             # (B, L, D), attention channels first (Eq. 2's Concat)
-        if self.fuse is not None:
-            y = self.fuse(y)                                  # Eqs. 2-4
+        if self.routing == "weight":
+            y = self.fuse(*ys)                                # (B, L, D) App. B.10: learned weighted sum
+        else:
+            y = torch.cat(ys, dim=-1)                         # (B, L, D), attention channels first (Eq. 2's Concat)
+            if self.fuse is not None:
+                y = self.fuse(y)                              # Eqs. 2-4
         if self.c_proj is not None:
             y = self.c_proj(y)                                # W_O
         return self.resid_drop(y)
@@ -407,7 +462,8 @@ class LSDT(nn.Module):
 # the paper's pieces: the per-dataset settings, data, learning-rate schedule, loss, policy
 
 SCRIPT = "lsdt"
-CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm", "concat"), norm=("post", "pre"))
+CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm", "concat"), norm=("post", "pre"),
+               routing=("split", "res", "weight"))
 
 # The paper's per-dataset settings: K and RTG target (Table 5), best xi (Table 14), width (Table 13 / D.2), heads,
 # batch, lr, kernel (Table 13), action tokens (D.2: hopper-medium is trained without them). Keys are the D4RL
@@ -500,18 +556,26 @@ def check_model(cfg, changes=()):
         problem = f"--kernel must be a positive number of taps, got {cfg.kernel}"
     elif problem is None and not 0.0 <= cfg.dropkey < 1.0:
         problem = f"--dropkey must lie in [0, 1), got {cfg.dropkey}"
-    elif problem is None and cfg.dropkey and all(dc == cfg.n_embd for dc in dims):
+    elif problem is None and cfg.routing != "split" and cfg.arch != "lsdt":
+        problem = (f"--routing {cfg.routing} is an LSDT variant (App. B.10, Table 8) and --arch {cfg.arch} has its own "
+                   f"mixers; use --routing {cfg.routing} with --arch lsdt")
+    elif problem is None and cfg.routing == "weight" and cfg.fusion != "hfm":
+        problem = (f"--routing weight joins its branches by its own learned weighted sum, so --fusion {cfg.fusion} "
+                   f"has nothing to join; drop --fusion, or use --routing split or res")
+    elif problem is None and cfg.dropkey and all(dc == cfg.n_embd for dc in dims) and cfg.routing != "weight":
         problem = (f"--dropkey acts on the attention branch, which this model does not have (--arch {cfg.arch}, conv "
                    f"ratio {cfg.conv_ratio}){why('conv_ratio')}")
-    for dc in sorted(set(dims)) if problem is None else []:
-        da = cfg.n_embd - dc
+    weight = cfg.routing == "weight"                          # App. B.10: both branches on all D channels, xi unused
+    for dc in ([cfg.n_embd] if weight else sorted(set(dims))) if problem is None else []:
+        da = cfg.n_embd if weight else cfg.n_embd - dc
+        share = (f"all of --n-embd {cfg.n_embd}, --routing weight" if weight else
+                 f"--conv-ratio {cfg.conv_ratio} of --n-embd {cfg.n_embd}")
         if da and da % cfg.n_head:
-            problem = (f"--n-head {cfg.n_head} does not divide the {da} attention channels (of --n-embd {cfg.n_embd}, "
-                       f"conv ratio {cfg.conv_ratio}){why('n_head', 'n_embd', 'conv_ratio')}")
+            problem = (f"--n-head {cfg.n_head} does not divide the {da} attention channels ({share})"
+                       f"{why('n_head', 'n_embd', *[] if weight else ['conv_ratio'])}")
         elif dc and cfg.conv == "dynamic" and dc % 4:
-            problem = (f"the dynamic-conv branch gets {dc} channels (--conv-ratio {cfg.conv_ratio} of --n-embd "
-                       f"{cfg.n_embd}), not a multiple of 4 (4 channels share each kernel, Table 13)"
-                       f"{why('n_embd', 'conv_ratio')}")
+            problem = (f"the dynamic-conv branch gets {dc} channels ({share}), not a multiple of 4 (4 channels share "
+                       f"each kernel, Table 13){why('n_embd', *[] if weight else ['conv_ratio'])}")
         if problem:
             break
     if problem:
@@ -584,8 +648,10 @@ def train(cfg, run, d=None):
     d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
     ev.check_data(cfg, d)                                           # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()
-    print(f"{cfg.arch}: conv {cfg.conv}, xi={cfg.conv_ratio} (conv channels per block {conv_dims(cfg)} of "
-          f"{cfg.n_embd}), K={cfg.context}, k_m={cfg.kernel}, {cfg.fusion}, {cfg.norm}-LN, "
+    branches = (f"routing weight (both branches on all {cfg.n_embd} channels, xi unused)" if cfg.routing == "weight"
+                else f"xi={cfg.conv_ratio} (conv channels per block {conv_dims(cfg)} of {cfg.n_embd})"
+                + ("" if cfg.routing == "split" else f", routing {cfg.routing}"))
+    print(f"{cfg.arch}: conv {cfg.conv}, {branches}, K={cfg.context}, k_m={cfg.kernel}, {cfg.fusion}, {cfg.norm}-LN, "
           f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens"
           + (f"; goal-state {'on' if cfg.goal_state else 'OFF'} ({d.goal_dim} goal dims)" if d.goal_dim else ""))
     template = get_batch(d, 2, cfg, np.random.default_rng(0))
@@ -629,7 +695,8 @@ def mixing_maps(model, batch, layer=0, index=0):
     """What each branch of one block mixes, for window `index` of a batch (keys states, actions, rtg, timesteps, mask),
     heads averaged: 'attention' = the long-term branch's P (L, L) (Fig. 3, 9); 'kernel' = the dynamic kernels alpha
     laid out as a banded (L, L) matrix, row i holding the weights on tokens i-k_m+1 .. i (Fig. 3, 9); 'hfm' = the HFM
-    weights A (L, D) (Fig. 11). Branches the block does not have are absent."""
+    weights A (L, D) (Fig. 11), or under --routing weight the attention branch's share A_att (L, D). Branches the block
+    does not have are absent."""
     was = model.training
     model.eval()
     model.keep_maps(True)
@@ -664,7 +731,9 @@ def plot_mixing(model, batch, path, index=0):
     n = 3 if model.action_tokens else 2
     real = int(batch["mask"][index].sum().item()) * n                              # tokens after the left padding
     labels = ["R", "s", "a"][:n]
-    colorbar = {"attention": "attention weight P", "kernel": "dynamic-kernel weight alpha", "hfm": "HFM weight A"}
+    weighted = isinstance(model.blocks[0].mixer.fuse, BranchWeighting)          # --routing weight (B.10)
+    colorbar = {"attention": "attention weight P", "kernel": "dynamic-kernel weight alpha",
+                "hfm": "attention branch's weight A_att (conv: 1 - A_att)" if weighted else "HFM weight A"}
     fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 4.8), squeeze=False)
     for ax, (name, m) in zip(axes[0], maps.items()):
         m = m[-real:, -real:] if name != "hfm" else m[-real:]                      # drop left padding
@@ -675,11 +744,14 @@ def plot_mixing(model, batch, path, index=0):
         if name != "hfm":
             ax.set_xticks(ticks, [f"{labels[0]}{i}" for i in range(len(ticks))], rotation=90)
             ax.set_xlabel("key token (each timestep's R_i tick)")
+        elif weighted:
+            ax.set_xlabel("channel (both branches see all of them)")
         else:
             ax.axvline(model.blocks[0].mixer.da - 0.5, color="white", lw=1)
             ax.set_xlabel("channel (attention | conv)")
         ax.set_title({"attention": "long-term branch: attention P", "kernel": "short-term branch: dynamic kernels",
-                      "hfm": "HFM weights (tokens x channels)"}[name] + " (block 1)")
+                      "hfm": "LSDT-weight's branch weights" if weighted else "HFM weights (tokens x channels)"}[name]
+                     + " (block 1)")
         fig.colorbar(im, ax=ax, label=colorbar[name])
     mixer = model.blocks[0].mixer
     xi = mixer.dc / (mixer.da + mixer.dc)                                           # block 1's conv share

@@ -37,7 +37,7 @@ def build(cfg, obs_dim=S):
 VARIANTS = {
     "lsdt": {}, "lsdt_pre_concat": dict(norm="pre", fusion="concat"), "xi0": dict(conv_ratio=0.0),
     "cdt": dict(conv_ratio=1.0), "lsdc": dict(conv="dc"), "no_action_tokens": dict(action_tokens=False),
-    "dc": dict(arch="dc"), "dc_h": dict(arch="dc_h"),
+    "dc": dict(arch="dc"), "dc_h": dict(arch="dc_h"), "res": dict(routing="res"), "weight": dict(routing="weight"),
 }
 
 
@@ -231,7 +231,7 @@ def test_future_does_not_leak(name):
         assert (run(model, z)[:, t0] - base[:, t0]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("name", ["lsdt", "lsdc", "dc", "no_action_tokens"])
+@pytest.mark.parametrize("name", ["lsdt", "lsdc", "dc", "no_action_tokens", "res", "weight"])
 def test_left_padding_is_the_shorter_window(name):
     torch.manual_seed(5)
     cfg = make_cfg(**VARIANTS[name])
@@ -244,9 +244,10 @@ def test_left_padding_is_the_shorter_window(name):
     torch.testing.assert_close(run(model, padded)[:, pad:], run(model, short), rtol=0, atol=1e-5)
 
 
-def test_overfits_a_tiny_batch():
+@pytest.mark.parametrize("routing", ["split", "res", "weight"])
+def test_overfits_a_tiny_batch(routing):
     torch.manual_seed(6)
-    cfg = make_cfg(dropout=0.0, attn_dropout=0.0, conv_dropout=0.0)
+    cfg = make_cfg(dropout=0.0, attn_dropout=0.0, conv_dropout=0.0, routing=routing)
     model = build(cfg)
     g = torch.Generator().manual_seed(2)
     x = rand_inputs(4, cfg.context, g)
@@ -338,11 +339,156 @@ def test_model_block_runs_alone():
     ns = dict(torch=torch, nn=torch.nn, F=F, math=math, dataclass=dataclass, field=field, Config=lsdt.Config,
               arg=lsdt.arg)
     exec(compile(block, "lsdt.py:model", "exec"), ns)
-    model = ns["LSDT"](lsdt.Config(n_embd=32, n_layer=2, context=5), 11, 3, 100)
-    B, K = 2, 5
-    b = dict(states=torch.randn(B, K, 11), actions=torch.zeros(B, K, 3), rtg=torch.randn(B, K, 1),
-             timesteps=torch.arange(K).repeat(B, 1), mask=torch.ones(B, K))
-    assert model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"]).shape == (B, K, 3)
+    for routing in lsdt.CHOICES["routing"]:
+        model = ns["LSDT"](lsdt.Config(n_embd=32, n_layer=2, context=5, routing=routing), 11, 3, 100)
+        B, K = 2, 5
+        b = dict(states=torch.randn(B, K, 11), actions=torch.zeros(B, K, 3), rtg=torch.randn(B, K, 1),
+                 timesteps=torch.arange(K).repeat(B, 1), mask=torch.ones(B, K))
+        assert model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"]).shape == (B, K, 3)
+
+
+# ---------------------------------------------------------------------------------------------------- routing (B.10)
+
+def hand_count(routing, D, dc, n_layer=3, k=6, obs=17, act=6, T=4096):
+    """LSDT's parameters counted from the dimensions alone: lin(i, o) = an i -> o Linear's weights and biases."""
+    lin = lambda i, o: i * o + o                                          # noqa: E731
+    da = D - dc
+    if routing == "weight":                                               # both branches on all D channels
+        da = dc = D
+    attn = lin(da, 3 * da) if da else 0                                   # W_Q || W_K || W_V
+    conv = lin(dc, 2 * dc) + lin(dc, k * dc // 4) + dc + lin(dc, dc) if dc else 0   # W_1, W_w, bias, W_2
+    if routing == "weight":
+        join = lin(2 * D, D) + lin(D, 2 * D)                              # modified HFM: 2D -> D -> 2D
+    else:
+        join = lin(D, D // 2) + lin(D // 2, D) if da and dc else 0        # HFM: D -> D/2 -> D
+    res = lin(da, da) + lin(dc, dc) if routing == "res" else 0            # zero where a part has no channel
+    mixer = attn + conv + join + res + lin(D, D)                          # ... + W_O
+    block = mixer + 2 * (2 * D) + lin(D, 4 * D) + lin(4 * D, D)           # two LayerNorms and the MLP
+    embed = T * D + lin(1, D) + lin(obs, D) + lin(act, D) + 2 * D         # t, R, s, a embeddings, embed LayerNorm
+    return embed + n_layer * block + lin(D, act)                          # + the action head
+
+
+@pytest.mark.parametrize("routing", ["split", "res", "weight"])
+@pytest.mark.parametrize("dc", [0, 32, 64, 128])
+def test_parameter_count_of_each_routing(routing, dc):
+    cfg = lsdt.Config(n_embd=128, n_head=1, conv_ratio=dc / 128, routing=routing)
+    assert sum(p.numel() for p in lsdt.LSDT(cfg, 17, 6, 4096).parameters()) == hand_count(routing, 128, dc)
+
+
+def test_parameter_count_hand_values():
+    """D = 128, xi = 0.5, 3 blocks, by hand: LSDT-res adds 2 (64 * 64 + 64) per block; LSDT-weight's mixer grows from
+    64,352 (attention 12,480, conv 18,784, HFM 16,576, W_O 16,512) to 206,400 (49,536 + 74,432, its join 65,920,
+    W_O 16,512) per block."""
+    count = lambda r: sum(p.numel() for p in lsdt.LSDT(lsdt.Config(routing=r), 17, 6, 4096).parameters())  # noqa
+    assert count("split") == 1_118_502
+    assert count("res") == 1_118_502 + 3 * 2 * (64 * 64 + 64)
+    assert count("weight") == 1_118_502 + 3 * (206_400 - 64_352)
+
+
+def block_inputs(B=2, L=12, D=32):
+    x = torch.randn(B, L, D)
+    real = torch.ones(B, L, dtype=torch.bool)
+    real[1, :3] = False                                                   # left padding in the second sequence
+    allowed = (torch.ones(L, L, dtype=torch.bool).tril() & (real[:, None, :] | torch.eye(L, dtype=torch.bool)))[:, None]
+    return x, allowed, real
+
+
+def test_weight_routing_set_to_one_branch_is_that_branch_alone():
+    """LSDT-weight with its weights forced to one branch is that branch on all D channels followed by W_O (the mixer
+    of xi = 0 for attention, xi = 1 for the conv), given the same weights; with zero logits it is their mean."""
+    torch.manual_seed(13)
+    cfg = make_cfg(routing="weight")
+    D = cfg.n_embd
+    mixer = lsdt.LongShortMixer(cfg, lsdt.conv_dims(cfg)[0]).eval()
+    assert (mixer.da, mixer.dc) == (D, D) and mixer.attn.c_attn.in_features == D and mixer.conv.glu_in.in_features == D
+    x, allowed, real = block_inputs(D=D)
+    fuse = mixer.fuse
+    for branch, xi, other in (("attn", 0.0, "conv."), ("conv", 1.0, "attn.")):
+        alone = lsdt.LongShortMixer(make_cfg(conv_ratio=xi), int(xi * D)).eval()
+        alone.load_state_dict({k: v for k, v in mixer.state_dict().items() if not k.startswith(("fuse.", other))})
+        torch.nn.init.zeros_(fuse.expand.weight)
+        logits = torch.full((2, D), -1e4)
+        logits[0 if branch == "attn" else 1] = 1e4                        # softmax over the branches: exactly (1, 0)
+        fuse.expand.bias.data.copy_(logits.flatten())
+        torch.testing.assert_close(mixer(x, allowed, real), alone(x, allowed, real), rtol=0, atol=0)
+    torch.nn.init.zeros_(fuse.expand.bias)                                # zero logits: weights (1/2, 1/2)
+    mean = (mixer.attn(x, allowed) + mixer.conv(x, real)) / 2
+    torch.testing.assert_close(mixer(x, allowed, real), mixer.c_proj(mean))
+
+
+def test_weight_routing_weights_are_a_per_channel_split_between_the_branches():
+    torch.manual_seed(15)
+    model = build(make_cfg(routing="weight", n_layer=1))
+    x = rand_inputs(2, 6, torch.Generator().manual_seed(6))
+    maps = lsdt.mixing_maps(model, x, index=0)
+    assert set(maps) == {"attention", "kernel", "hfm"} and maps["hfm"].shape == (18, 32)
+    a = maps["hfm"]                                                       # A_att; the conv branch gets 1 - A_att
+    assert torch.all((a > 0) & (a < 1)) and not torch.allclose(a, a[:1].expand_as(a))   # input-dependent
+    fuse = model.blocks[0].mixer.fuse                                     # recompute A from the branch outputs
+    model.eval()
+    ys = {}
+    hooks = [getattr(model.blocks[0].mixer, n).register_forward_hook(lambda m, i, o, n=n: ys.__setitem__(n, o))
+             for n in ("attn", "conv")]
+    with torch.no_grad():
+        run(model, x)
+    for h in hooks:
+        h.remove()
+    z = fuse.expand(F.relu(fuse.reduce(torch.cat([ys["attn"], ys["conv"]], -1))))[0]   # (L, 2D)
+    torch.testing.assert_close(a, torch.sigmoid(z[:, :32] - z[:, 32:]))   # 2-way softmax = sigmoid of the difference
+
+
+def test_res_routing_is_the_split_on_projected_parts():
+    """LSDT-res: each branch gets X_i + W_ri X_i, computed here by hand and fed to the split mixer with the same
+    weights; with the projections zeroed the whole model is the default (split) model."""
+    torch.manual_seed(14)
+    cfg = make_cfg(routing="res")
+    res = lsdt.LongShortMixer(cfg, 16).eval()
+    split = lsdt.LongShortMixer(make_cfg(), 16).eval()
+    missing, unexpected = split.load_state_dict(res.state_dict(), strict=False)
+    assert not missing and sorted(unexpected) == [f"res_{b}.{p}" for b in ("attn", "conv") for p in ("bias", "weight")]
+    assert res.res_attn.weight.shape == (16, 16) and res.res_conv.weight.shape == (16, 16)
+    x, allowed, real = block_inputs()
+    for p in (res.res_attn.bias, res.res_conv.bias):
+        torch.nn.init.normal_(p)                                          # the model zeroes biases at init
+    x1, x2 = x.split([16, 16], -1)
+    moved = torch.cat([x1 + F.linear(x1, res.res_attn.weight, res.res_attn.bias),
+                       x2 + F.linear(x2, res.res_conv.weight, res.res_conv.bias)], -1)
+    torch.testing.assert_close(res(x, allowed, real), split(moved, allowed, real))
+
+    plain = build(make_cfg()).eval()
+    model = build(cfg).eval()
+    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and len(missing) == 2 * 2 * cfg.n_layer        # W_r1, b_r1, W_r2, b_r2 per block
+    inp = rand_inputs(3, cfg.context, torch.Generator().manual_seed(7))
+    assert (run(model, inp) - run(plain, inp)).abs().max() > 1e-3        # Xavier-initialised projections act
+    for name in missing:
+        torch.nn.init.zeros_(model.get_parameter(name))
+    torch.testing.assert_close(run(model, inp), run(plain, inp), rtol=0, atol=0)
+
+
+def test_res_routing_has_one_projection_per_branch():
+    m1 = build(make_cfg(routing="res", conv_ratio=1.0)).blocks[0].mixer
+    assert m1.res_attn is None and m1.res_conv.in_features == 32
+    m0 = build(make_cfg(routing="res", conv_ratio=0.0)).blocks[0].mixer
+    assert m0.res_conv is None and m0.res_attn.in_features == 32
+    m = build(make_cfg(routing="res", conv_ratio=0.25)).blocks[0].mixer
+    assert (m.res_attn.in_features, m.res_conv.in_features) == (24, 8)
+    plain = build(make_cfg()).blocks[0].mixer
+    assert plain.res_attn is None and plain.res_conv is None and isinstance(plain.fuse, lsdt.HybridFusion)
+
+
+def test_routing_checks():
+    """LSDT-weight needs D itself to split into heads and into groups of 4 conv channels, whatever xi; it always has an
+    attention branch; the routings are LSDT's, not DC's."""
+    ok = dict(n_embd=40, n_head=3, conv_ratio=0.1, paper_table=False)    # split: 36 attention | 4 conv channels
+    lsdt.check_model(lsdt.Config(**ok))
+    lsdt.check_model(lsdt.Config(**ok, routing="res"))
+    with pytest.raises(lsdt.data_lib.DataError, match="--n-head 3 does not divide the 40 attention channels"):
+        lsdt.check_model(lsdt.Config(**ok, routing="weight"))
+    lsdt.check_model(lsdt.Config(n_embd=34, n_head=1, conv_ratio=0.0))  # split: attention only, on 34 channels
+    with pytest.raises(lsdt.data_lib.DataError, match="dynamic-conv branch gets 34 channels"):
+        lsdt.check_model(lsdt.Config(n_embd=34, n_head=1, conv_ratio=0.0, routing="weight"))
+    lsdt.check_model(lsdt.Config(n_embd=32, conv_ratio=1.0, dropkey=0.1, routing="weight"))
 
 
 # ---------------------------------------------------------------------------------------------------- DC as DC runs
@@ -562,6 +708,11 @@ def test_cli_resume_after_sigint_matches_uninterrupted(tiny_maze, tmp_path, caps
     (["--dropkey", "0.1", "--conv-ratio", "1", "--no-paper-table"], "attention branch"),
     (["--n-head", "3", "--n-embd", "48", "--conv-ratio", "0.3333", "--no-paper-table"], "--n-head 3"),  # 32 of 48
     (["--conv-dropout", "1"], "--conv-dropout"),
+    (["--routing", "mix"], "unknown --routing 'mix'; use split, res or weight"),
+    (["--routing", "res", "--arch", "dc"], "use --routing res with --arch lsdt"),
+    (["--routing", "weight", "--fusion", "concat"], "--fusion concat has nothing to join"),
+    (["--routing", "weight", "--n-embd", "34", "--conv-ratio", "0", "--no-paper-table"],
+     "conv branch gets 34 channels (all of --n-embd 34, --routing weight)"),    # split: attention only, fine
 ])
 def test_cli_bad_input_is_one_sentence_before_any_work(argv, words, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -583,3 +734,26 @@ def test_variant_names_the_configuration_trained():
     assert name(*mr, "--context", "10", "--conv-ratio", "0.5") == "cpu"        # Config's defaults, given as flags
     assert name(*mr, "--context", "10", "--conv-ratio", "1") == "cpu_conv-ratio1"
     assert name(*mr, "--no-paper-table") == "cpu_no-paper-table"
+    assert name(*mr, "--routing", "res") == "cpu_context20_conv-ratio1_routingres"     # Table 8's LSDT-res
+    assert name(*mr, "--routing", "weight") == "cpu_context20_conv-ratio1_routingweight"
+    assert name(*mr, "--routing", "split") == "cpu_context20_conv-ratio1"              # the default, given
+
+
+def test_cli_routing_res_run_and_resume_refuses_another_routing(tiny_hopper, tmp_path, capsys):
+    """--routing res trains on the tiny dataset into its own variant; --resume keeps it, and refuses another routing
+    in one sentence that names the flag."""
+    out = run_main(["--dataset", tiny_hopper, "--steps", "4", "--eval-every", "4", "--eval-episodes", "1", *SMALL,
+                    "--routing", "res", "--out", str(tmp_path)], capsys)
+    assert "routing res" in out and out.strip().splitlines()[-1].startswith("final:")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["routing"] == "res"
+    assert cfg["variant"] == "batch-size16_context5_warmup-steps10_n-layer2_n-embd32_routingres"
+    model = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    assert model["blocks.1.mixer.res_attn.weight"].shape == model["blocks.1.mixer.res_conv.weight"].shape == (16, 16)
+    with pytest.raises(SystemExit) as e:
+        lsdt.main(["--out", str(tmp_path), "--resume", "--steps", "6", "--routing", "weight"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "--routing res there, weight here" in err and len(err.splitlines()) == 1, err
+    run_main(["--out", str(tmp_path), "--resume", "--steps", "6"], capsys)   # no --routing: the run's own
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 6
+    assert json.loads((tmp_path / "config.json").read_text())["routing"] == "res"

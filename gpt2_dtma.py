@@ -18,10 +18,13 @@ What reproduces what (flags of a training run, then analyses that read a run's c
     --no-moa                    GPT2-DT, the columns of Tabs. 2-4 (full fine-tuning, as App. F states)
     (default)                   GPT2-DTMA, Tabs. 3-4; its log.csv column g_markov and gates.png: Fig. 9, Tabs. 5-6
     --init random [--no-moa]    DTMA / DT of Tabs. 3-4: the same architecture without pretraining
+    --init clip --no-moa        CLIP-DT of Tab. 7 ([P-old] Tab. 3): CLIP ViT-B/32's text tower as the blocks (12 x 512,
+                                8 heads, QuickGELU; downloaded once, 605 MB); --init gptj (GPTJ-DT) is refused: 6B
     --markov-penalty 0.1        GPT2-P of Tab. 3 and Sec. 6.1 (Eq. 9)
     --freeze-attention --no-moa GPT2-DT (part) of App. F, Tab. 8: only the embeddings and the FFNs are fine-tuned
     --context 10 ... 50         the context sweeps of Tabs. 5-6
-    --markov                    Tab. 1 ([P-old] Tab. 2 with the ratios) and Fig. 3; without a run: GPT-2 alone
+    --markov                    Tab. 1 ([P-old] Tab. 2 with the ratios) and Fig. 3; without a run: GPT-2 alone;
+                                with --init clip: [P-old] Tab. 8 (init; on a CLIP-DT run also fine-tuned)
     --attention-maps            Fig. 4: layer-0 attention before and after fine-tuning
     --attention-distance        Figs. 1 and 7: attention mass against token distance, early (--keep-ckpt-at) vs late;
                                 run it on an --init random --no-moa run (DT) and a --no-moa run (GPT2-DT)
@@ -50,8 +53,8 @@ Glossary (paper symbol -> code name, shape):
 
 Layout: docstring -> Config -> the model (GPT-2 blocks, GPT2-DT(MA), the GPT-2 language model; only torch, math,
 dataclasses: copy it alone) -> the Markov-head quantities (pure torch) -> the paper's pieces (blocks and Markov heads,
-optimiser groups, loss, policy, G_Markov) -> train(), the loop, as in dt.py -> figures and analyses -> GPT-2 weight
-I/O and download -> --bench and main(). The run folder, checkpoint and exact resume are evaluate.py's (the run
+optimiser groups, loss, policy, G_Markov) -> train(), the loop, as in dt.py -> figures and analyses -> GPT-2 and CLIP
+weight I/O and download -> --bench and main(). The run folder, checkpoint and exact resume are evaluate.py's (the run
 record). Outputs go to runs/gpt2_dtma/<env>/<variant>/seed<N>/.
 """
 import dataclasses
@@ -111,8 +114,10 @@ class Config:
     bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
                       run=True)
     # model (App. C: GPT-2 small initialises the DT's transformer layers)
-    init: str = arg("gpt2", "'gpt2' (the Hugging Face cache, else downloaded once), a model.safetensors file or a "
-                            "folder holding it, or 'random' (DT / DTMA: the same architecture without pretraining)")
+    init: str = arg("gpt2", "'gpt2' (the Hugging Face cache, else downloaded once), 'clip' (CLIP ViT-B/32's text "
+                            "tower, likewise: CLIP-DT of Tab. 7), a model.safetensors file or a folder holding it "
+                            "(CLIP's where its config.json says so), or 'random' (DT / DTMA: the same architecture "
+                            "without pretraining); 'gptj' is refused (6B parameters)")
     n_layer: int = arg(None, "keep the first N blocks (layer 0 holds the Markov heads); default: all (12)")
     n_embd: int = arg(None, "width; default: the checkpoint's (768, also for --init random)")
     n_head: int = arg(None, "heads per layer; default: the checkpoint's (12, also for --init random)")
@@ -206,25 +211,33 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd, dropout=0.0):
+    """The block's feed-forward layer, 4x wide. activation: 'gelu_new' (GPT-2's tanh GELU) or 'quick_gelu' (CLIP's
+    x * sigmoid(1.702 x), Hugging Face's names for both): the one place where CLIP's text tower and GPT-2 differ."""
+
+    def __init__(self, n_embd, dropout=0.0, activation="gelu_new"):
         super().__init__()
+        assert activation in ("gelu_new", "quick_gelu"), activation
+        self.activation = activation
         self.c_fc = nn.Linear(n_embd, 4 * n_embd)
         self.c_proj = nn.Linear(4 * n_embd, n_embd)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))   # GPT-2's 'gelu_new'
+        h = self.c_fc(x)
+        h = F.gelu(h, approximate="tanh") if self.activation == "gelu_new" else h * torch.sigmoid(1.702 * h)
+        return self.drop(self.c_proj(h))
 
 
 class Block(nn.Module):
-    """GPT-2 block: pre-LayerNorm attention and MLP, each with a residual connection."""
+    """GPT-2 block: pre-LayerNorm attention and MLP, each with a residual connection. CLIP's text-tower layer is the
+    same block (causal, pre-LN) with activation='quick_gelu'."""
 
-    def __init__(self, n_embd, n_head, dropout=0.0, eps=1e-5, moa=False):
+    def __init__(self, n_embd, n_head, dropout=0.0, eps=1e-5, moa=False, activation="gelu_new"):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, eps=eps)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, moa)
         self.ln_2 = nn.LayerNorm(n_embd, eps=eps)
-        self.mlp = MLP(n_embd, dropout)
+        self.mlp = MLP(n_embd, dropout, activation)
 
     def forward(self, x, attn_mask=None, need_probs=False):
         a, aux = self.attn(self.ln_1(x), attn_mask, need_probs)
@@ -242,20 +255,23 @@ def _init_weights(m):
 class DecisionTransformer(nn.Module):
     """GPT2-DT / GPT2-DTMA: DT's embeddings and action head around GPT-2 blocks (App. C: "GPT2-small pretrained
     parameters to initialize DT transformer layer"; load_gpt2_blocks copies them in). cfg.moa gates every layer's
-    heads (Eqs. 6-7). cfg.n_embd and cfg.n_head must be set (build_model takes them from the checkpoint)."""
+    heads (Eqs. 6-7). cfg.n_embd and cfg.n_head must be set (build_model takes them from the checkpoint).
+    activation='quick_gelu' gives CLIP-DT's blocks (CLIP's text tower, [P-new] Tab. 7)."""
 
-    def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5):
+    def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5, activation="gelu_new"):
         super().__init__()
         C = cfg.n_embd
         # the paper only says GPT-2 initialises the transformer layers; the embeddings are DT's (and LaMo's): one
-        # learned embedding per timestep added to each token, in place of GPT-2's position embedding wpe (not used)
+        # learned embedding per timestep added to each token, in place of GPT-2's position embedding wpe (not used;
+        # nor is its token embedding wte, nor CLIP's token and position embeddings under --init clip)
         self.embed_timestep = nn.Embedding(max_ep_len, C)
         self.embed_return = nn.Linear(1, C)                  # a linear layer per modality
         self.embed_state = nn.Linear(obs_dim, C)
         self.embed_action = nn.Linear(act_dim, C)
         self.embed_ln = nn.LayerNorm(C)                      # DT's order: timestep added before this LN (LaMo: after)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList([Block(C, cfg.n_head, cfg.dropout, eps, cfg.moa) for _ in range(cfg.n_layer)])
+        self.blocks = nn.ModuleList([Block(C, cfg.n_head, cfg.dropout, eps, cfg.moa, activation)
+                                     for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(C, eps=eps)
         self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions live in [-1, 1]
         self.apply(_init_weights)
@@ -266,7 +282,8 @@ class DecisionTransformer(nn.Module):
     @torch.no_grad()
     def load_gpt2_blocks(self, sd):
         """Copy GPT-2's first len(self.blocks) blocks and its ln_f from a GPT2 state dict (names h.<i>.*, ln_f.*,
-        nn.Linear layout, as gpt2_state_from_hf makes it). The embeddings, the action head and the gates stay new."""
+        nn.Linear layout, as gpt2_state_from_hf makes it; clip_state_from_hf maps CLIP's text tower onto the same
+        names, its final_layer_norm as ln_f). The embeddings, the action head and the gates stay new."""
         for name, p in self.named_parameters():
             src = "h." + name[len("blocks."):] if name.startswith("blocks.") else name
             if name.startswith(("blocks.", "ln_f.")) and ".gate_" not in name:
@@ -308,6 +325,7 @@ class GPT2Config:
     n_layer: int = 12
     n_head: int = 12
     layer_norm_epsilon: float = 1e-5
+    activation: str = "gelu_new"          # the MLP's (GPT-2: tanh GELU)
 
 
 class GPT2(nn.Module):
@@ -319,7 +337,8 @@ class GPT2(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.h = nn.ModuleList([Block(cfg.n_embd, cfg.n_head, eps=cfg.layer_norm_epsilon) for _ in range(cfg.n_layer)])
+        self.h = nn.ModuleList([Block(cfg.n_embd, cfg.n_head, eps=cfg.layer_norm_epsilon, activation=cfg.activation)
+                                for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def forward(self, idx, need_probs=False):
@@ -353,6 +372,9 @@ class GPT2(nn.Module):
 # to the last token (Thm 4.3, Fig. 4), attention by distance (Figs. 1/7), head importance (Sec. 4.1.2, Fig. 2)
 
 MARKOV_HEADS = (1, 5, 10)   # GPT-2 small's layer-0 Markov heads (Tab. 1; Eq. 9 penalises exactly these)
+# [P-old] Tab. 8: CLIP's text tower at init, per layer-0 head: R.1 (condition (i)) and the R.2 ratio (condition (ii))
+CLIP_TAB8 = ((True, 2.26), (True, 1.67), (False, 5.89), (False, 6.49), (True, 2.49), (True, 2.25), (True, 2.99),
+             (False, 7.49))
 
 
 def head_qk_matrix(c_attn_weight, n_head, i, layout="model"):
@@ -454,6 +476,8 @@ def head_importance(model, batch):
 
 SCRIPT = "gpt2_dtma"
 GPT2_NAMES = ("gpt2", "openai-community/gpt2")
+CLIP_NAMES = ("clip", "openai/clip-vit-base-patch32")     # CLIP-DT ([P-new] Tab. 7, [P-old] Tab. 3): the text tower
+GPTJ_NAMES = ("gptj", "gpt-j", "gpt-j-6b", "eleutherai/gpt-j-6b")   # GPTJ-DT ([P-new] Tab. 7): refused (model_problem)
 
 
 def check_model(cfg):
@@ -464,18 +488,25 @@ def check_model(cfg):
 
 
 def model_problem(cfg):
+    if cfg.init.lower() in GPTJ_NAMES:
+        return (f"--init {cfg.init}: GPT-J (6B parameters, 24 GB of fp32 weights, 28 layers of width 4096 with rotary "
+                f"position embeddings) is out of a laptop's reach, so this file does not load it; [P-new] Tab. 7's "
+                f"GPTJ-DT column is the paper's alone")
     if cfg.init == "random":   # GPT-2 small's shape unless given, within the bounds a GPT-2 config.json is held to
         for name in ("n_embd", "n_head", "n_layer"):
             if (getattr(cfg, name) or 0) > GPT2_LIMITS[name]:
                 return (f"--{name.replace('_', '-')} {getattr(cfg, name)}: a GPT-2 has at most {GPT2_LIMITS[name]} "
                         f"(the bound its config.json is held to)")
-    if cfg.init in GPT2_NAMES or cfg.init == "random":
+    if cfg.init == "random":
         g = GPT2Config()                                 # GPT-2 small (the shape --init random copies)
-    else:
+    else:                                                # a hub name's own, else the checkpoint's config.json
         try:
-            g = gpt2_config_of(cfg.init)
+            g = local_config(cfg.init)
         except data_lib.DataError as e:
             return str(e)
+    if (cfg.sample or cfg.text_attention) and isinstance(g, CLIPTextConfig):
+        return (f"--{'sample' if cfg.sample else 'text-attention'} checks GPT-2's language model on GPT-2's tokens; "
+                f"CLIP's text tower (--init {cfg.init}) has no language-model head: try --markov")
     if cfg.n_embd is not None and cfg.init != "random" and cfg.n_embd != g.n_embd:
         return f"--n-embd {cfg.n_embd}: the checkpoint's width is {g.n_embd} (pretrained blocks bring their own)"
     if cfg.n_head is not None and cfg.init != "random" and cfg.n_head != g.n_head:
@@ -514,22 +545,23 @@ def build_model(cfg, info):
         if cfg.init == "random":
             g, source = GPT2Config(n_embd=info["shape"]["n_embd"], n_head=info["shape"]["n_head"]), "random init"
             heads = MARKOV_HEADS if g.n_head > max(MARKOV_HEADS) else ()
-        else:
-            g, sd, source = *load_gpt2_checkpoint(cfg.init), find_gpt2_weights(cfg.init)
-            small = (g.n_embd, g.n_head) == (768, 12)
+        else:                                  # GPT-2's blocks, or CLIP's text tower mapped onto them
+            g, sd, source = *load_checkpoint(cfg.init), find_weights(cfg.init)
+            small = isinstance(g, GPT2Config) and (g.n_embd, g.n_head) == (768, 12)
             heads = MARKOV_HEADS if small else find_markov_heads(sd["h.0.attn.c_attn.weight"], g.n_head, cfg.markov_r)
         info["markov_heads"] = list(heads)
         why = ("the paper's, by definition: random weights have none" if sd is None else
                "GPT-2 small's, Tab. 1" if small else f"Def. 4.1 with r={cfg.markov_r:g} on these weights")
-        print(f"blocks from {source}: {info['shape']['n_layer']} of width {g.n_embd} with {g.n_head} heads; layer-0 "
-              f"Markov heads {label(heads)} ({why})")
+        print(f"blocks from {source}: {info['shape']['n_layer']} of width {g.n_embd} with {g.n_head} heads "
+              f"({g.activation}); layer-0 Markov heads {label(heads)} ({why})")
         if cfg.markov_penalty and not heads:
             raise data_lib.DataError(f"--markov-penalty: the Markov test (Def. 4.1, r={cfg.markov_r:g}) finds no "
                                      f"Markov head in layer 0 of {source}, so there is nothing to penalise; try a "
                                      f"smaller --markov-r")
     s = info["shape"]
     model = DecisionTransformer(dataclasses.replace(cfg, n_embd=s["n_embd"], n_head=s["n_head"], n_layer=s["n_layer"]),
-                                info["obs_dim"], info["act_dim"], info["max_ep_len"], eps=s["eps"])
+                                info["obs_dim"], info["act_dim"], info["max_ep_len"], eps=s["eps"],
+                                activation=s.get("activation", "gelu_new"))   # runs from before CLIP-DT: GPT-2's
     if sd is not None:
         model.load_gpt2_blocks(sd)
     model.markov_heads = tuple(info["markov_heads"])
@@ -539,11 +571,12 @@ def build_model(cfg, info):
 
 
 def shape_of(cfg):
-    """A new run's blocks, before any weight is read: --init's config (GPT-2 small's for 'gpt2'; for 'random', GPT-2
-    small's with --n-embd / --n-head), the first --n-layer blocks."""
+    """A new run's blocks, before any weight is read: --init's config (GPT-2 small's for 'gpt2', CLIP ViT-B/32's text
+    tower for 'clip'; for 'random', GPT-2 small's with --n-embd / --n-head), the first --n-layer blocks."""
     g = (GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12) if cfg.init == "random" else
-         GPT2Config() if cfg.init in GPT2_NAMES else gpt2_config_of(cfg.init))
-    return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer, eps=g.layer_norm_epsilon)
+         local_config(cfg.init))
+    return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer, eps=g.layer_norm_epsilon,
+                activation=g.activation)
 
 
 def is_frozen(name):
@@ -741,19 +774,22 @@ def format_markov_table(tables, rs=(8.0, 20.0)):
 def markov_analysis(cfg, run=None):
     """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for both
     readings of A (C x C and D x D) and r = 8 and 20 (Tab. 1; [P-old] Tab. 2 gives the ratios: on GPT-2 heads 1, 5, 10
-    are Markov with 23.61 / 29.67 / 23.7; head 9 passes (ii) at r = 8 with 15.37 but fails (i)); Fig. 3's heatmaps."""
+    are Markov with 23.61 / 29.67 / 23.7; head 9 passes (ii) at r = 8 with 15.37 but fails (i)); Fig. 3's heatmaps.
+    --init clip: [P-old] Tab. 8, CLIP's text tower (8 heads of width 64, C = 512), the paper's values printed beside."""
+    g = None
     if cfg.init == "random":   # the run's own random start (without a run: a random init of the default shape)
         info = run["ck"]["info"] if run else dict(obs_dim=1, act_dim=1, max_ep_len=1, goal_dim=0)
         W0 = start_model(cfg, info).blocks[0].attn.c_attn.weight.detach()
         n_head = info.get("shape", {}).get("n_head", cfg.n_head or 12)
     else:
-        g, sd = load_gpt2_checkpoint(cfg.init)
-        W0, n_head = sd["h.0.attn.c_attn.weight"], g.n_head
+        g, sd = load_checkpoint(cfg.init)                   # GPT-2's blocks, or CLIP's text tower mapped onto them
+        W0, n_head = sd["h.0.attn.c_attn.weight"], g.n_head   # (3C, C): W^q, W^k, W^v rows; the config's head count
     tables, weights = {"init": markov_table(W0, n_head)}, {"init": W0}
     if run is not None:
         W1 = run["model"].blocks[0].attn.c_attn.weight.detach().cpu()
         tables["fine-tuned"], weights["fine-tuned"] = markov_table(W1, n_head), W1
-    out = run["out"] if run else cfg.out or os.path.join("runs", SCRIPT, "gpt2")
+    clip = isinstance(g, CLIPTextConfig)
+    out = run["out"] if run else cfg.out or os.path.join("runs", SCRIPT, "clip" if clip else "gpt2")
     print(f"Markov-matrix test of the layer-0 heads (Def. 4.1) of {cfg.init}" +
           (f", at the start and after fine-tuning ({run['out']})" if run else ""))
     print(format_markov_table(tables))
@@ -766,6 +802,9 @@ def markov_analysis(cfg, run=None):
     C = W0.shape[1]
     print(f"Remark 4.7's bound r > ln(d-1)+1: {math.log(C // n_head - 1) + 1:.2f} for d={C // n_head}, "
           f"{math.log(C - 1) + 1:.2f} for d={C}; GPT-2 small's Markov heads (Tab. 1): {label(MARKOV_HEADS)}")
+    if clip and n_head == len(CLIP_TAB8):
+        print("[P-old] Tab. 8, CLIP's text tower at init, (i) and ratio per head: " +
+              ", ".join(f"{h} {'✓' if i else '×'} {r}" for h, (i, r) in enumerate(CLIP_TAB8)) + "; no Markov head")
     marked = [x["head"] for x in tables["init"] if x["model_i"] and x["model_ratio"] > cfg.markov_r]
     shown = [next((h for h in range(n_head) if h not in marked), 0)] + marked[:1]   # a non-Markov and a Markov head
     plt = plt_agg()
@@ -930,7 +969,7 @@ def gif(cfg, run):
 
 
 def load_lm(cfg):
-    return load_gpt2_lm("gpt2" if cfg.init == "random" else cfg.init).eval()
+    return load_gpt2_lm("gpt2" if cfg.init == "random" else cfg.init).eval()   # CLIP: refused by model_problem
 
 
 def sample_text(cfg, max_new_tokens=40):
@@ -991,24 +1030,52 @@ ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attent
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GPT-2 weights: a hand-written safetensors reader, the name mapping, config.json, the cache and the download
+# pretrained weights (GPT-2, and CLIP's text tower for CLIP-DT): a hand-written safetensors reader, the name mappings,
+# config.json, the cache and the download
 
 SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
                       "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
                       "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1)}
 MAX_HEADER_BYTES = 100 * 1024 * 1024        # the format's own limit (safetensors rejects larger headers)
 GPT2_URL = "https://huggingface.co/openai-community/gpt2/resolve/main/model.safetensors"
+CLIP_URL = "https://huggingface.co/openai/clip-vit-base-patch32/resolve/main/model.safetensors"   # 605 MB, both towers
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # config.json: each GPT-2 field with its type and the largest value accepted, checked before anything is allocated
 GPT2_LIMITS = dict(vocab_size=1_000_000, n_positions=65_536, n_embd=12_288, n_layer=96, n_head=256)
+CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings", n_embd="hidden_size",
+                 n_layer="num_hidden_layers", n_head="num_attention_heads")   # CLIP's config.json names, same limits
+CLIP_MODEL_TYPES = ("clip", "clip_text_model")   # config.json's model_type of CLIPModel (text_config) / CLIPTextModel
+# where a hub name's model.safetensors is found: Hugging Face cache folders, then this file's cache, else downloaded
+HUB = {"gpt2": dict(repos=("models--openai-community--gpt2", "models--gpt2"), url=GPT2_URL,
+                    cache="model.safetensors", what="GPT-2 small", first="--sample hi"),
+       "clip": dict(repos=("models--openai--clip-vit-base-patch32",), url=CLIP_URL,
+                    cache=os.path.join("clip-vit-base-patch32", "model.safetensors"), what="CLIP ViT-B/32",
+                    first="--markov --init clip")}
+
+
+@dataclass
+class CLIPTextConfig:
+    """CLIP's text tower (ViT-B/32's: 12 causal pre-LN layers, width 512, 8 heads, QuickGELU), under GPT2Config's
+    field names, so that it builds the same blocks (activation 'quick_gelu'). The values are CLIPTextConfig's defaults
+    in Hugging Face, which are ViT-B/32's."""
+    vocab_size: int = 49408
+    n_positions: int = 77
+    n_embd: int = 512
+    n_layer: int = 12
+    n_head: int = 8
+    layer_norm_epsilon: float = 1e-5
+    activation: str = "quick_gelu"
 
 
 class CheckpointError(data_lib.DataError):
-    """A GPT-2 checkpoint that cannot be used (missing, truncated, malformed, wrong names or shapes): one sentence."""
+    """A GPT-2 or CLIP checkpoint that cannot be used (missing, truncated, malformed, wrong names, dtypes or shapes):
+    one sentence."""
 
 
-def read_safetensors(path):
-    """Parse a .safetensors file by hand -> dict[str, torch.Tensor] (CPU, own memory).
+def read_safetensors(path, keep=None):
+    """Parse a .safetensors file by hand -> dict[str, torch.Tensor] (CPU, own memory). keep(name) -> bool: read only
+    those tensors (CLIP's text tower out of a file that also holds the vision tower); every entry is checked all the
+    same.
 
     Layout: 8-byte little-endian u64 header length n; n bytes of JSON {name: {dtype, shape, data_offsets:[a,b]},
     optional "__metadata__": {str: str}}; then the raw little-endian tensor bytes, offsets relative to the data start.
@@ -1059,6 +1126,8 @@ def read_safetensors(path):
                 raise CheckpointError(f"{path}: tensors '{n0}' and '{n1}' overlap in the data")
         out = {}
         for a, b, name in spans:
+            if keep is not None and not keep(name):
+                continue
             info = header[name]
             dtype = SAFETENSORS_DTYPES[info["dtype"]][0]
             f.seek(8 + n + a)
@@ -1073,17 +1142,32 @@ def read_safetensors(path):
         return out
 
 
+def check_tensors(sd, shapes, what):
+    """Every tensor of `shapes` is in sd, floating-point and of its shape, else one sentence naming the first that is
+    not: a checkpoint of another model is a CheckpointError, not a silent half-load."""
+    missing = sorted(set(shapes) - set(sd))
+    if missing:
+        clip = what == "GPT-2" and any(k.endswith("encoder.layers.0.layer_norm1.weight") for k in sd)
+        raise CheckpointError(f"not a {what} checkpoint with this config: {len(missing)} tensors missing (e.g. "
+                              f"'{missing[0]}')" + ("; its tensors look like CLIP's text tower, whose config.json "
+                                                    "(model_type clip) must sit beside it" if clip else ""))
+    for k, s in shapes.items():
+        if not sd[k].is_floating_point():
+            raise CheckpointError(f"tensor '{k}' has dtype {str(sd[k].dtype).replace('torch.', '')}, expected "
+                                  f"floating-point weights")
+        if tuple(sd[k].shape) != s:
+            raise CheckpointError(f"tensor '{k}' has shape {tuple(sd[k].shape)}, expected {s}")
+
+
 def gpt2_state_from_hf(sd, cfg):
-    """HF GPT-2 tensors (with or without the 'transformer.' prefix, Conv1D layout) -> GPT2 state dict. Checks every
-    name and shape, so a checkpoint of another model is a CheckpointError, not a silent half-load."""
+    """HF GPT-2 tensors (with or without the 'transformer.' prefix, Conv1D layout) -> GPT2 state dict (names
+    h.<i>.*, nn.Linear layout), checked name by name, dtype and shape."""
     out = {}
     for k, v in sd.items():
         k = k[len("transformer."):] if k.startswith("transformer.") else k
         if k == "lm_head.weight" or k.endswith(".attn.bias") or k.endswith(".attn.masked_bias"):
             continue                             # tied to wte / HF's causal-mask buffers
-        if k.endswith(CONV1D) and v.dim() == 2:
-            v = v.t()                            # Conv1D (in, out) -> nn.Linear (out, in)
-        out[k] = v.float().contiguous()
+        out[k] = v.t() if k.endswith(CONV1D) and v.dim() == 2 else v   # Conv1D (in, out) -> nn.Linear (out, in)
     C, V, P = cfg.n_embd, cfg.vocab_size, cfg.n_positions
     shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
     for i in range(cfg.n_layer):
@@ -1093,45 +1177,106 @@ def gpt2_state_from_hf(sd, cfg):
                        p + "attn.c_proj.weight": (C, C), p + "attn.c_proj.bias": (C,),
                        p + "mlp.c_fc.weight": (4 * C, C), p + "mlp.c_fc.bias": (4 * C,),
                        p + "mlp.c_proj.weight": (C, 4 * C), p + "mlp.c_proj.bias": (C,)})
-    missing = sorted(set(shapes) - set(out))
-    if missing:
-        raise CheckpointError(f"not a GPT-2 checkpoint with this config: {len(missing)} tensors missing "
-                              f"(e.g. '{missing[0]}')")
-    for k, s in shapes.items():
-        if tuple(out[k].shape) != s:
-            raise CheckpointError(f"tensor '{k}' has shape {tuple(out[k].shape)}, expected {s}")
-    return {k: out[k] for k in shapes}
+    check_tensors(out, shapes, "GPT-2")
+    return {k: out[k].float().contiguous() for k in shapes}
 
 
-def gpt2_config_from_json(path):
-    """HF config.json -> GPT2Config (GPT-2 small's values for whatever it does not say). Types, ranges and sane upper
-    bounds are checked before anything is allocated, so a hostile file (n_layer 10**9) is refused at once."""
+# CLIP's text tower -> the blocks: each HF CLIPEncoderLayer's tensors (nn.Linear layout, as the blocks', so nothing is
+# transposed) under the block's own names; q_proj, k_proj and v_proj are stacked as c_attn's rows W^q, W^k, W^v
+CLIP_TO_BLOCK = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.c_proj": "self_attn.out_proj",
+                 "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+
+
+def is_clip_text_block(name):
+    """The tensors CLIP-DT takes from a CLIP file: the text tower's layers and its final LayerNorm. Not taken: its
+    token and position embeddings (DT embeds returns, states and actions itself, as it leaves GPT-2's wte and wpe
+    unused), text_projection (the contrastive head), the vision tower, logit_scale."""
+    name = name[len("text_model."):] if name.startswith("text_model.") else name
+    return name.startswith(("encoder.layers.", "final_layer_norm."))
+
+
+def clip_state_from_hf(sd, cfg):
+    """HF CLIP text-tower tensors (CLIPModel's 'text_model.' prefix or CLIPTextModel's bare names) -> the blocks' state
+    dict (h.<i>.*, ln_f.*, as gpt2_state_from_hf makes it), checked name by name, dtype and shape."""
+    sd = {k[len("text_model."):] if k.startswith("text_model.") else k: v for k, v in sd.items()}
+    C = cfg.n_embd
+    shapes = {"final_layer_norm.weight": (C,), "final_layer_norm.bias": (C,)}
+    for i in range(cfg.n_layer):
+        p = f"encoder.layers.{i}."
+        for part, weight in (("layer_norm1", (C,)), ("layer_norm2", (C,)), ("self_attn.q_proj", (C, C)),
+                             ("self_attn.k_proj", (C, C)), ("self_attn.v_proj", (C, C)), ("self_attn.out_proj", (C, C)),
+                             ("mlp.fc1", (4 * C, C)), ("mlp.fc2", (C, 4 * C))):
+            shapes[f"{p}{part}.weight"], shapes[f"{p}{part}.bias"] = weight, weight[:1]   # nn.Linear: (out, in), (out,)
+    check_tensors(sd, shapes, "CLIP text-tower")
+    out = {"ln_f.weight": sd["final_layer_norm.weight"], "ln_f.bias": sd["final_layer_norm.bias"]}  # as GPT-2's ln_f
+    for i in range(cfg.n_layer):
+        src, dst = f"encoder.layers.{i}.", f"h.{i}."
+        for x in ("weight", "bias"):
+            out[f"{dst}attn.c_attn.{x}"] = torch.cat([sd[f"{src}self_attn.{q}_proj.{x}"] for q in "qkv"])  # (3C, ...)
+            out.update({f"{dst}{ours}.{x}": sd[f"{src}{theirs}.{x}"] for ours, theirs in CLIP_TO_BLOCK.items()})
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def read_config_json(path):
     try:
         with open(path) as f:
             hf = json.load(f)
     except (OSError, ValueError, RecursionError) as e:   # ValueError: bad JSON, or an int of > 4300 digits
-        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 config.json") from None
+        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 or CLIP config.json") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} is not a JSON object")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise CheckpointError(f"{path}: activation {str(act)[:30]!r} is not GPT-2's tanh GELU")
-    d, values = GPT2Config(), {}
+    return hf
+
+
+def checked_config(path, hf, cls, keys, eps_key):
+    """cls (GPT2Config or CLIPTextConfig) from the HF config dict hf, its defaults for what hf does not say. keys: our
+    field -> hf's name. Types, ranges and sane upper bounds are checked before anything is allocated, so a hostile
+    file (n_layer 10**9) is refused at once."""
+    d, values = cls(), {}
     for name, top in GPT2_LIMITS.items():
-        v = hf.get(name, getattr(d, name))
+        key = keys.get(name, name)
+        v = hf.get(key, getattr(d, name))
         if type(v) is not int or not 1 <= v <= top:
-            raise CheckpointError(f"{path}: {name} must be a whole number from 1 to {top:,}, got {str(v)[:30]}")
+            raise CheckpointError(f"{path}: {key} must be a whole number from 1 to {top:,}, got {str(v)[:30]}")
         values[name] = v
-    eps = hf.get("layer_norm_epsilon", d.layer_norm_epsilon)
+    eps = hf.get(eps_key, d.layer_norm_epsilon)
     if type(eps) not in (int, float) or not (math.isfinite(eps) and 0 < eps < 1):
-        raise CheckpointError(f"{path}: layer_norm_epsilon must be a small positive number, got {str(eps)[:30]}")
+        raise CheckpointError(f"{path}: {eps_key} must be a small positive number, got {str(eps)[:30]}")
     if values["n_embd"] % values["n_head"]:
-        raise CheckpointError(f"{path}: n_embd {values['n_embd']} is not divisible by n_head {values['n_head']}")
-    return GPT2Config(**values, layer_norm_epsilon=float(eps))
+        raise CheckpointError(f"{path}: {keys.get('n_embd', 'n_embd')} {values['n_embd']} is not divisible by "
+                              f"{keys.get('n_head', 'n_head')} {values['n_head']}")
+    return cls(**values, layer_norm_epsilon=float(eps))
 
 
-def hf_cache_candidates():
-    """model.safetensors files of GPT-2 small in the Hugging Face hub cache, newest snapshot first."""
+def config_from_json(path):
+    """HF config.json -> GPT2Config, or CLIPTextConfig where its model_type is CLIP's (CLIPModel's text_config, or a
+    CLIPTextModel's own fields)."""
+    hf = read_config_json(path)
+    if hf.get("model_type") not in CLIP_MODEL_TYPES:
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"{path}: activation {str(act)[:30]!r} is not GPT-2's tanh GELU")
+        return checked_config(path, hf, GPT2Config, {}, "layer_norm_epsilon")
+    text = (hf.get("text_config") or {}) if hf["model_type"] == "clip" else hf
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path}: text_config is not a JSON object")
+    act = text.get("hidden_act", "quick_gelu")
+    if act != "quick_gelu":
+        raise CheckpointError(f"{path}: hidden_act {str(act)[:30]!r} is not OpenAI CLIP's quick_gelu")
+    g = checked_config(path, text, CLIPTextConfig, CLIP_KEYS, "layer_norm_eps")
+    if text.get("intermediate_size", 4 * g.n_embd) != 4 * g.n_embd:
+        raise CheckpointError(f"{path}: intermediate_size {str(text['intermediate_size'])[:30]} is not 4 x hidden_size "
+                              f"{g.n_embd}, the blocks' MLP width")
+    return g
+
+
+def hub_name(init):
+    """'gpt2' or 'clip' where --init names a hub checkpoint (see HUB), else None (a path, or 'random')."""
+    return "gpt2" if init in GPT2_NAMES else "clip" if init in CLIP_NAMES else None
+
+
+def hf_cache_candidates(repos=HUB["gpt2"]["repos"]):
+    """model.safetensors files of these hub repos in the Hugging Face hub cache, newest snapshot first."""
     roots = []
     if os.environ.get("HF_HUB_CACHE"):
         roots.append(os.environ["HF_HUB_CACHE"])
@@ -1140,7 +1285,7 @@ def hf_cache_candidates():
     roots.append(os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"))
     found = []
     for root in roots:
-        for repo in ("models--openai-community--gpt2", "models--gpt2"):
+        for repo in repos:
             snaps = os.path.join(root, repo, "snapshots")
             if os.path.isdir(snaps):
                 for s in sorted(os.listdir(snaps), key=lambda s: -os.path.getmtime(os.path.join(snaps, s))):
@@ -1154,7 +1299,7 @@ def gpt2_cache_dir():
     return os.environ.get("GPT2_DTMA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "gpt2_dtma"))
 
 
-def download(url, dest):
+def download(url, dest, hub=HUB["gpt2"]):
     """Download url to dest once, with a progress line: written to dest + '.part', renamed when complete."""
     os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
     tmp = dest + ".part"
@@ -1173,49 +1318,75 @@ def download(url, dest):
     except (OSError, ValueError) as e:                # urllib.error.URLError is an OSError
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise CheckpointError(f"GPT-2 weights are not in the Hugging Face cache and could not be downloaded "
-                              f"({getattr(e, 'reason', e)}); with a network run `python gpt2_dtma.py --sample hi` "
+        raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache and could not be downloaded "
+                              f"({getattr(e, 'reason', e)}); with a network run `python gpt2_dtma.py {hub['first']}` "
                               f"once, or pass --init PATH to a local model.safetensors") from None
     os.replace(tmp, dest)
     return dest
 
 
-def find_gpt2_weights(path_or_name="gpt2", allow_download=True):
-    """'gpt2' -> the HF cache, then our cache, then download once. A file or folder path -> its model.safetensors."""
-    if path_or_name in GPT2_NAMES:
-        found = hf_cache_candidates()
+def find_weights(init="gpt2", allow_download=True):
+    """A hub name ('gpt2', 'clip') -> the HF cache, then this file's cache, then download once. A file or folder
+    path -> its model.safetensors."""
+    if name := hub_name(init):
+        hub = HUB[name]
+        found = hf_cache_candidates(hub["repos"])
         if found:
             return found[0]
-        dest = os.path.join(gpt2_cache_dir(), "model.safetensors")
+        dest = os.path.join(gpt2_cache_dir(), hub["cache"])
         if os.path.isfile(dest):
             return dest
         if not allow_download:
-            raise CheckpointError("GPT-2 weights are not in the Hugging Face cache or " + gpt2_cache_dir())
-        return download(GPT2_URL, dest)
-    p = os.path.expanduser(path_or_name)
+            raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache or {gpt2_cache_dir()}")
+        return download(hub["url"], dest, hub)
+    p = os.path.expanduser(init)
     if os.path.isdir(p):
         p = os.path.join(p, "model.safetensors")
     if not os.path.isfile(p):
-        raise CheckpointError(f"no GPT-2 checkpoint at {path_or_name} (expected model.safetensors or a folder "
-                              f"holding it, or the name 'gpt2')")
+        raise CheckpointError(f"no GPT-2 or CLIP checkpoint at {init} (expected model.safetensors or a folder holding "
+                              f"it, or the name 'gpt2' or 'clip')")
     return p
 
 
-def gpt2_config_of(path_or_name, allow_download=True):
-    """The GPT2Config of a checkpoint: its config.json when there is one beside it, else GPT-2 small's."""
-    cfg_path = os.path.join(os.path.dirname(find_gpt2_weights(path_or_name, allow_download)), "config.json")
-    return gpt2_config_from_json(cfg_path) if os.path.isfile(cfg_path) else GPT2Config()
+def named_config(init):
+    """The config of a hub name without reading a file (GPT-2 small's, CLIP ViT-B/32's text tower's), else None."""
+    name = hub_name(init)
+    return GPT2Config() if name == "gpt2" else CLIPTextConfig() if name == "clip" else None
 
 
-def load_gpt2_checkpoint(path_or_name="gpt2"):
-    """-> (GPT2Config, GPT2 state dict: names h.<i>.*, nn.Linear layout), checked name by name and shape by shape."""
-    cfg = gpt2_config_of(path_or_name)
-    return cfg, gpt2_state_from_hf(read_safetensors(find_gpt2_weights(path_or_name)), cfg)
+def local_config(init):
+    """--init's config before any download (flag checks, a run's shape): the checkpoint's where it is on disk (as
+    load_checkpoint will read it), else the hub name's own."""
+    if hub_name(init):
+        try:
+            find_weights(init, allow_download=False)
+        except CheckpointError:                          # not on disk yet: downloaded later, without a config.json
+            return named_config(init)
+    return config_of(init, allow_download=False)
 
 
-def load_gpt2_lm(path_or_name="gpt2"):
+def config_of(init, allow_download=True):
+    """The config of --init's checkpoint: its config.json when there is one beside it (GPT-2's, or CLIP's if its
+    model_type says so), else the hub name's own (GPT-2 small's for a file without one)."""
+    cfg_path = os.path.join(os.path.dirname(find_weights(init, allow_download)), "config.json")
+    return config_from_json(cfg_path) if os.path.isfile(cfg_path) else named_config(init) or GPT2Config()
+
+
+def load_checkpoint(init="gpt2"):
+    """-> (config, the blocks' state dict: names h.<i>.*, ln_f.*, nn.Linear layout), checked name by name and shape by
+    shape: GPT-2's (GPT2Config, also wte and wpe), or CLIP's text tower mapped onto the same names (CLIPTextConfig)."""
+    cfg, path = config_of(init), find_weights(init)
+    if isinstance(cfg, CLIPTextConfig):
+        return cfg, clip_state_from_hf(read_safetensors(path, keep=is_clip_text_block), cfg)
+    return cfg, gpt2_state_from_hf(read_safetensors(path), cfg)
+
+
+def load_gpt2_lm(init="gpt2"):
     """The GPT-2 language model with its pretrained weights (built on the meta device: no init work)."""
-    cfg, sd = load_gpt2_checkpoint(path_or_name)
+    cfg, sd = load_checkpoint(init)
+    if not isinstance(cfg, GPT2Config):
+        raise CheckpointError(f"{init} is CLIP's text tower, which has no language-model head: GPT-2's text checks "
+                              f"need a GPT-2 checkpoint")
     with torch.device("meta"):
         model = GPT2(cfg)
     model.load_state_dict(sd, strict=True, assign=True)

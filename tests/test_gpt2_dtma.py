@@ -202,7 +202,7 @@ def test_config_json_is_validated_before_any_allocation(tmp_path, change, words)
     assert time.time() - t0 < 1.0
     (tmp_path / "c" / "config.json").write_text('{"n_layer": ' + "9" * 5000 + "}")      # > 4300 digits
     with pytest.raises(G.CheckpointError, match="cannot read"):
-        G.gpt2_config_from_json(str(tmp_path / "c" / "config.json"))
+        G.config_from_json(str(tmp_path / "c" / "config.json"))
 
 
 def test_truncated_real_checkpoint_and_wrong_model_are_clear_errors(tmp_path):
@@ -217,7 +217,7 @@ def test_truncated_real_checkpoint_and_wrong_model_are_clear_errors(tmp_path):
     save_file({"encoder.weight": torch.zeros(3)}, str(tmp_path / "other" / "model.safetensors"))
     with pytest.raises(G.CheckpointError, match="missing"):
         G.load_gpt2_lm(str(tmp_path / "other"))
-    with pytest.raises(G.CheckpointError, match="no GPT-2 checkpoint"):
+    with pytest.raises(G.CheckpointError, match="no GPT-2 or CLIP checkpoint"):
         G.load_gpt2_lm(str(tmp_path / "nowhere"))
     assert G.load_gpt2_lm(folder).cfg.n_layer == 2
 
@@ -227,7 +227,7 @@ def test_gpt2_name_finds_hf_cache_and_download_is_atomic(tmp_path, monkeypatch):
     write_hf_folder(str(snap), hf_tiny_state(2))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    assert G.find_gpt2_weights("gpt2", allow_download=False) == str(snap / "model.safetensors")
+    assert G.find_weights("gpt2", allow_download=False) == str(snap / "model.safetensors")
     assert G.load_gpt2_lm("gpt2").cfg.n_embd == 48
     # download(): a file:// URL stands in for the hub; the result is complete and no .part file is left behind
     dest = str(tmp_path / "cache" / "model.safetensors")
@@ -332,7 +332,8 @@ def test_load_gpt2_blocks_uses_pretrained_weights(tmp_path):
     torch.manual_seed(0)
     info = dict(obs_dim=5, act_dim=2, max_ep_len=50, goal_dim=0)
     dt = G.build_model(G.Config(init=folder, n_layer=1), info)     # --n-layer 1: keep block 0 only
-    assert len(dt.blocks) == 1 and info["shape"] == dict(n_embd=48, n_head=12, n_layer=1, eps=1e-5)
+    assert len(dt.blocks) == 1
+    assert info["shape"] == dict(n_embd=48, n_head=12, n_layer=1, eps=1e-5, activation="gelu_new")
     for k, v in gpt.h[0].state_dict().items():
         assert torch.equal(dt.blocks[0].state_dict()[k], v), k
     assert torch.equal(dt.ln_f.weight, gpt.ln_f.weight)
@@ -625,8 +626,8 @@ def test_markov_heads_of_another_checkpoint_come_from_its_weights(tiny_hopper, t
 
 @pytest.mark.parametrize("args, words", [
     (["--env", "no-such-env", "--init", "random"], "unknown environment"),
-    (["--dataset", "TINY", "--init", "/no/such/ckpt"], "no GPT-2 checkpoint"),
-    (["--sample", "hi", "--init", "/no/such/ckpt"], "no GPT-2 checkpoint"),
+    (["--dataset", "TINY", "--init", "/no/such/ckpt"], "no GPT-2 or CLIP checkpoint"),
+    (["--sample", "hi", "--init", "/no/such/ckpt"], "no GPT-2 or CLIP checkpoint"),
     (["--importance", "--out", "/no/such/run"], "no checkpoint"),
     (["--dataset", "TINY", "--init", "CKPT", "--n-embd", "24"], "checkpoint's width is 48"),
     (["--dataset", "TINY", "--init", "CKPT", "--n-head", "8"], "checkpoint has 12 heads"),
@@ -662,7 +663,7 @@ def test_cli_init_from_local_checkpoint_keeps_the_pretrained_blocks(tiny_hopper,
         "--steps", 1, "--eval-every", 1, "--eval-episodes", 1, "--lr", 1e-9, "--out", tmp_path / "r")
     ck = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
     gpt = G.load_gpt2_lm(folder)
-    assert ck["info"]["shape"] == dict(n_embd=48, n_head=12, n_layer=1, eps=1e-5)
+    assert ck["info"]["shape"] == dict(n_embd=48, n_head=12, n_layer=1, eps=1e-5, activation="gelu_new")
     assert torch.allclose(ck["model"]["blocks.0.mlp.c_fc.weight"], gpt.h[0].mlp.c_fc.weight, atol=1e-6)
     assert "blocks.1.mlp.c_fc.weight" not in ck["model"]
 
@@ -696,3 +697,227 @@ def test_analyses_rebuild_the_runs_exact_starting_point(tiny_hopper, tmp_path, c
     P = G.attention_maps(*G.load_model(cfg, given))
     assert torch.allclose(P["before"], P["after"], atol=1e-6)
     capsys.readouterr()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLIP-DT ([P-new] Tab. 7, [P-old] Tabs. 3 and 8): CLIP's text tower as the blocks, against transformers' CLIPTextModel
+
+CLIP_TINY = dict(vocab_size=99, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=16)
+
+
+def hf_tiny_clip(folder, seed=0, full=False, **text):
+    """A random CLIP text tower saved by transformers (save_pretrained, safetensors) -> its CLIPTextModel. full: saved
+    as a whole CLIPModel, as the hub's openai/clip-vit-base-patch32 is (names 'text_model.*', a vision tower and the
+    projections beside it; config.json of model_type 'clip' with a text_config); else a bare CLIPTextModel."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    tc = transformers.CLIPTextConfig(**(CLIP_TINY | text), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if full:
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                      patch_size=16)
+        m = transformers.CLIPModel(transformers.CLIPConfig(text_config=tc.to_dict(), vision_config=vision,
+                                                           projection_dim=16))
+    else:
+        m = transformers.CLIPTextModel(tc)
+    with torch.no_grad():        # HF starts biases at 0 and LayerNorms at 1: give every tensor a value to get wrong
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    m.eval().save_pretrained(folder, safe_serialization=True)
+    return m.text_model if full else m
+
+
+def clip_dt(folder, **kw):
+    return G.build_model(G.Config(init=folder, dropout=0.0, **kw), dict(obs_dim=5, act_dim=2, max_ep_len=50,
+                                                                        goal_dim=0)).eval()
+
+
+def blocks_forward(model, x, **kw):
+    for block in model.blocks:
+        x = block(x, **kw)[0]
+    return model.ln_f(x)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_clip_text_tower_matches_transformers(tmp_path, full):
+    """The same input embeddings through CLIP's text tower in transformers and through the DT's blocks + ln_f loaded by
+    our reader: equal within 1e-4, on the SDPA path, the explicit-probability path and the DT's own boolean mask."""
+    hf = hf_tiny_clip(str(tmp_path), full=full)
+    dt = clip_dt(str(tmp_path))
+    assert len(dt.blocks) == 2 and dt.blocks[0].attn.n_head == 4 and dt.blocks[0].mlp.activation == "quick_gelu"
+    ids = torch.randint(0, 99, (3, 16), generator=torch.Generator().manual_seed(1))
+    T = ids.shape[1]
+    additive = torch.full((T, T), float("-inf")).triu(1)[None, None]          # HF's form of the causal mask
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(3, 1, T, T)   # the DT's form
+    with torch.no_grad():
+        x = hf.embeddings(input_ids=ids)                  # CLIP's own token + position embeddings, fed to both
+        refs = [hf(input_ids=ids).last_hidden_state,     # transformers' whole tower, its own causal mask
+                hf.final_layer_norm(hf.encoder(inputs_embeds=x, attention_mask=additive).last_hidden_state)]
+        r = torch.randn(3, T, 64, generator=torch.Generator().manual_seed(2))   # any hidden-state sequence
+        ref_r = hf.final_layer_norm(hf.encoder(inputs_embeds=r, attention_mask=additive).last_hidden_state)
+        ours = [blocks_forward(dt, x), blocks_forward(dt, x, need_probs=True), blocks_forward(dt, x, attn_mask=allowed)]
+        diff = max((o - ref).abs().max().item() for o in ours for ref in refs)
+        diff = max(diff, (blocks_forward(dt, r) - ref_r).abs().max().item())
+        assert diff < 1e-4, diff
+        # the test can fail: GPT-2's GELU in the same blocks, or no causal mask in transformers, is far off
+        gelu = clip_dt(str(tmp_path))
+        for block in gelu.blocks:
+            block.mlp.activation = "gelu_new"
+        assert (blocks_forward(gelu, x) - refs[0]).abs().max() > 1e-3
+        no_mask = hf.final_layer_norm(hf.encoder(inputs_embeds=x).last_hidden_state)
+        assert (no_mask - refs[0]).abs().max() > 1e-3
+
+
+def test_clip_weights_land_where_they_belong(tmp_path):
+    """Tensor by tensor: q, k, v stacked as c_attn's rows (nn.Linear layout, not transposed), out_proj, fc1, fc2, the
+    LayerNorms and final_layer_norm as ln_f; nothing of CLIP's embeddings, projections or vision tower is read."""
+    hf = hf_tiny_clip(str(tmp_path), full=True)
+    g, sd = G.load_checkpoint(str(tmp_path))
+    assert (g.n_embd, g.n_layer, g.n_head, g.activation) == (64, 2, 4, "quick_gelu")
+    assert set(sd) == {"ln_f.weight", "ln_f.bias"} | {f"h.{i}.{n}.{x}" for i in range(2) for x in ("weight", "bias")
+                                                      for n in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj",
+                                                                "mlp.c_fc", "mlp.c_proj")}
+    layer = hf.encoder.layers[1]
+    assert torch.equal(sd["h.1.attn.c_attn.weight"][64:128], layer.self_attn.k_proj.weight.detach())
+    assert torch.equal(sd["h.1.attn.c_attn.bias"][128:], layer.self_attn.v_proj.bias.detach())
+    assert torch.equal(sd["h.1.mlp.c_proj.weight"], layer.mlp.fc2.weight.detach())     # (64, 256): not transposed
+    assert torch.equal(sd["h.1.ln_2.weight"], layer.layer_norm2.weight.detach())
+    assert torch.equal(sd["ln_f.bias"], hf.final_layer_norm.bias.detach())
+
+
+def _rewrite(path, edit):
+    """Re-encode a safetensors file with its JSON header changed by edit(header, data_len)."""
+    blob = open(path, "rb").read()
+    n = int.from_bytes(blob[:8], "little")
+    header, data = json.loads(blob[8:8 + n]), blob[8 + n:]
+    edit(header, len(data))
+    h = json.dumps(header).encode()
+    open(path, "wb").write(len(h).to_bytes(8, "little") + h + data)
+
+
+def _save_with(folder, name, value):
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(folder, "model.safetensors")
+    sd = load_file(path)
+    sd[name] = value
+    save_file(sd, path)
+
+
+Q0 = "text_model.encoder.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda f: open(f, "r+b").write((2 ** 60).to_bytes(8, "little")), "header length"),      # absurd header length
+    (lambda f: _rewrite(f, lambda h, n: h[Q0].update(data_offsets=[n - 8, n + 16376])), "outside the data"),
+    (lambda f: _rewrite(f, lambda h, n: h[Q0].update(dtype="F33")), "unknown dtype"),
+    (lambda f: _save_with(os.path.dirname(f), Q0, torch.zeros(64, 64, dtype=torch.int32)), "dtype int32, expected"),
+    (lambda f: _save_with(os.path.dirname(f), Q0, torch.zeros(64, 63)), "shape (64, 63), expected (64, 64)"),
+    (lambda f: _save_with(os.path.dirname(f), "text_model.encoder.layers.1.mlp.fc1.weight", torch.zeros(255, 64)),
+     "expected (256, 64)"),
+    (lambda f: open(f, "r+b").truncate(os.path.getsize(f) // 2), "truncated"),
+    (lambda f: os.remove(f), "no GPT-2 or CLIP checkpoint"),
+])
+def test_clip_hostile_files_are_refused_in_one_sentence(tmp_path, capsys, damage, words):
+    hf_tiny_clip(str(tmp_path / "c"), full=True)
+    capsys.readouterr()                                             # transformers' own progress line
+    damage(str(tmp_path / "c" / "model.safetensors"))
+    t0 = time.time()
+    with pytest.raises(G.CheckpointError, match=re.escape(words)):
+        G.load_checkpoint(str(tmp_path / "c"))
+    assert time.time() - t0 < 1.0
+    with pytest.raises(SystemExit) as e:
+        G.main(["--markov", "--init", str(tmp_path / "c"), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("error:") and words in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(num_hidden_layers=10 ** 9), "num_hidden_layers must be a whole number from 1 to 96"),
+    (dict(num_attention_heads="8"), "num_attention_heads must be a whole number"),
+    (dict(num_attention_heads=5), "hidden_size 64 is not divisible by num_attention_heads 5"),
+    (dict(layer_norm_eps=-1), "layer_norm_eps must be a small positive number"),
+    (dict(hidden_act="gelu"), "not OpenAI CLIP's quick_gelu"),
+    (dict(intermediate_size=100), "intermediate_size 100 is not 4 x hidden_size 64"),
+])
+def test_clip_config_json_is_validated_before_any_allocation(tmp_path, change, words):
+    hf_tiny_clip(str(tmp_path), full=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["text_config"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(G.CheckpointError, match=re.escape(words)):
+        G.load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("init", ["gptj", "GPT-J", "EleutherAI/gpt-j-6B"])
+def test_init_gptj_is_one_sentence_before_any_work(tmp_path, capsys, monkeypatch, init):
+    def no_work(*a, **kw):
+        raise AssertionError("work began")
+    monkeypatch.setattr(G.data_lib, "load_data", no_work)
+    monkeypatch.setattr(G, "find_weights", no_work)
+    for extra in ([], ["--markov"], ["--no-moa", "--preset", "cpu"]):
+        with pytest.raises(SystemExit) as e:
+            G.main(["--init", init, "--out", str(tmp_path / "run"), *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 1 and "out of a laptop's reach" in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("n_head", [4, 8])
+def test_markov_analysis_on_clip_layer0_heads(tmp_path, capsys, n_head):
+    """--markov --init <CLIP> tests the config's n_head layer-0 heads of width 64 / n_head; the ratios equal Def. 4.1
+    computed here in numpy from transformers' own q_proj and k_proj; [P-old] Tab. 8 is printed beside 8 heads."""
+    hf = hf_tiny_clip(str(tmp_path / "c"), full=True, num_attention_heads=n_head)
+    out = cli(capsys, "--markov", "--init", tmp_path / "c", "--out", tmp_path / "m").out
+    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \| ", line)]
+    assert len(rows) == n_head and (tmp_path / "m" / "markov_heads.png").exists(), out
+    assert ("[P-old] Tab. 8" in out) == (n_head == 8)
+    tables = G.markov_analysis(G.Config(init=str(tmp_path / "c"), out=str(tmp_path / "m")))
+    attn = hf.encoder.layers[0].self_attn
+    Wq, Wk = (w.detach().double().numpy() for w in (attn.q_proj.weight, attn.k_proj.weight))   # (C, C): rows = heads
+    D = 64 // n_head
+    for h, row in enumerate(tables["init"]):
+        for layout, A in (("model", Wq[h * D:(h + 1) * D].T @ Wk[h * D:(h + 1) * D]),        # C x C
+                          ("head", Wq[h * D:(h + 1) * D] @ Wk[h * D:(h + 1) * D].T)):       # D x D
+            d = A.shape[0]
+            ratio = np.abs(np.diag(A)).mean() / ((np.abs(A).sum() - np.abs(np.diag(A)).sum()) / (d * d - d) + 1e-8)
+            assert row[f"{layout}_ratio"] == pytest.approx(ratio, rel=1e-9)
+            assert row[f"{layout}_i"] == bool((np.diag(A) > 0).all())
+    capsys.readouterr()
+
+
+def test_cli_clip_dt_from_the_hub_name_offline(tiny_hopper, tmp_path, capsys, monkeypatch):
+    """--init clip finds openai/clip-vit-base-patch32 in the Hugging Face cache (a tiny one planted there), trains
+    CLIP-DT in a run folder named after the init, keeps CLIP's blocks and QuickGELU in the checkpoint, and --markov on
+    the run shows its heads at the start and after fine-tuning. Not cached and offline: one sentence."""
+    snap = tmp_path / "hf" / "hub" / "models--openai--clip-vit-base-patch32" / "snapshots" / "abc"
+    hf = hf_tiny_clip(str(snap), full=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = ["--dataset", tiny_hopper, "--init", "clip", "--no-moa", "--n-layer", 1, "--batch-size", 4, "--context", 4,
+            "--steps", 2, "--eval-every", 2, "--eval-episodes", 1, "--log-every", 1]
+    out = cli(capsys, *args).out
+    assert "1 of width 64 with 4 heads (quick_gelu)" in out
+    (run,) = (tmp_path / "runs" / "gpt2_dtma").glob("*/*/seed0")
+    assert "_initclip_" in run.parent.name and run.parent.name.endswith("_no-moa"), run
+    ck = torch.load(run / "ckpt.pt", weights_only=True)
+    assert ck["info"]["shape"] == dict(n_embd=64, n_head=4, n_layer=1, eps=1e-5, activation="quick_gelu")
+    start = G.start_model(G.Config(init="clip", moa=False, n_layer=1), ck["info"])   # the run's start, rebuilt
+    assert torch.equal(start.blocks[0].mlp.c_fc.weight, hf.encoder.layers[0].mlp.fc1.weight.detach())
+    out = cli(capsys, "--out", run, "--markov").out
+    assert "fine-tuned CxC (i)" in out and len([x for x in out.splitlines() if re.match(r"\| \d+ \| ", x)]) == 4
+    # --sample / --text-attention are GPT-2's language model on GPT-2's tokens: refused for CLIP in one sentence
+    with pytest.raises(SystemExit) as e:
+        G.main(["--sample", "hi", "--init", "clip"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "no language-model head" in err and "\n" not in err, err
+    # not cached, and the download fails (a file:// URL stands in for an offline hub): one sentence, no .part left
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
+    monkeypatch.setenv("GPT2_DTMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(G.HUB["clip"], "url", "file://" + str(tmp_path / "offline.bin"))
+    with pytest.raises(SystemExit) as e:
+        G.main(["--markov", "--init", "clip", "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "CLIP ViT-B/32 weights are not in the Hugging Face cache" in err, err
+    assert "--markov --init clip" in err and "\n" not in err
+    assert not any(p.name.endswith(".part") for p in (tmp_path / "cache").rglob("*"))

@@ -16,6 +16,15 @@ What a window holds (B windows of K steps, left-padded, the last position is alw
 The null action/reward equal the padding value (0), so the per-step previous action inside a window is simply
 cat(prev_action, actions[:, :-1]) along time, padded windows included. evaluate.py uses the same null values.
 
+Atari (image states, discrete actions; family 'atari') differs in two entries and keeps the rest:
+    states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step, stacked when the batch is drawn (memory
+                holds one 84x84 frame per step, never 4 copies); frames before the episode's first are 0 (stack_frames)
+    actions     (B, K) int64 action index (0 where padded); prev_action (B,) int64
+A state is divided by 255 inside the model. Atari data comes from Minari's atari/<game>/expert-v0 (raw RGB frames,
+turned into 84x84 grayscale at load by the same per-frame transform its eval env gets: atari_frame_wrappers) or from
+a dataset in DQN-replay's own format (84x84 frames, the papers' AtariPreprocessing env in its spec: convert-dqn-replay
+and the replica Breakout set).
+
 Episodes from Minari have T+1 observations for T actions: s_t is paired with a_t, r_t for t < T and the final
 observation s_T (no action follows it) is dropped. Dict observations (mazes) are flattened to one vector, see
 flatten_obs. Data with a NaN or infinite observation, action or reward is refused when it is loaded.
@@ -28,6 +37,7 @@ Command line:
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -49,15 +59,41 @@ SHORT_NAMES.update({f"pointmaze-{m}": f"D4RL/pointmaze/{m}-v2" for m in
                     ("umaze", "umaze-dense", "medium", "medium-dense", "large", "large-dense")})
 SHORT_NAMES.update({f"antmaze-{m}": f"D4RL/antmaze/{m}-v1" for m in
                     ("umaze", "umaze-diverse", "medium-play", "medium-diverse", "large-play", "large-diverse")})
+# Adroit (24-DoF Shadow Hand, gymnasium-robotics' AdroitHand{Pen,Hammer,Door,Relocate}-v1): D4RL's v1 data as Minari
+# re-recorded it, pen-human -> D4RL/pen/human-v2 (LSDT's Table 9 ran D4RL's v0 human and cloned sets)
+ADROIT_TASKS = ("pen", "hammer", "door", "relocate")
+SHORT_NAMES.update({f"{t}-{level}": f"D4RL/{t}/{level}-v2" for t in ADROIT_TASKS
+                    for level in ("human", "cloned", "expert")})
+# The Atari games of the DT (Breakout, Qbert, Pong, Seaquest), StARformer (+ Assault, Boxing) and DeMa (+ Asterix,
+# Frostbite, Gopher) papers, as Minari's expert sets. The papers' own data, 1% of DQN-replay, is the user's download,
+# turned into a local dataset by `python data.py convert-dqn-replay`.
+ATARI_GAMES = ("breakout", "qbert", "pong", "seaquest", "assault", "boxing", "asterix", "frostbite", "gopher")
+SHORT_NAMES.update({f"{g}-expert": f"atari/{g}/expert-v0" for g in ATARI_GAMES})
 
 # D4RL's reference returns (d4rl/infos.py), used when a dataset carries none (Minari's mujoco/* sets, Minari#323)
 D4RL_REF_SCORES = {"Hopper": (-20.272305, 3234.3), "HalfCheetah": (-280.178953, 12135.0),
                    "Walker2d": (1.629008, 4592.3), "Ant": (-325.6, 3879.7)}
+# D4RL's Adroit reference returns (d4rl/infos.py, one pair per task), likewise used only when a dataset's metadata
+# carries none. Kept apart from D4RL_REF_SCORES, whose keys also name the locomotion robots (make_env's tracking
+# camera, convert-d4rl).
+ADROIT_REF_SCORES = {"AdroitHandPen": (-96.262264, 3076.8331), "AdroitHandHammer": (-274.856578, 12794.1),
+                     "AdroitHandDoor": (-56.512833, 2880.5697), "AdroitHandRelocate": (-6.425911, 4233.8773)}
 # Decision Transformer's evaluation targets (Chen et al. 2021, gym/experiment.py), raw return units
 DT_TARGETS = {"Hopper": [3600.0, 1800.0], "HalfCheetah": [12000.0, 6000.0], "Walker2d": [5000.0, 2500.0]}
 # AntMaze returns: reward 1 on every step within 0.45 of the goal (gymnasium-robotics maze_v4.compute_reward, sparse),
 # and Minari's D4RL/antmaze-v1 data runs as a continuing task that keeps the goal (reset_target=False) up to the time
 # limit (700 steps umaze, 1000 medium/large), so a return counts the steps spent at the goal: 0 to several hundred.
+# Return-to-go prompts on Atari, raw return units: DT's atari/run_dt_atari.py, and DeMa's Table 9 for its other games
+# (DeMa raised Qbert to 12000 and Seaquest to 1750; dema.py reads DEMA_ATARI_TARGETS).
+DT_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 14000.0, "Pong": 20.0, "Seaquest": 1150.0}
+DEMA_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 12000.0, "Pong": 20.0, "Seaquest": 1750.0, "Asterix": 700.0,
+                      "Frostbite": 1450.0, "Assault": 1200.0, "Gopher": 6500.0}
+# Atari's normalised score is 100 (R - random) / (gamer - random) with these returns (DeMa's Table 19, after Ye et al.
+# 2021), used where a dataset carries no reference scores; a game without them is scored raw only.
+ATARI_GAMER_SCORES = {"Breakout": (1.7, 30.5), "Qbert": (163.9, 13455.0), "Pong": (-20.7, 14.6),
+                      "Seaquest": (68.4, 42054.7), "Asterix": (210.0, 8503.0), "Frostbite": (65.0, 4335.0),
+                      "Assault": (222.0, 742.0), "Gopher": (258.0, 2412.0)}
+FRAME_STACK = 4          # an Atari state is the last 4 frames (DQN, and every paper here)
 NULL_ACTION_VALUE = 0.0  # a_{-1} and r_{-1} at an episode's first step (and the padding value)
 
 
@@ -88,6 +124,19 @@ def is_maze(name):
     """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name before any data is read (presets
     and the papers' per-dataset rows are chosen from it)."""
     return "maze" in name.lower()             # short names (pointmaze-umaze) and Minari ids (D4RL/antmaze/...) alike
+
+
+def is_atari(name):
+    """Atari data, told before the episodes are read: Minari's atari/* ids (and their short names), or a local
+    dataset whose recorded env is ale-py's (convert-dqn-replay's, the replica). False for a name that means nothing."""
+    try:
+        dataset_id = resolve(name)
+        if dataset_id.startswith("atari/"):
+            return True
+        with open(os.path.join(dataset_folder(dataset_id), "data", "metadata.json")) as f:
+            return "ale_py" in str(json.load(f).get("env_spec", ""))
+    except (DataError, OSError, ValueError, AttributeError):
+        return False
 
 
 # Dict observations are flattened in a fixed key order. PointMaze's `observation` starts with the ball's x, y, so its
@@ -126,9 +175,23 @@ def dataset_folder(dataset_id):
 
 
 def damaged(dataset_id, detail):
-    """The one sentence for a dataset that is there but cannot be read as Minari wrote it."""
-    return DataError(f"the dataset '{dataset_id}' at {dataset_folder(dataset_id)} is damaged ({detail}); delete that "
-                     f"folder and download it again with `minari download {dataset_id}` (or write it again)")
+    """The one sentence for a dataset that is there but cannot be read as Minari wrote it, saying how to get it again:
+    the data.py command that made it (mix, convert-*: its metadata's data_py_command, or algorithm_name in datasets
+    made before that key), else `minari download`."""
+    folder = dataset_folder(dataset_id)
+    try:
+        with open(os.path.join(folder, "data", "metadata.json")) as f:
+            meta = json.load(f)
+        algorithm = str(meta.get("algorithm_name"))
+        made = (f"`{meta['data_py_command']}`" if meta.get("data_py_command") else
+                f"the data.py command that made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm
+                else None)
+    except (OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
+        meta, made = None, None
+    again = (f"make it again with {made}" if made else f"download it again with `minari download {dataset_id}`"
+             if meta is not None else f"get it again (`minari download {dataset_id}` if it came from Minari's "
+             f"servers, else the data.py command that made it)")
+    return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that folder and {again}")
 
 
 def _open_minari(dataset_id, download):
@@ -176,15 +239,19 @@ def _check_finite(source, arrays, ep_start):
 @dataclass
 class OfflineData:
     dataset_id: str
-    family: str                 # 'mujoco' | 'maze' | 'other'
-    episodes: list              # dicts: observations (T, obs_dim), actions (T, act_dim), rewards (T,), terminated
+    family: str                 # 'mujoco' | 'maze' | 'atari' | 'other'
+    episodes: list              # dicts: observations (T, obs_dim), actions (T, act_dim), rewards (T,), terminated;
+                                # Atari: observations (T, 84, 84) uint8 frames, actions (T,) int64
     env_spec: object            # gymnasium EnvSpec of the evaluation env (None for synthetic_data)
     ref_min: float = float("nan")
     ref_max: float = float("nan")
     ref_source: str = "none"
     return_scale: float = 1.0
     target_returns: list = field(default_factory=list)
-    max_ep_len: int = 1000
+    max_ep_len: int = 1000      # timesteps the model embeds (0 .. max_ep_len - 1; evaluation clamps to the last)
+    horizon: int = 0            # evaluation steps at most (0: max_ep_len); Atari: 108k frames / frame skip 4
+    n_actions: int = 0          # discrete actions (Atari's Discrete space), 0 for continuous actions
+    raw_frames: bool = False    # Atari frames stored as 210x160 RGB (Minari's atari/*): atari_frame_wrappers applied
     goal_reaching: bool = False
     goal_dim: int = 0           # the last goal_dim state entries are desired_goal (dict observations), else 0
     obs_keys: tuple = MAZE_KEYS  # how flatten_obs orders dict observations (obs_keys_for(env_spec))
@@ -193,23 +260,41 @@ class OfflineData:
 
     def __post_init__(self):
         eps = self.episodes
-        self.obs_dim = eps[0]["observations"].shape[1]
-        self.act_dim = eps[0]["actions"].shape[1]
+        self.discrete = self.n_actions > 0
         lengths = np.array([len(e["actions"]) for e in eps])
         self.ep_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])            # (n_episodes,)
         self.step_ep_start = np.repeat(self.ep_start, lengths)                     # (N,) first row of its episode
-        obs = np.concatenate([e["observations"] for e in eps]).astype(np.float64)  # (N, obs_dim)
-        actions = np.concatenate([e["actions"] for e in eps]).astype(np.float32)   # (N, act_dim)
         rewards = np.concatenate([e["rewards"] for e in eps]).astype(np.float32)   # (N,)
-        _check_finite(f"dataset '{self.dataset_id}'", dict(observations=obs, actions=actions, rewards=rewards),
-                      self.ep_start)
-        if self.state_mean is None:
-            self.state_mean = obs.mean(0).astype(np.float32)
-            self.state_std = (obs.std(0) + 1e-6).astype(np.float32)
+        if self.family == "atari":
+            # one frame per step, uint8; the episodes' own arrays become views of it (one copy of 500k frames)
+            frames = np.concatenate([e["observations"] for e in eps])               # (N, 84, 84) uint8
+            for e, a, n in zip(eps, self.ep_start, lengths):
+                e["observations"] = frames[a:a + n]
+            self.obs_shape = (FRAME_STACK, *frames.shape[1:])                      # (4, 84, 84)
+            actions = np.concatenate([e["actions"] for e in eps]).astype(np.int64)  # (N,)
+            if actions.min() < 0 or actions.max() >= self.n_actions:
+                raise DataError(f"dataset '{self.dataset_id}' has action indices outside its Discrete("
+                                f"{self.n_actions}) space, so it cannot be used")
+            _check_finite(f"dataset '{self.dataset_id}'", dict(rewards=rewards), self.ep_start)
+            self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)  # frames: / 255 in the model
+            states = dict(frames=frames)
+        else:
+            obs = np.concatenate([e["observations"] for e in eps]).astype(np.float64)  # (N, obs_dim)
+            self.obs_shape = obs.shape[1:]
+            actions = np.concatenate([e["actions"] for e in eps]).astype(np.float32)   # (N, act_dim)
+            _check_finite(f"dataset '{self.dataset_id}'", dict(observations=obs, actions=actions, rewards=rewards),
+                          self.ep_start)
+            if self.state_mean is None:
+                self.state_mean = obs.mean(0).astype(np.float32)
+                self.state_std = (obs.std(0) + 1e-6).astype(np.float32)
+            states = dict(states=self.normalize_states(obs))                          # (N, obs_dim)
+        self.obs_dim = int(np.prod(self.obs_shape))
+        self.act_dim = self.n_actions if self.discrete else actions.shape[1]
+        self.horizon = self.horizon or self.max_ep_len
         # Flat arrays, one row per dataset step; a batch is a handful of fancy-indexing slices of these.
         self.flat = dict(
-            states=self.normalize_states(obs),                                      # (N, obs_dim)
-            actions=actions,                                                        # (N, act_dim)
+            **states,                                                               # (N, obs_dim) or frames (N, 84, 84)
+            actions=actions,                                                        # (N, act_dim) or (N,) int64
             rewards=rewards,                                                        # (N,)
             rtg=np.concatenate([returns_to_go(e["rewards"]) for e in eps]).astype(np.float32) * self.return_scale,
             timesteps=np.concatenate([np.arange(n) for n in lengths]),              # (N,)
@@ -217,11 +302,20 @@ class OfflineData:
         self.episode_returns = np.array([e["rewards"].sum() for e in eps])
 
     def info(self):
-        """What a model is built from; saved with its checkpoint, so that an analysis rebuilds it without the data."""
-        return dict(obs_dim=self.obs_dim, act_dim=self.act_dim, max_ep_len=self.max_ep_len, goal_dim=self.goal_dim)
+        """What a model is built from; saved with its checkpoint, so that an analysis rebuilds it without the data.
+        act_dim is the number of actions where they are discrete (discrete=True); obs_shape (4, 84, 84) for Atari."""
+        return dict(obs_dim=self.obs_dim, act_dim=self.act_dim, max_ep_len=self.max_ep_len, goal_dim=self.goal_dim,
+                    discrete=self.discrete, obs_shape=list(self.obs_shape))
 
     def normalize_states(self, obs):
         return ((np.asarray(obs, dtype=np.float64) - self.state_mean) / self.state_std).astype(np.float32)
+
+    def observe(self, obs):
+        """An env's observation -> what a history row holds: the normalised flat state, or Atari's 84x84 uint8 frame
+        (the eval env applies the frame transform itself)."""
+        if self.family == "atari":
+            return np.asarray(obs, dtype=np.uint8)
+        return self.normalize_states(self.flatten_obs(obs))
 
     def normalize_score(self, returns):
         """D4RL-style normalised score: 100 * (R - ref_min) / (ref_max - ref_min)."""
@@ -233,11 +327,15 @@ class OfflineData:
 
     def make_env(self, render=False):
         """The dataset's own evaluation env (Minari's eval_env_spec, else env_spec); render=True: one that renders
-        240 x 240 RGB frames offscreen (MuJoCo needs MUJOCO_GL on a machine without a display, evaluate.pick_gl)."""
+        240 x 240 RGB frames offscreen (MuJoCo needs MUJOCO_GL on a machine without a display, evaluate.pick_gl),
+        or on Atari the game's own 210 x 160 colour screen."""
         import gymnasium as gym
         if self.env_spec is None:
             raise DataError(f"'{self.dataset_id}' is synthetic data and has no environment to evaluate in")
-        if self.family == "maze":
+        if self.family == "atari":
+            env = make_atari_env(self.env_spec, render_mode="rgb_array" if render else None)
+            return atari_frame_wrappers(env) if self.raw_frames else env
+        if self.family == "maze" or str(self.env_spec.entry_point).startswith("gymnasium_robotics"):  # and Adroit
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 import gymnasium_robotics   # (its import prints a notice about its Adroit envs)
             gym.register_envs(gymnasium_robotics)
@@ -282,36 +380,63 @@ def returns_to_go(rewards):
     return np.cumsum(np.asarray(rewards, dtype=np.float64)[::-1])[::-1]
 
 
-def gather_windows(flat, start, end, K):
+def gather_windows(flat, start, end, K, ring=0):
     """Windows of K rows ending at row `end` (inclusive) that never reach before row `start` (their episode's first
-    row): positions before it are padding. flat: dict of arrays with rows as the first axis. start, end: (B,) ints.
-    Used for training batches (rows = dataset steps) and by evaluate.py (rows = each env's history)."""
+    row): positions before it are padding. flat: dict of arrays with rows as the first axis (Atari: `frames` in place
+    of `states`, stacked by stack_frames). start, end: (B,) ints. Used for training batches (rows = dataset steps) and
+    by evaluate.py (rows = each env's history). ring > 0: each episode's rows are stored in a ring of `ring` rows
+    from `start` on (row r at start + (r - start) % ring), which is how evaluate.py keeps only the recent past."""
+    def at(rows):                                              # row numbers -> where they are stored
+        s = start.reshape(-1, *[1] * (rows.ndim - 1))
+        return s + (rows - s) % ring if ring else rows
     idx = end[:, None] - (K - 1) + np.arange(K)[None, :]       # (B, K) row of each position
     real = idx >= start[:, None]                               # (B, K) False on the left padding
-    idx = np.where(real, idx, 0)
+    rows = np.where(real, idx, start[:, None])                 # (B, K) padding points at the start row (zeroed below)
+    idx = at(rows)
     f = real.astype(np.float32)
     first = np.maximum(end - (K - 1), start)                   # (B,) first real row t0
     has_prev = first > start                                   # a_{t0-1} exists inside the episode
-    prev = np.where(has_prev, first - 1, 0)
+    prev = at(np.where(has_prev, first - 1, start))
+    a = flat["actions"]
+    states = (stack_frames(flat["frames"], start, rows, at) * real[..., None, None, None]  # (B, K, 4, 84, 84) uint8
+              if "frames" in flat else flat["states"][idx] * f[..., None])                 # (B, K, obs_dim)
     batch = dict(
-        states=flat["states"][idx] * f[..., None],                              # (B, K, obs_dim)
-        actions=flat["actions"][idx] * f[..., None],                            # (B, K, act_dim)
+        states=states,
+        actions=a[idx] * (real if a.ndim == 1 else f[..., None]),               # (B, K, act_dim), or (B, K) int64
         rewards=(flat["rewards"][idx] * f)[..., None],                          # (B, K, 1)
         rtg=(flat["rtg"][idx] * f)[..., None],                                  # (B, K, 1)
         timesteps=flat["timesteps"][idx] * real,                                # (B, K)
         mask=f,                                                                 # (B, K)
-        prev_action=flat["actions"][prev] * has_prev[:, None],                 # (B, act_dim), null = 0
+        prev_action=a[prev] * (has_prev if a.ndim == 1 else has_prev[:, None]),  # (B, act_dim) or (B,), null = 0
         prev_reward=(flat["rewards"][prev] * has_prev)[:, None],               # (B, 1), null = 0
     )
-    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64 if k == "timesteps" else np.float32))
-            for k, v in batch.items()}
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}   # dtypes as above
 
 
-def _episode_arrays(ep, keys, fix_first_goal, dataset_id):
+def stack_frames(frames, start, rows, at=lambda r: r):
+    """Atari's state at each of `rows`: its frame and the FRAME_STACK - 1 before it, oldest first, with the frames
+    before the episode's first row (`start`, one per window) set to 0. DT's Atari env wrapper fills its frame buffer
+    with zeros at reset, so evaluation's first states look like this; training's windows at an episode's start are
+    stacked by the same rule (one function for both). frames (N, 84, 84) uint8; rows (B, K) -> (B, K, 4, 84, 84)."""
+    r = rows[..., None] - (FRAME_STACK - 1) + np.arange(FRAME_STACK)          # (B, K, 4) rows of the stacked frames
+    inside = r >= start.reshape(-1, 1, 1)                                       # (B, K, 4) False before the episode
+    return frames[at(np.where(inside, r, start.reshape(-1, 1, 1)))] * inside[..., None, None]  # (B, K, 4, 84, 84)
+
+
+def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
+    """One Minari episode -> dict of arrays (drops the final observation s_T). frames: Atari's frame transform (the
+    identity for 84x84 frames, atari_frame_wrappers' for raw RGB), applied to each kept frame; frames stay uint8."""
     T = len(ep.actions)
     if T == 0:
         raise damaged(dataset_id, f"episode {ep.id} has no steps")
     obs = ep.observations
+    rows = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+    if rows != T + 1 or len(ep.rewards) != T:
+        raise damaged(dataset_id, f"episode {ep.id} has {rows} observations and {len(ep.rewards)} rewards for {T} "
+                                  f"actions, where Minari stores T + 1 and T")
+    if frames is not None:
+        return dict(observations=frames(np.asarray(obs[:T], dtype=np.uint8)), actions=np.asarray(ep.actions).reshape(T),
+                    rewards=np.asarray(ep.rewards, dtype=np.float32), terminated=bool(np.asarray(ep.terminations)[-1]))
     if isinstance(obs, dict):
         obs = {k: np.asarray(v) for k, v in obs.items()}
         if fix_first_goal and len(obs["desired_goal"]) > 2:
@@ -321,9 +446,6 @@ def _episode_arrays(ep, keys, fix_first_goal, dataset_id):
         obs = flatten_obs(obs, keys)
     obs = np.asarray(obs, dtype=np.float32).reshape(len(obs), -1)
     actions = np.asarray(ep.actions, dtype=np.float32).reshape(T, -1)
-    if len(obs) != T + 1 or len(ep.rewards) != T:
-        raise damaged(dataset_id, f"episode {ep.id} has {len(obs)} observations and {len(ep.rewards)} rewards for {T} "
-                                  f"actions, where Minari stores T + 1 and T")
     return dict(observations=obs[:T], actions=actions, rewards=np.asarray(ep.rewards, dtype=np.float32),
                 terminated=bool(np.asarray(ep.terminations)[-1]))
 
@@ -336,19 +458,26 @@ def load_data(name, download=True):
     if spec is None:
         raise DataError(f"dataset '{dataset_id}' records no environment, so it cannot be evaluated")
     entry = str(spec.entry_point)
-    family = "maze" if "maze" in entry else "mujoco" if "gymnasium.envs.mujoco" in entry else "other"
+    family = ("maze" if "maze" in entry else "mujoco" if "gymnasium.envs.mujoco" in entry else
+              "atari" if entry.startswith("ale_py") else "other")
     keys = obs_keys_for(spec)
-    episodes = [_episode_arrays(ep, keys, family == "maze", dataset_id) for ep in raw_episodes]
+    space, n_actions, raw, frames = ds.observation_space, 0, False, None
+    if family == "atari":
+        n_actions, raw, frames = _atari_spaces(dataset_id, space, ds.action_space, spec)
+    episodes = [_episode_arrays(ep, keys, family == "maze", dataset_id, frames) for ep in raw_episodes]
     if not episodes:
         raise DataError(f"dataset '{dataset_id}' has no episodes")
-    env_key = spec.id.split("-")[0]  # 'Hopper-v5' -> 'Hopper'
+    env_key = spec.id.split("/")[-1].split("-")[0]  # 'Hopper-v5' -> 'Hopper', 'ALE/Breakout-v5' -> 'Breakout'
     if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:
         ref_min, ref_max, ref_source = float(meta["ref_min_score"]), float(meta["ref_max_score"]), "dataset metadata"
     elif env_key in D4RL_REF_SCORES:
         (ref_min, ref_max), ref_source = D4RL_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
+    elif env_key in ADROIT_REF_SCORES:
+        (ref_min, ref_max), ref_source = ADROIT_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
+    elif family == "atari" and env_key in ATARI_GAMER_SCORES:
+        (ref_min, ref_max), ref_source = ATARI_GAMER_SCORES[env_key], f"random and gamer returns for {env_key}"
     else:
         ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
-    space = ds.observation_space
     goal_dim = int(np.prod(space["desired_goal"].shape)) if hasattr(space, "spaces") and "desired_goal" in space.spaces else 0
     returns = np.array([e["rewards"].sum() for e in episodes])
     # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, target the best episode return.
@@ -357,13 +486,88 @@ def load_data(name, download=True):
     # median episode's return, "reach the goal as a typical episode does" (1 on sparse data, where every episode
     # returns 1). Kept on the dataset's scale: evaluation runs on to the horizon (returns in the hundreds), a scale
     # the data never shows. (AntMaze's data keeps its goal to the time limit: there the best return is the fastest.)
+    # Adroit (family 'other'): unscaled, LSDT's Table 13 ("RTG scale 1: AntMaze, Maze2d, Adroit"; CORL's DT too), and
+    # the best episode's return as target, as LSDT gives no Adroit target (CORL's DT prompts about ref_max and half).
     scale = 1e-3 if family == "mujoco" else 1.0
     target = float(np.median(returns) if spec.id.startswith("PointMaze") else returns.max())
-    targets = list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else [target]
-    max_len = max(int(spec.max_episode_steps or 0), max(len(e["actions"]) for e in episodes))
+    targets = (list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else
+               [DT_ATARI_TARGETS.get(env_key, target)] if family == "atari" else [target])
+    longest = max(len(e["actions"]) for e in episodes)
+    # Atari: the timestep embedding covers the data's longest episode (DT's max_timestep; evaluation clamps to it),
+    # while an evaluation episode may run to the 108k-frame limit (27k steps of 4 frames).
+    max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
     return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
                        ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
-                       max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim, obs_keys=keys)
+                       max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim, obs_keys=keys,
+                       horizon=atari_horizon(spec) if family == "atari" else 0, n_actions=n_actions, raw_frames=raw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Atari: the environment and the frames
+
+def _ale():
+    """gymnasium with ale-py's ALE/* envs registered and ALE's start-up banner off; one sentence where ale-py or
+    OpenCV (AtariPreprocessing resizes with it) is missing. -> the gymnasium module."""
+    import gymnasium as gym
+    try:
+        import ale_py
+        import cv2  # noqa: F401
+    except ImportError as e:
+        raise DataError(f"Atari needs ale-py and OpenCV ({e.name} is missing): pip install ale-py "
+                        f"opencv-python-headless") from None
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)   # (C++ prints it, past Python's stderr)
+    gym.register_envs(ale_py)
+    return gym
+
+
+def make_atari_env(spec, render_mode=None):
+    """An Atari dataset's eval env: gymnasium.make on its spec (ale-py's ALE, with gymnasium's AtariPreprocessing
+    where the spec names it)."""
+    return _ale().make(spec, render_mode=render_mode)
+
+
+def atari_frame_wrappers(env):
+    """Minari's atari/* data stores raw 210x160 RGB screens; the papers' models see 84x84 grayscale. gymnasium's own
+    GrayscaleObservation and ResizeObservation (OpenCV's INTER_AREA) do that to the eval env's observations, and
+    their observation() to each dataset frame (raw_frame_transform), so training and evaluation see the same pixels."""
+    from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
+    return ResizeObservation(GrayscaleObservation(env), (84, 84))
+
+
+def raw_frame_transform(spec):
+    """(T, 210, 160, 3) RGB frames -> (T, 84, 84) uint8, by the wrappers of atari_frame_wrappers on this spec's env."""
+    env = atari_frame_wrappers(make_atari_env(spec))
+    gray, resize = env.env, env
+    env.close()
+    return lambda rgb: np.stack([resize.observation(gray.observation(f)) for f in rgb]).astype(np.uint8)
+
+
+def atari_frame_skip(spec):
+    """Emulator frames (1/60 s each) per env step: AtariPreprocessing's frame_skip times ALE's own frameskip."""
+    skips = [w.kwargs.get("frame_skip", 4) for w in spec.additional_wrappers or () if w.name == "AtariPreprocessing"]
+    skip = skips[0] * spec.kwargs.get("frameskip", 1) if skips else spec.kwargs.get("frameskip", 4)
+    return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
+
+
+def atari_horizon(spec):
+    """Evaluation steps at most: ALE's frame limit (max_num_frames_per_episode, 108k as in the papers) over the frames
+    one step takes."""
+    return int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
+
+
+def _atari_spaces(dataset_id, obs_space, action_space, spec):
+    """-> (number of actions, raw RGB frames?, the frame transform) of an Atari dataset; one sentence for spaces no
+    model here reads."""
+    if not hasattr(action_space, "n"):
+        raise DataError(f"dataset '{dataset_id}' is Atari data with a {type(action_space).__name__} action space; the "
+                        f"models read Discrete actions")
+    shape = tuple(getattr(obs_space, "shape", ()) or ())
+    if shape == (84, 84):
+        return int(action_space.n), False, lambda f: f
+    if len(shape) == 3 and shape[2] == 3:
+        return int(action_space.n), True, raw_frame_transform(spec)
+    raise DataError(f"dataset '{dataset_id}' has Atari observations of shape {shape}; the models read 84x84 grayscale "
+                    f"frames (DQN-replay's) or RGB screens (Minari's atari/*, made 84x84 at load)")
 
 
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0):
@@ -438,10 +642,9 @@ def convert_d4rl(path, dataset_id, env_id=None):
     robot's v5 env as its env and D4RL's reference returns in its metadata. Episodes end at terminals | timeouts; rows
     after the last end form a trailing episode, kept as truncated. Never overwrites. -> the number of episodes."""
     import gymnasium as gym
-    import minari
     from minari.data_collector import EpisodeBuffer
-    folder = _new_dataset_folder(dataset_id)
-    env_id = _d4rl_env(path, dataset_id, env_id)
+    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the file is read)
+    env_arg, env_id = env_id, _d4rl_env(path, dataset_id, env_id)
     a = _read_d4rl(path)
     try:
         env = gym.make(env_id)
@@ -479,15 +682,10 @@ def convert_d4rl(path, dataset_id, env_id=None):
                                      actions=a["actions"][s:e].astype(np.float32), rewards=a["rewards"][s:e].tolist(),
                                      terminations=term.tolist(), truncations=trunc.tolist(), infos={}))
     ref = D4RL_REF_SCORES.get(env_id.split("-")[0], (None, None))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # minari's advice about missing author, eval_env, ... metadata
-            minari.create_dataset_from_buffers(
-                dataset_id, buffers, env=env_id, ref_min_score=ref[0], ref_max_score=ref[1],
-                algorithm_name="D4RL (converted by data.py convert-d4rl)", description=f"converted from {path}")
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)  # no half-written dataset (the folder did not exist before)
-        raise
+    command = _command("convert-d4rl", os.path.abspath(path), dataset_id, *(["--env", env_arg] if env_arg else []))
+    folder = _write_dataset(dataset_id, buffers, command, env=env_id, ref_min_score=ref[0], ref_max_score=ref[1],
+                            algorithm_name="D4RL (converted by data.py convert-d4rl)",
+                            description=f"converted from {path}")
     n_term = sum(bool(b.terminations[-1]) for b in buffers)
     refs = f"reference returns {ref[0]} / {ref[1]}" if ref[0] is not None else "no reference returns"
     print(f"{dataset_id}: {len(buffers)} episodes ({n_term} end by terminal, {len(buffers) - n_term} truncated), "
@@ -496,10 +694,307 @@ def convert_d4rl(path, dataset_id, env_id=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# DQN-replay (Dopamine's replay-buffer checkpoints) -> local Minari dataset (python data.py convert-dqn-replay)
+#
+# A DQN-replay run folder (gs://atari-replay-datasets/dqn/<Game>/<run>/replay_logs) holds checkpoints N = 0..49 of
+# 1M transitions each, one gzipped np.save array per field and one row per transition t:
+#   $store$_observation_ckpt.N.gz (n, 84, 84) uint8: the newest frame of s_t (stacking 4 is the reader's job)
+#   $store$_action_ckpt.N.gz      (n,) int32: a_t, an index into ALE's minimal action set
+#   $store$_reward_ckpt.N.gz      (n,) float32: r_t as Dopamine stored it (clipped to [-1, 1])
+#   $store$_terminal_ckpt.N.gz    (n,) uint8: 1 on an episode's last step (game over; no life-loss ends)
+#   add_count_ckpt.N.gz           (): transitions added so far (optional here; it places the buffer's oldest row)
+# Dopamine's replay buffer shapes the rows in two ways:
+# - It is circular, so one buffer is a window of one long stream whose oldest row is add_count % n (batch_rl's logger
+#   saves when the cursor reaches n - 1, so a DQN-replay buffer begins at row n - 1); a window starts and ends
+#   anywhere, mid-episode too.
+# - Before an episode's first transition it adds stack_size - 1 = 3 blank ones (zero frame, action 0, reward 0), so
+#   that frame stacks never reach into the previous episode. Those are no steps of the game: dropped here.
+# The data was played with sticky actions (p = 0.25); the papers evaluate without them (atari_env_spec).
+
+DQN_REPLAY_FIELDS = ("observation", "action", "reward", "terminal")
+DQN_REPLAY_MAX_ROWS = 10_000_000  # rows a checkpoint may declare (Dopamine's hold 1M): a larger header is refused
+DQN_BLANK_ROWS = 3                # Dopamine's blank transitions before an episode (frame stack 4, minus 1)
+
+
+def atari_env_spec(game):
+    """The papers' Atari evaluation env as an EnvSpec: ALE/<Game>-v5 without sticky actions, with ALE's own frame skip
+    off and the 108k-frame limit, in gymnasium's AtariPreprocessing (up to 30 no-ops at reset, 4 frames a step
+    max-pooled, 84x84 grayscale uint8, an episode ends at game over, not at a lost life): DQN's preprocessing, which
+    the DQN-replay frames went through. `game`: ALE's name in any case (Breakout, breakout)."""
+    import difflib
+    from gymnasium.envs.registration import WrapperSpec
+    gym = _ale()
+    games = {k[4:-3].lower(): k for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")}  # 'breakout'
+    key = re.sub(r"[^a-z0-9]", "", game.lower())
+    if key not in games:
+        near = difflib.get_close_matches(key, games, n=1)
+        raise DataError(f"ALE knows no game '{game}'" + (f" (did you mean {games[near[0]][4:-3]}?)" if near else "")
+                        + f"; its {len(games)} games include {', '.join(sorted(ATARI_GAMER_SCORES))}")
+    base = gym.spec(games[key])
+    preprocessing = WrapperSpec("AtariPreprocessing", "gymnasium.wrappers.atari_preprocessing:AtariPreprocessing",
+                                dict(noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False,
+                                     grayscale_obs=True, grayscale_newaxis=False, scale_obs=False))
+    kwargs = dict(base.kwargs, repeat_action_probability=0.0, full_action_space=False, frameskip=1,
+                  max_num_frames_per_episode=108_000)
+    return replace(base, kwargs=kwargs, additional_wrappers=(preprocessing,))
+
+
+def _npy_open(path, shape_after_rows=(), kinds="biuf", scalar=False):
+    """Open the gzipped np.save array at `path` and read its header -> (open gzip file at the first data byte,
+    dtype, number of rows). One sentence if it is no gzip, no np.save array, or not rows of `shape_after_rows` with a
+    dtype of one of `kinds` (numpy's kind letters; rows of a shape: uint8 frames); scalar: one number, shape () or
+    (1,). The header is checked before any data is read, so a hostile one cannot make a huge allocation; nothing is
+    unpickled."""
+    import gzip
+    import zlib
+    from numpy.lib import format as npy
+    name = os.path.basename(path)
+    try:
+        f = gzip.open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path} cannot be opened ({e.strerror or e})") from None
+    try:
+        version = npy.read_magic(f)
+        read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+        if read_header is None:
+            raise ValueError(f"np.save format {version}")
+        shape, fortran_order, dtype = read_header(f)
+    except (OSError, EOFError, zlib.error, ValueError) as e:  # (gzip's BadGzipFile is an OSError)
+        f.close()
+        what = ("not a gzip file, or a damaged one" if isinstance(e, OSError) else "truncated" if
+                isinstance(e, EOFError) else "damaged" if isinstance(e, zlib.error) else
+                "not an array np.save wrote, or damaged")
+        raise DataError(f"{path} cannot be read ({what}); DQN-replay's {name.split('_ckpt')[0]} files are gzipped "
+                        f"np.save arrays") from None
+    want = f"(n, {', '.join(map(str, shape_after_rows))})" if shape_after_rows else "()" if scalar else "(n,)"
+    shape_ok = shape in ((), (1,)) if scalar else (len(shape) == 1 + len(shape_after_rows) and
+                                                    tuple(shape[1:]) == tuple(shape_after_rows))
+    if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (shape_after_rows and dtype != np.uint8)
+            or (fortran_order and len(shape) > 1)):
+        f.close()
+        raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay has {want} "
+                        f"{'uint8 frames' if shape_after_rows else 'numbers'}")
+    if shape and shape[0] > DQN_REPLAY_MAX_ROWS:
+        f.close()
+        raise DataError(f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this reader "
+                        f"accepts (DQN-replay buffers hold 1M)")
+    return f, dtype, int(shape[0]) if shape else 1
+
+
+def _npy_rows(f, dtype, count, path):
+    """The next `count` rows (flat) of the open array file f; one sentence if the file ends before them."""
+    import zlib
+    try:
+        data = f.read(count * dtype.itemsize)
+    except (OSError, EOFError, zlib.error):
+        data = b""
+    if len(data) < count * dtype.itemsize:
+        raise DataError(f"{path} is truncated or damaged (it ends within its array); download it again")
+    return np.frombuffer(data, dtype)
+
+
+def _npy_end(f, path):
+    """After the last row: nothing may follow (and reaching the end makes gzip check its CRC)."""
+    import zlib
+    try:
+        extra = f.read(1)
+    except (OSError, EOFError, zlib.error):
+        extra = b"?"
+    if extra:
+        raise DataError(f"{path} is damaged (bytes after its array, or a failed gzip check); download it again")
+
+
+def _npy_read(path, kinds):
+    """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB)."""
+    f, dtype, n = _npy_open(path, (), kinds)
+    with f:
+        a = _npy_rows(f, dtype, n, path)
+        _npy_end(f, path)
+    return a
+
+
+def _dqn_replay_buffers(folder):
+    """The checkpoint numbers N in a replay_logs folder (those with any $store$_*_ckpt.N.gz file), ascending."""
+    if not os.path.isdir(folder):
+        raise DataError(f"{folder} is not a folder; pass a DQN-replay <Game>/<run>/replay_logs folder")
+    found = (re.fullmatch(r"\$store\$_(\w+)_ckpt\.(\d+)\.gz", f) for f in os.listdir(folder))
+    numbers = sorted({int(m[2]) for m in found if m and m[1] in DQN_REPLAY_FIELDS})
+    if not numbers:
+        raise DataError(f"{folder} holds no DQN-replay buffers ($store$_observation_ckpt.N.gz and the action, reward "
+                        f"and terminal files); pass a <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
+    return numbers
+
+
+def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
+    """Buffer `number`'s whole episodes, in order, until `budget` steps (the episode that reaches it is kept whole)
+    -> list of (frames (T+1, 84, 84) uint8, actions (T,) int64, rewards (T,) float32). counts (a dict) gathers what
+    was dropped. Only the frames kept are read from the observation file, which is read no further than they are."""
+    paths = {k: os.path.join(folder, f"$store$_{k}_ckpt.{number}.gz") for k in DQN_REPLAY_FIELDS}
+    for p in paths.values():
+        if not os.path.isfile(p):
+            raise DataError(f"buffer {number} in {folder} has no {os.path.basename(p)} (a buffer needs its "
+                            f"observation, action, reward and terminal files); download it again")
+    f, _, n = _npy_open(paths["observation"], (84, 84), "u")
+    f.close()
+    act, rew, term = (_npy_read(paths[k], kinds) for k, kinds in (("action", "iu"), ("reward", "fiu"),
+                                                                   ("terminal", "biu")))
+    lengths = {"observation": n, "action": len(act), "reward": len(rew), "terminal": len(term)}
+    if len(set(lengths.values())) != 1:
+        raise DataError(f"buffer {number} in {folder} has arrays of different lengths ("
+                        f"{', '.join(f'{k} {v:,}' for k, v in lengths.items())}), so its rows do not line up")
+    if not np.isin(term, (0, 1)).all() or not np.isfinite(rew).all():
+        raise DataError(f"buffer {number} in {folder} has terminal flags other than 0 and 1 or rewards that are NaN "
+                        f"or infinite, so it cannot be used")
+    cursor = _dqn_replay_cursor(folder, number, n)
+    order = (np.arange(n) + cursor) % n                                   # (n,) stream position -> file row
+    act, rew, term = act[order], rew[order], term[order].astype(bool)
+    ends = np.flatnonzero(term)                                           # stream positions of episodes' last steps
+    if len(ends) == 0:
+        counts["cut"] += 1
+        counts["head"] += n
+        return []
+    counts["cut"] += 1
+    counts["head"] += ends[0] + 1                 # rows up to the first terminal: an episode begun before the buffer
+    episodes, taken = [], 0                       # (first row, end row, blank rows maybe) in stream positions
+    for s, e in zip(ends[:-1] + 1, ends[1:] + 1):
+        maybe = 0                                 # Dopamine's blank rows, as far as actions and rewards tell
+        while maybe < min(DQN_BLANK_ROWS, e - s - 1) and act[s + maybe] == 0 and rew[s + maybe] == 0:
+            maybe += 1
+        if taken >= budget:
+            break
+        episodes.append((s, e, maybe))
+        taken += e - s - maybe
+    else:
+        counts["cut"] += int(ends[-1] + 1 < n)
+        counts["tail"] += n - ends[-1] - 1        # rows after the last terminal: an episode that goes on after it
+    if not episodes:
+        return []
+    bad = [a for s, e, _ in episodes for a in (act[s:e].min(), act[s:e].max()) if not 0 <= a < n_actions]
+    if bad:
+        raise DataError(f"buffer {number} in {folder} has action {bad[0]} where the game has {n_actions} actions "
+                        f"(ALE's minimal set); is the folder this game's?")
+    # frames: one array for the buffer, each episode's T + 1 rows a slice of it (the last: the final frame repeated)
+    sizes = np.array([e - s + 1 for s, e, _ in episodes])
+    base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    frames = np.empty((sizes.sum(), 84, 84), np.uint8)
+    dest = np.full(n, -1, np.int64)                                       # file row -> row of `frames`, -1: not kept
+    for (s, e, _), b in zip(episodes, base):
+        dest[order[s:e]] = b + np.arange(e - s)
+    _dqn_replay_frames(paths["observation"], dest, frames)
+    out = []
+    for (s, e, maybe), b in zip(episodes, base):
+        frames[b + e - s] = frames[b + e - s - 1]
+        blank = 0
+        while blank < maybe and not frames[b + blank].any():
+            blank += 1                            # a blank row has a zero frame too; a real NOOP step does not
+        counts["blank"] += blank
+        out.append((frames[b + blank:b + e - s + 1], act[s + blank:e].astype(np.int64),
+                    rew[s + blank:e].astype(np.float32)))
+    return out
+
+
+def _dqn_replay_cursor(folder, number, n):
+    """The file row of buffer `number`'s oldest transition: add_count % n from add_count_ckpt.N.gz, or 0 without it."""
+    path = os.path.join(folder, f"add_count_ckpt.{number}.gz")
+    if not os.path.isfile(path):
+        return 0
+    f, dtype, _ = _npy_open(path, (), "iu", scalar=True)
+    with f:
+        add_count = int(_npy_rows(f, dtype, 1, path)[0])
+        _npy_end(f, path)
+    return add_count % n
+
+
+def _dqn_replay_frames(path, dest, frames):
+    """Read the observation file's rows in order, no further than the last one kept, and copy row r to
+    frames[dest[r]] where dest[r] >= 0 (4096 rows, 29 MB, at a time)."""
+    f, dtype, n = _npy_open(path, (84, 84), "u")
+    last = int(np.flatnonzero(dest >= 0)[-1]) + 1
+    with f:
+        for r0 in range(0, last, 4096):
+            r1 = min(r0 + 4096, last)
+            rows = _npy_rows(f, dtype, (r1 - r0) * 84 * 84, path).reshape(r1 - r0, 84, 84)
+            keep = dest[r0:r1] >= 0
+            frames[dest[r0:r1][keep]] = rows[keep]
+        if last == n:
+            _npy_end(f, path)
+
+
+def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
+    """A DQN-replay run folder -> the local Minari dataset `dataset_id` (under MINARI_DATASETS_PATH): whole episodes
+    from its last `buffers` checkpoints (the highest numbers; default all, as DT's create_dataset draws from buffers
+    50 - num_buffers .. 49), `steps` steps spread over them: each buffer in turn gives whole episodes up to an equal
+    share of the steps still wanted (DT's create_dataset draws 10 episodes at a time from random buffers of the range,
+    so its 500k steps come from all of them, not from the earliest, near-random play); the episode that reaches a share
+    is kept whole (an episode is never cut, so there may be a few steps more). Pieces of episodes cut by a buffer's edge are
+    dropped: each lacks its start or its end (in another buffer, or in none), so its timesteps or its returns-to-go
+    would be wrong. Dopamine's blank rows are dropped too. Each episode's T + 1 observations end with its last frame
+    repeated (the replay keeps no frame after a terminal; the loader drops s_T). Frames are stored lossless
+    (jpeg_encoding=False); env and eval env: atari_env_spec(game); reference scores: ATARI_GAMER_SCORES (random,
+    gamer) where the game has them. Never overwrites. -> the number of episodes."""
+    from collections import Counter
+    import gymnasium as gym
+    from minari.data_collector import EpisodeBuffer
+    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the buffers are read)
+    spec = atari_env_spec(game)
+    env = gym.make(spec)
+    n_actions, obs_space = int(env.action_space.n), env.observation_space
+    env.close()
+    frame_space = gym.spaces.Box(0, 255, (84, 84), np.uint8)
+    if obs_space != frame_space:
+        raise DataError(f"{spec.id} in AtariPreprocessing gives observations {obs_space} here, not 84x84 uint8 "
+                        f"frames; check the gymnasium and ale-py versions")
+    numbers = _dqn_replay_buffers(folder)
+    if buffers is not None and buffers > len(numbers):
+        print(f"{folder} has {len(numbers)} buffers, fewer than --buffers {buffers}: all of them are used")
+    counts, episodes, read, total = Counter(), [], [], 0
+    chosen = numbers[-buffers:] if buffers else numbers
+    for k, number in enumerate(chosen):
+        if total >= steps:
+            break
+        share = -(-(steps - total) // (len(chosen) - k))            # an equal share of the steps still wanted
+        episodes += _dqn_replay_episodes(folder, number, n_actions, share, counts)
+        read.append(number)
+        total = sum(len(a) for _, a, _ in episodes)
+    which = f"buffer {read[0]}" if len(read) == 1 else f"buffers {read[0]}-{read[-1]}"
+    if not episodes:
+        raise DataError(f"{which} of {folder} hold no whole episode (the rows before a buffer's first terminal and "
+                        f"after its last are pieces of episodes cut by its edges)")
+    print(f"dropped {counts['cut']} piece{'s' * (counts['cut'] != 1)} of episodes at the edges of {which} "
+          f"({counts['head']:,} rows up to a "
+          f"buffer's first terminal, {counts['tail']:,} after its last): each lacks its start or its end, which lie "
+          f"in another buffer or in none")
+    if counts["blank"]:
+        print(f"dropped {counts['blank']:,} blank rows (zero frame, action 0, reward 0) that Dopamine adds before an "
+              f"episode's first step")
+    print("each episode's final observation repeats its last frame (the replay keeps no frame after a terminal; "
+          "never used for training)")
+    if total < steps:
+        print(f"{which} of {folder} hold {total:,} steps in whole episodes, fewer than --steps {steps:,}: all of "
+              f"them are used")
+    ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(),
+                                terminations=[False] * (len(act) - 1) + [True], truncations=[False] * len(act),
+                                infos={})
+                  for i, (obs, act, rew) in enumerate(episodes)]
+    ref = ATARI_GAMER_SCORES.get(spec.name, (None, None))
+    command = _command("convert-dqn-replay", os.path.abspath(folder), game, dataset_id,
+                       *(["--buffers", buffers] if buffers else []), "--steps", steps)
+    out = _write_dataset(dataset_id, ep_buffers, command, env=spec, eval_env=spec, observation_space=frame_space,
+                         action_space=gym.spaces.Discrete(n_actions), ref_min_score=ref[0], ref_max_score=ref[1],
+                         algorithm_name="DQN (Dopamine), DQN-replay dataset (converted by data.py convert-dqn-replay)",
+                         description=f"whole episodes of {which} of {folder}, {total:,} steps", jpeg_encoding=False)
+    refs = f"random / gamer returns {ref[0]} / {ref[1]}" if ref[0] is not None else "no reference returns"
+    print(f"{dataset_id}: {len(episodes)} episodes, {total:,} steps from {which}, env {spec.id} in "
+          f"AtariPreprocessing, {n_actions} actions, {refs}, written to {out}")
+    return len(episodes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # several Minari datasets of one environment -> one local dataset (python data.py mix)
 
 def _new_dataset_folder(dataset_id):
-    """The folder a new local dataset `dataset_id` gets; one sentence if the id is malformed or already taken."""
+    """The folder a new local dataset `dataset_id` gets; one sentence if the id is malformed or already taken, or
+    if the datasets folder cannot be written (checked before any data is read)."""
     from minari.dataset.minari_dataset import parse_dataset_id
     try:
         namespace = parse_dataset_id(dataset_id)[0]
@@ -507,10 +1002,124 @@ def _new_dataset_folder(dataset_id):
         namespace = None
     if namespace is None:  # load_data reads an id without a namespace as a short name
         raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
-    folder = dataset_folder(dataset_id)
+    try:
+        folder = dataset_folder(dataset_id)  # (makes the datasets folder if it is missing)
+    except OSError as e:
+        raise _unwritable(os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets"), e) from None
     if os.path.exists(folder):
         raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is overwritten)")
+    root = _datasets_root()
+    if not os.access(root, os.W_OK):
+        raise _unwritable(root, PermissionError("not writable"))
     return folder
+
+
+# Atomic dataset writes. A dataset is written whole into a hidden folder in the datasets folder (same filesystem;
+# Minari lists no hidden folder, so a partial one is never taken for a dataset) and renamed into place when complete:
+# an interrupt (Ctrl-C, SIGTERM, kill -9) never leaves a partial dataset where Minari looks. The writing process holds
+# a lock on the hidden folder; the next dataset command removes any such folder whose lock no live process holds.
+PARTIAL_PREFIX = ".data.py-partial-"
+
+
+def _datasets_root():
+    from minari.storage.datasets_root_dir import get_dataset_path
+    return str(get_dataset_path())
+
+
+def _unwritable(root, e):
+    return DataError(f"cannot write a dataset in {root} ({e.strerror or e}); set MINARI_DATASETS_PATH to a folder "
+                     f"you can write")
+
+
+def _clean_partial(root):
+    """Remove the partial datasets interrupted commands left in `root` (one printed line each); a folder a live
+    command is writing (its lock held) is left alone."""
+    import fcntl
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.startswith(PARTIAL_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
+        except FileNotFoundError:  # made a moment ago by a live command (the lock comes next), or killed right then
+            if time.time() - os.path.getmtime(path) < 60:
+                continue
+            fd = None
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            print(f"removing {path}: a partial dataset left by an interrupted data.py command")
+            shutil.rmtree(path, ignore_errors=True)
+        except BlockingIOError:  # a live command is writing it
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
+    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing: written into a hidden
+    folder beside the datasets (MINARI_DATASETS_PATH points there meanwhile), then renamed into place with its
+    namespace made at the destination. `command` (how the dataset was made) and extra_metadata go into its metadata.
+    -> its folder."""
+    import fcntl
+    import tempfile
+    import minari
+    from minari.dataset.minari_dataset import parse_dataset_id
+    from minari.namespace import create_namespace, list_local_namespaces
+    folder = _new_dataset_folder(dataset_id)
+    root = _datasets_root()
+    _clean_partial(root)
+    saved = os.environ.get("MINARI_DATASETS_PATH")
+    for _ in range(3):
+        try:
+            tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
+            lock = open(os.path.join(tmp, "lock"), "w")
+        except FileNotFoundError:  # another command's _clean_partial took it for a leftover before the lock was made
+            continue
+        except OSError as e:
+            raise _unwritable(root, e) from None
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until this function ends, or this process does
+        if os.fstat(lock.fileno()).st_nlink:  # (0: removed by another command's _clean_partial before the lock)
+            break
+        lock.close()
+    else:
+        raise DataError(f"other data.py commands kept removing this one's working folder in {root}; run it again")
+    try:
+        with lock:
+            os.environ["MINARI_DATASETS_PATH"] = os.path.join(tmp, "datasets")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ...
+                    ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
+                ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
+                written = dataset_folder(dataset_id)
+            finally:
+                if saved is None:
+                    os.environ.pop("MINARI_DATASETS_PATH", None)
+                else:
+                    os.environ["MINARI_DATASETS_PATH"] = saved
+            namespace = parse_dataset_id(dataset_id)[0]
+            if namespace not in list_local_namespaces():
+                with contextlib.suppress(ValueError):  # (made by another command meanwhile)
+                    create_namespace(namespace)
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            try:
+                os.rename(written, folder)  # atomic; refused where another command wrote this id meanwhile
+            except OSError:
+                if os.path.exists(folder):
+                    raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing "
+                                    f"is overwritten)") from None
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _command(*words):
+    """The command line that makes a dataset, as recorded in its metadata (data_py_command) and shown by damaged()."""
+    import shlex
+    return shlex.join(["python", "data.py", *map(str, words)])
 
 
 def mix(sources, dataset_id):
@@ -520,12 +1129,11 @@ def mix(sources, dataset_id):
     evaluation env and the reference returns are carried over, and the sources are listed in the metadata
     (`combined_datasets`, as minari.combine_datasets names them). Episode infos are not copied (no model here reads
     them). -> the number of episodes."""
-    import minari
     from minari.data_collector import EpisodeBuffer
     ids = [resolve(s) for s in sources]
     if len(ids) < 2:
         raise DataError("mix needs at least two source datasets, then the new id")
-    folder = _new_dataset_folder(dataset_id)
+    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the sources are read)
     loaded = [_open_minari(i, download=True) for i in ids]               # (MinariDataset, metadata, episodes) each
     first, (first_ds, first_meta, _) = ids[0], loaded[0]
     spec = first_ds.env_spec
@@ -548,18 +1156,12 @@ def mix(sources, dataset_id):
     buffers = [EpisodeBuffer(id=n, observations=ep.observations, actions=ep.actions, rewards=list(ep.rewards),
                              terminations=list(ep.terminations), truncations=list(ep.truncations), infos={})
                for n, ep in enumerate(ep for _, _, episodes in loaded for ep in episodes)]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ... metadata
-            ds = minari.create_dataset_from_buffers(
-                dataset_id, buffers, env=spec, eval_env=getattr(first_ds, "_eval_env_spec", None),
-                observation_space=first_ds.observation_space, action_space=first_ds.action_space,
-                ref_min_score=first_meta.get("ref_min_score"), ref_max_score=first_meta.get("ref_max_score"),
-                algorithm_name="data.py mix", description=f"every episode of {', then '.join(ids)}")
-        ds.storage.update_metadata({"combined_datasets": ids})
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)  # no half-written dataset (the folder did not exist before)
-        raise
+    folder = _write_dataset(
+        dataset_id, buffers, _command("mix", *sources, dataset_id), {"combined_datasets": ids}, env=spec,
+        eval_env=getattr(first_ds, "_eval_env_spec", None), observation_space=first_ds.observation_space,
+        action_space=first_ds.action_space, ref_min_score=first_meta.get("ref_min_score"),
+        ref_max_score=first_meta.get("ref_max_score"), algorithm_name="data.py mix",
+        description=f"every episode of {', then '.join(ids)}", jpeg_encoding=False)  # lossless, as DESIGN.md asks
     counts = ", ".join(f"{len(episodes)} from {i}" for i, (_, _, episodes) in zip(ids, loaded))
     print(f"{dataset_id}: {len(buffers)} episodes ({counts}), {sum(len(b.actions) for b in buffers):,} steps, env "
           f"{spec.id}, written to {folder}")
@@ -584,9 +1186,36 @@ def info(name):
     print(f"sampling: {n * 64 / dt:,.0f} windows/s ({1e3 * dt / n:.2f} ms per batch of 64 x K=20)")
 
 
+class Stopped(BaseException):
+    """SIGTERM, raised where the program is (as Ctrl-C raises KeyboardInterrupt), so that a dataset being written is
+    undone the same way."""
+
+
+def _stop(signum, frame):
+    raise Stopped(signum)
+
+
+def _positive(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number above 0")
+    return int(text)
+
+
+def _unknown_command(word, commands):
+    """The one sentence for `python data.py WORD` where WORD is neither a command nor a dataset name."""
+    import difflib
+    near = difflib.get_close_matches(word, [*commands, *SHORT_NAMES], n=1)
+    return (f"unknown command '{word}'; the commands are {', '.join(commands)}"
+            + (f" (did you mean {near[0]}?)" if near else " (or name a dataset: a short name such as hopper-medium, "
+               "or a Minari id such as mujoco/hopper/medium-v0)"))
+
+
 def main(argv=None):
+    import signal
+    import threading
     p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, turn a D4RL "
-                   "MuJoCo HDF5 file into a local Minari dataset, or mix datasets of one environment into one.")
+                   "MuJoCo HDF5 file or a DQN-replay folder into a local Minari dataset, or mix datasets of one "
+                   "environment into one. A dataset is renamed into place only when it is complete.")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",
@@ -595,24 +1224,53 @@ def main(argv=None):
     p_conv.add_argument("path", help="the D4RL file, e.g. hopper_medium-v2.hdf5")
     p_conv.add_argument("dataset_id", help="the new dataset's Minari id, e.g. d4rl/hopper/medium-v2")
     p_conv.add_argument("--env", default=None, help="its gymnasium env (default: the robot's v5 env, from the names)")
+    p_dqn = sub.add_parser("convert-dqn-replay", help="DQN-replay folder (Dopamine's replay buffers) -> local Minari "
+                           "dataset of whole episodes, 84x84 frames stored lossless")
+    p_dqn.add_argument("folder", help="a downloaded <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
+    p_dqn.add_argument("game", help="ALE's name of the game, e.g. Breakout")
+    p_dqn.add_argument("dataset_id", help="the new dataset's Minari id, e.g. dqn-replay/breakout/1pct-v0")
+    p_dqn.add_argument("--buffers", type=_positive, default=None, metavar="N",
+                       help="read the last N buffers, the highest numbers (default: all, as DT's --num_buffers 50)")
+    p_dqn.add_argument("--steps", type=_positive, default=500_000, metavar="S",
+                       help="whole episodes, in buffer order, until S steps; the episode that reaches S is kept whole "
+                            "(default: %(default)s, DT's 1%% of DQN-replay)")
     p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset, episode by episode (D4RL's "
                            "medium-expert: medium, then expert)")
     p_mix.add_argument("sources", nargs="+", metavar="SOURCE", help="short names or Minari ids, in order")
     p_mix.add_argument("dataset_id", help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
+        if "/" not in argv[0] and argv[0] not in SHORT_NAMES:
+            print(f"error: {_unknown_command(argv[0], list(sub.choices))}", file=sys.stderr)
+            raise SystemExit(1)
         argv = ["info", *argv]  # python data.py NAME: short for info NAME
     args = p.parse_args(argv)
+    here = threading.current_thread() is threading.main_thread()  # (signal handlers can be set from there only)
+    previous = signal.signal(signal.SIGTERM, _stop) if here else None
     try:
         if args.command == "info":
             info(args.name)
         elif args.command == "mix":
             mix(args.sources, args.dataset_id)
+        elif args.command == "convert-dqn-replay":
+            convert_dqn_replay(args.folder, args.game, args.dataset_id, args.buffers, args.steps)
         else:
             convert_d4rl(args.path, args.dataset_id, args.env)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
+    except (KeyboardInterrupt, Stopped) as e:
+        how, code = ("Ctrl-C", 130) if isinstance(e, KeyboardInterrupt) else ("SIGTERM", 143)
+        new, written = getattr(args, "dataset_id", None), False
+        with contextlib.suppress(Exception):
+            written = new is not None and os.path.isdir(os.path.join(dataset_folder(new), "data"))
+        print(f"stopped by {how}" + ("" if new is None else f" after the dataset '{new}' was written whole" if written
+                                     else f": the dataset '{new}' was not written, and nothing of it is left"),
+              file=sys.stderr)
+        raise SystemExit(code) from None
+    finally:
+        if here:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # (None: not Python's)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ At test time the model is prompted with a target return, and R_{t+1} = R_t - r_t
     python dt.py --env hopper-medium --no-return-token                # behaviour cloning (the paper's BC row)
     python dt.py --env hopper-medium --no-return-token --top-fraction 0.1     # %BC: BC on the best 10%
     MINARI_DATASETS_PATH=<folder of local datasets> python dt.py --dataset replica/hopper/medium-v0 --preset cpu
+    python dt.py --dataset dqn/breakout/1pct-v0       # Atari (Sec. 5.1): DT's Atari model, chosen from the data
 
 Glossary (paper symbol -> code name):
     R_t     return-to-go, sum of the rewards from t to the episode's end      rtg (B, K, 1), times return_scale
@@ -21,6 +22,9 @@ Glossary (paper symbol -> code name):
     B       batch size (windows per gradient step)                            Config.batch_size
     C       token width (the paper's embedding dimension, 128)                Config.n_embd
     mask    1 = a real step, 0 = left padding before an episode's start       mask (B, K)
+  Atari (AtariDecisionTransformer, the official atari/ code):
+    s_t     the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)    states (B, K, 4, 84, 84)
+    a_t     one of the game's |A| actions (Discrete)                          actions (B, K) int64; logits (B, K, |A|)
 
 Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (data,
 schedule, loss, policy) -> train(), the loop -> --bench-eval and --bench -> main(). The run folder, its checkpoint and
@@ -82,7 +86,14 @@ class Config:
     # analysis (reads the run's checkpoint, never trains)
     bench_eval: bool = arg(False, "time batched vs sequential evaluation (10 episodes) of the run's checkpoint", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
+                           "rendered offscreen (MuJoCo; Atari in colour; reads the checkpoint, never trains)", run=True)
+    # Atari (the official atari/ code)
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
+    state_encoder: str = arg("conv", "Atari state encoder: conv (DQN's torso, DT) | patch (StARformer's Table 5 "
+                                     "'DT with ViT': 7x7 patches, each embedded to 64, flattened, linear to the width)")
+    greedy: bool = arg(False, "Atari: act with the most likely action instead of a draw from the softmax (DT's code "
+                              "draws). Greedy play can stall: a policy that never presses FIRE after a lost life "
+                              "waits out the 108k-frame limit (27k steps)", run=True)
 
 
 # A small DT that learns hopper-medium on 2 CPU cores in about ten minutes. Narrower, shallower, shorter context,
@@ -94,9 +105,21 @@ class Config:
 # data's actions carry N(0, 0.5^2) noise, so a history of them is a guide to copy rather than to use, and the action
 # is a precise function of position and goal, which dropout blurs in a 64-wide embedding. 10 episodes are too few
 # there (one model: 30% on its first 10, 48% on 50). The paper's configuration stays the default.
-PRESETS = {"cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3, warmup_steps=500,
+# Atari (data.is_atari) has the official atari/ code's configuration as its paper setting (the preset ""): 6 layers,
+# 8 heads, 128 wide, K=30, batch 128, lr 6e-4 with betas (0.9, 0.95), weight decay 0.1 (on matrices only,
+# param_groups), clip 1.0, 5 epochs of 1% DQN-replay (500k steps / 128 = 3906 steps each) with an evaluation of 10
+# episodes after each. Its warmup is 512 x 20 tokens (3 steps of 128 x 30) and its cosine goes to a tenth over
+# 2 x 500k x 3K tokens (23.4k steps, past the run's end); here the cosine reaches its tenth at --steps.
+# The classroom Atari model (replica/breakout/mixed-v0, 2 cores): see the measurements in the README.
+ATARI_CPU = dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4, warmup_steps=100, steps=4000,
+                 eval_every=1000, eval_episodes=10, dropout=0.1)
+ATARI = dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4, beta2=0.95, weight_decay=0.1,
+             grad_clip=1.0, warmup_steps=3, lr_decay=True, steps=19_530, eval_every=3906, eval_episodes=10)
+PRESETS = {"": dict(atari=ATARI),
+           "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3, warmup_steps=500,
                        lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
-                       mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
+                       mazes=dict(context=1, dropout=0.0, eval_episodes=50),
+                       atari=ATARI_CPU)}
 
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
@@ -123,13 +146,13 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """GPT-2 block: pre-LayerNorm attention and MLP, each with a residual connection."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, gelu=False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        # kzl's gym DT configures GPT-2 with activation_function='relu' (GPT-2 itself uses GELU)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.ReLU(),
+        # kzl's gym DT configures GPT-2 with activation_function='relu'; the Atari code's minGPT keeps GPT's GELU
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU() if gelu else nn.ReLU(),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
 
     def forward(self, x, attn_mask):
@@ -178,16 +201,90 @@ class DecisionTransformer(nn.Module):
         n = len(tokens)                                                         # tokens per step: 3 (2 for BC)
         x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                   # (B, nK, C): R_1, s_1, a_1, R_2, ... (Alg. 1)
         x = self.drop(self.embed_ln(x))                                         # (B, nK, C)
-        # causal mask, and no attention to left padding; a padding query may see itself (its output is never used),
-        # so that no row of the softmax is empty
-        real = mask.bool().repeat_interleave(n, dim=1)                          # (B, nK)
-        causal = torch.ones(n * K, n * K, dtype=torch.bool, device=x.device).tril()
-        eye = torch.eye(n * K, dtype=torch.bool, device=x.device)
-        attn_mask = (causal & (real[:, None, :] | eye))[:, None]               # (B, 1, nK, nK)
+        attn_mask = causal_padding_mask(mask, n)                                # (B, 1, nK, nK)
         for block in self.blocks:
             x = block(x, attn_mask)
         x = self.ln_f(x).reshape(B, K, n, -1)                                   # (B, K, n, C)
         return self.predict_action(x[:, :, n - 2])   # Sec. 3 / Alg. 1: a_t predicted from the s_t token: (B, K, act)
+
+
+def causal_padding_mask(mask, n):
+    """(B, K) real-step mask, n tokens per step -> (B, 1, nK, nK) attention mask: causal, and no attention to left
+    padding; a padding query may see itself (its output is never used), so that no row of the softmax is empty."""
+    real = mask.bool().repeat_interleave(n, dim=1)                              # (B, nK)
+    causal = torch.ones(real.shape[1], real.shape[1], dtype=torch.bool, device=mask.device).tril()
+    eye = torch.eye(real.shape[1], dtype=torch.bool, device=mask.device)
+    return (causal & (real[:, None, :] | eye))[:, None]                        # (B, 1, nK, nK)
+
+
+class PatchEncoder(nn.Module):
+    """StARformer's patch-wise state embedding as one DT token (its Table 5, "DT with ViT"; its official code's 'vit'
+    encoder): the 4 x 84 x 84 stack cut into p x p patches (144 of 4 * 7 * 7 = 196 values), each through one shared
+    linear layer to d = 64 (StARformer's Step width) plus a learned spatial embedding (zero-initialised), then all 144
+    flattened and a linear layer to the token width C, tanh (as DQN's torso ends)."""
+
+    def __init__(self, C, shape=(4, 84, 84), p=7, d=64):
+        super().__init__()
+        c, H, W = shape
+        self.p, self.n = p, (H // p) * (W // p)
+        self.embed_patch = nn.Linear(c * p * p, d)
+        self.e_spatial = nn.Parameter(torch.zeros(self.n, d))
+        self.proj = nn.Sequential(nn.Linear(self.n * d, C), nn.Tanh())
+
+    def forward(self, x):
+        N, c, H, W = x.shape                                                    # (N, 4, 84, 84)
+        p = self.p
+        patches = x.reshape(N, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(N, self.n, c * p * p)
+        z = self.embed_patch(patches) + self.e_spatial                         # (N, 144, d)
+        return self.proj(z.flatten(1))                                          # (N, C)
+
+
+class AtariDecisionTransformer(nn.Module):
+    """DT on Atari (Sec. 5.1; the official atari/mingpt/model_atari.py): the same token sequence (R_t, s_t, a_t), with
+    the state read by DQN's conv torso, the action an embedding, logits over the game's actions out of the s_t token
+    (cross-entropy), and time as one learned embedding of the window's first timestep added to every token plus one
+    learned embedding per token position (where the gym model adds one per timestep). minGPT blocks (GELU)."""
+
+    def __init__(self, cfg, n_actions, max_ep_len):
+        super().__init__()
+        C, self.return_token = cfg.n_embd, cfg.return_token
+        self.n = 3 if cfg.return_token else 2                                   # tokens per step (2: BC, (s, a))
+        self.pos_emb = nn.Parameter(torch.zeros(1, self.n * cfg.context, C))    # one per token position in a window
+        self.global_pos_emb = nn.Parameter(torch.zeros(1, max_ep_len, C))       # one per timestep (of the window's first)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg, gelu=True) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(C)
+        self.head = nn.Linear(C, n_actions, bias=False)
+        # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above: the official code applies it before
+        # building the embeddings below, which keep PyTorch's default init, all but the action table's N(0, 0.02)
+        self.apply(DecisionTransformer._init_weights)
+        # DQN's torso (Mnih et al. 2015) on the 4 x 84 x 84 stack -> 64 x 7 x 7, then a linear layer to C and tanh;
+        # --state-encoder patch: StARformer's patch embedding in its place (StARformer Table 5)
+        self.embed_state = PatchEncoder(C) if cfg.state_encoder == "patch" else nn.Sequential(
+            nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, C), nn.Tanh())
+        self.embed_return = nn.Sequential(nn.Linear(1, C), nn.Tanh()) if cfg.return_token else None
+        self.embed_action = nn.Sequential(nn.Embedding(n_actions, C), nn.Tanh())
+        nn.init.normal_(self.embed_action[0].weight, mean=0.0, std=0.02)
+
+    def forward(self, states, actions, rtg, timesteps, mask):
+        """states (B,K,4,84,84) uint8, actions (B,K) int64, rtg (B,K,1), timesteps (B,K), mask (B,K) -> logits
+        (B,K,|A|). The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only."""
+        B, K = actions.shape
+        s = self.embed_state(states.reshape(B * K, *states.shape[2:]).float() / 255.0).view(B, K, -1)  # (B, K, C)
+        tokens = [s, self.embed_action(actions)]                                # s_t, a_t: (B, K, C) each
+        if self.return_token:
+            tokens.insert(0, self.embed_return(rtg))                            # R_t first in each step
+        n = self.n
+        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                    # (B, nK, C): R_1, s_1, a_1, R_2, ...
+        # the window's first timestep (0 for a left-padded window, whose first real step is the episode's first)
+        x = x + self.global_pos_emb[0, timesteps[:, 0]][:, None, :] + self.pos_emb[:, :n * K]   # (B, nK, C)
+        x = self.drop(x)
+        attn_mask = causal_padding_mask(mask, n)                                # (B, 1, nK, nK)
+        for block in self.blocks:
+            x = block(x, attn_mask)
+        x = self.ln_f(x).reshape(B, K, n, -1)                                   # (B, K, n, C)
+        return self.head(x[:, :, n - 2])                 # logits for a_t from the s_t token: (B, K, |A|)
 # <<< model: end
 
 
@@ -204,7 +301,21 @@ def load_dataset(cfg):
 
 
 def build_model(cfg, info):
+    """The model the data's spaces call for: DT's Atari model for discrete actions, the gym model otherwise."""
+    if info.get("discrete"):
+        return AtariDecisionTransformer(cfg, info["act_dim"], info["max_ep_len"])
     return DecisionTransformer(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
+
+
+def param_groups(model, cfg):
+    """AdamW's parameter groups. The gym code (kzl) decays every parameter; the Atari code (minGPT) decays only the
+    weights of linear and conv layers, never biases, LayerNorms, embeddings or the position tables."""
+    if not isinstance(model, AtariDecisionTransformer):
+        return [{"params": list(model.parameters())}]
+    matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+    decay = [p for p in model.parameters() if id(p) in matrices]
+    rest = [p for p in model.parameters() if id(p) not in matrices]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
 
 
 def lr_factor(s, cfg):
@@ -217,12 +328,17 @@ def lr_factor(s, cfg):
 
 def loss_fn(model, batch, cfg):
     pred = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])  # (B, K, act)
-    err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                             # (B, K)
-    return (err * batch["mask"]).sum() / batch["mask"].sum()       # Sec. 3: MSE for continuous actions, real steps only
+    if batch["actions"].dtype == torch.int64:     # Sec. 3: cross-entropy for discrete actions (Atari), on the logits
+        err = F.cross_entropy(pred.float().flatten(0, 1), batch["actions"].flatten(), reduction="none")  # (B * K,)
+        err = err.view_as(batch["mask"])                                                                  # (B, K)
+    else:                                         # Sec. 3: MSE for continuous actions
+        err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                         # (B, K)
+    return (err * batch["mask"]).sum() / batch["mask"].sum()       # real steps only
 
 
 def policy(model):
-    """Alg. 1's action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step."""
+    """Alg. 1's action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step
+    (on Atari its logits; evaluate draws the action from their softmax, or takes the argmax with --greedy)."""
     def act(batch, live):
         return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[:, -1]
     return act
@@ -239,8 +355,8 @@ def targets(cfg, d):
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
     model.eval()
-    results = [(g, ev.evaluate(policy(model), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device))
-               for g in targets(cfg, d)]
+    results = [(g, ev.evaluate(policy(model), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device,
+                               greedy=cfg.greedy)) for g in targets(cfg, d)]
     model.train()
     return results
 
@@ -253,7 +369,7 @@ def train(cfg, run, d=None):
     (evaluate.Run) keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
     -> the first target's final evaluation (per-episode arrays)."""
     d = load_dataset(cfg) if d is None else d
-    ev.check_data(cfg, d)                                           # a context or target that means nothing here
+    ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()
     template = d.sample(2, cfg.context, np.random.default_rng(0))
     with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
@@ -261,7 +377,7 @@ def train(cfg, run, d=None):
         need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     rng = np.random.default_rng(cfg.seed)                           # draws the training windows
     step = run.start(cfg, model, opt, sched, rng, d, info, need)    # --resume: all of the above as the run left it
@@ -305,7 +421,7 @@ def gif(cfg, given):
     cfg, model, out = load_model(cfg, given)
     d = data_lib.load_data(cfg.dataset or cfg.env)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 
 def bench_eval(cfg, given):
@@ -341,6 +457,8 @@ def main(argv=None):
         ev.check_flags(cfg, "bench", "bench_eval", "gif")           # every flag, before any work
         if not 0 < cfg.top_fraction <= 1:
             raise data_lib.DataError(f"--top-fraction must lie in (0, 1], got {cfg.top_fraction}")
+        if cfg.state_encoder not in ("conv", "patch"):
+            raise data_lib.DataError(f"unknown --state-encoder '{cfg.state_encoder}'; use conv or patch")
         if cfg.bench:
             return bench(cfg)
         if cfg.bench_eval or cfg.gif:

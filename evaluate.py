@@ -44,21 +44,27 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from data import DataError, FlagParser, gather_windows, is_maze, resolve
+import data as data_lib
+from data import DataError, FlagParser, is_maze, resolve
 
 
 def _as_numpy(a):
     return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
 
 
-def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0):
+def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0,
+             greedy=False):
     """Run `episodes` episodes in parallel (env i reset with seed + i) with return-to-go target `target_return`
     (None for a model that takes no return target: the rtg column is then 0)
     (raw units). Returns dict of per-episode arrays: returns, lengths, normalized; goal tasks add success,
     steps_to_goal (first step with info['success'], the horizon when never reached) and positions (a list of
     (length + 1, 2) arrays: the agent's x, y after reset and after each step, for drawing paths); seconds: the wall
     time it took; with render_every > 0, frames: episode 0 rendered after reset and every render_every steps (and
-    at its end), as (step, return so far, RGB array) tuples.
+    at its end, at most GIF_FRAMES), as (step, return so far, RGB array) tuples.
+
+    Discrete actions (Atari): act() returns (L, n_actions) logits and the action is drawn from their softmax, as DT's
+    Atari code does (env i's draws from its own generator, seeded seed + i), or with greedy=True their argmax. An
+    episode ends at game over or at the horizon (108k frames on Atari).
 
     The loop is the DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps count from 0 here):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False    # the RTG prompt at reset
@@ -69,55 +75,64 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             s, a, t = s + [new_s], a + [action], t + [t[-1] + 1]              # append the new state
             R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]                       # the rolling context of the last K steps
     """
-    n, H, K = episodes, d.max_ep_len, context
+    n, H, K = episodes, d.horizon, context
+    # Each env keeps the last W steps in a ring (data.gather_windows(..., ring=W)): the K of the window, the step
+    # before it (its previous action) and the frames an Atari state stacks, so 27k-step Atari episodes cost no more
+    # memory than 1k-step MuJoCo ones.
+    W = K + 1 + (data_lib.FRAME_STACK - 1 if d.family == "atari" else 0)
+    hist = dict(actions=np.zeros((n, W), np.int64) if d.discrete else np.zeros((n, W, d.act_dim), np.float32),
+                rewards=np.zeros((n, W), np.float32), rtg=np.zeros((n, W), np.float32),
+                timesteps=np.zeros((n, W), np.int64))
+    hist |= dict(frames=np.zeros((n, W, *d.obs_shape[1:]), np.uint8)) if d.family == "atari" else dict(
+        states=np.zeros((n, W, d.obs_dim), np.float32))
+    key = "frames" if d.family == "atari" else "states"
+    # The same memory seen as one flat array of n * W rows, env i's ring being rows i*W .. i*W + W-1. These are
+    # views: writes to hist show here.
+    flat = {k: v.reshape(n * W, *v.shape[2:]) for k, v in hist.items()}       # (n * W, ...)
+
+    def new_step(i, t, obs, rtg):
+        """Step t of env i begins: s_t, R_t and t in its row, the row's a_t and r_t not known yet (0)."""
+        hist[key][i, t % W], hist["rtg"][i, t % W] = d.observe(obs), rtg
+        hist["timesteps"][i, t % W] = min(t, d.max_ep_len - 1)                # beyond the data's longest: its last
+        hist["actions"][i, t % W], hist["rewards"][i, t % W] = 0, 0.0
+
     envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
-    # Per-env history, H + 1 rows each (a row for the step after the last): states, actions, rewards, RTG, timesteps.
-    hist = dict(states=np.zeros((n, H + 1, d.obs_dim), np.float32), actions=np.zeros((n, H + 1, d.act_dim), np.float32),
-                rewards=np.zeros((n, H + 1), np.float32), rtg=np.zeros((n, H + 1), np.float32),
-                timesteps=np.broadcast_to(np.minimum(np.arange(H + 1), H - 1), (n, H + 1)).copy())
+    samplers = [np.random.default_rng(seed + i) for i in range(n)]            # env i's action draws (discrete)
     positions = [[] for _ in range(n)]
     for i, env in enumerate(envs):
         obs, _ = env.reset(seed=seed + i)
-        hist["states"][i, 0] = d.normalize_states(d.flatten_obs(obs))           # s_0
-        positions[i].append(_position(obs))
+        new_step(i, 0, obs, (target_return or 0.0) * d.return_scale)           # s_0 and R_0, the prompt (None: 0)
+        positions[i] += [_position(obs)] if d.goal_reaching else []
     frames = [(0, 0.0, envs[0].render())] if render_every else []
-    hist["rtg"][:, 0] = (target_return or 0.0) * d.return_scale                 # R_0: the prompt (None: no RTG, 0)
-    # The same memory seen as one flat array of n * (H + 1) rows: env i's history is the block of rows
-    # i*(H+1) .. i*(H+1)+H, so row i*(H+1) + t is env i's step t. data.gather_windows then cuts each live env's last
-    # K steps exactly as it cuts training windows, with the block's first row as the episode start (left padding
-    # before it). These are views: writes to hist show here.
-    flat = {k: v.reshape(n * (H + 1), *v.shape[2:]) for k, v in hist.items()}  # (n * (H + 1), ...)
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
     done = np.zeros(n, dtype=bool)
-    low, high = envs[0].action_space.low, envs[0].action_space.high
     t0 = time.time()
     for t in range(H):
         live = np.flatnonzero(~done)                                            # (L,) envs still running
         if len(live) == 0:
             break
-        # the rolling context: rows t-K+1 .. t of each live env's block (episode start row live*(H+1))
-        batch = gather_windows(flat, live * (H + 1), live * (H + 1) + t, K)     # (L, K, ...) tensors
+        # the rolling context: steps t-K+1 .. t of each live env (its ring from row live*W on)
+        batch = data_lib.gather_windows(flat, live * W, live * W + t, K, ring=W)  # (L, K, ...) tensors
         with torch.no_grad():  # one batched call: action = DecisionTransformer(R, s, a, t)[-1] for every live env
-            actions = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))                      # (L, act)
-        if not np.isfinite(actions).all():   # a NaN action would turn the env's state and every later return to NaN
-            j = int(np.flatnonzero(~np.isfinite(actions).all(axis=1))[0])
+            out = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))   # (L, act_dim) or logits
+        if not np.isfinite(out).all():   # a NaN action would turn the env's state and every later return to NaN
+            j = int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])
             raise DataError(f"the policy gave a non-finite action at step {t} of evaluation episode {live[j]} (target "
                             f"{target_return}); the run's weights or its return-to-go prompt are out of range")
-        actions = np.clip(actions, low, high)
+        actions = (np.array([choose(o, samplers[i], greedy) for o, i in zip(out, live)]) if d.discrete else
+                   np.clip(out, envs[0].action_space.low, envs[0].action_space.high))
         for j, i in enumerate(live):
             obs, r, terminated, truncated, info = envs[i].step(actions[j])
-            hist["actions"][i, t] = actions[j]
-            hist["rewards"][i, t] = r
-            hist["rtg"][i, t + 1] = hist["rtg"][i, t] - r * d.return_scale  # RTG_{t+1} = RTG_t - r_t (DT Sec. 3)
-            hist["states"][i, t + 1] = d.normalize_states(d.flatten_obs(obs))  # append the new state s_{t+1}
-            positions[i].append(_position(obs))
+            hist["actions"][i, t % W], hist["rewards"][i, t % W] = actions[j], r
+            new_step(i, t + 1, obs, hist["rtg"][i, t % W] - r * d.return_scale)  # RTG_{t+1} = RTG_t - r_t (DT Sec. 3)
+            positions[i] += [_position(obs)] if d.goal_reaching else []
             returns[i] += r
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
                 success[i], steps_to_goal[i] = True, t + 1
             done[i] = terminated or truncated
-            if render_every and i == 0 and ((t + 1) % render_every == 0 or done[i]):
+            if render_every and i == 0 and ((t + 1) % render_every == 0 or done[i]) and len(frames) < GIF_FRAMES:
                 frames.append((t + 1, returns[0], envs[0].render()))
         if progress and sys.stderr.isatty():
             print(f"\r  eval target {target_return}: step {t + 1}/{H}, {int((~done).sum())} of {n} running, "
@@ -128,6 +143,18 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         env.close()
     return _result(d, returns, lengths, success, steps_to_goal, positions) | dict(seconds=time.time() - t0) | (
         dict(frames=frames) if render_every else {})
+
+
+GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
+
+
+def choose(logits, rng, greedy):
+    """A discrete action from one env's logits: a draw from their softmax (DT's Atari code, temperature 1), or the
+    most likely one. float64 softmax, one uniform draw from rng per step."""
+    if greedy:
+        return int(np.argmax(logits))
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    return int(min(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right"), len(p) - 1))
 
 
 def pick_gl():
@@ -147,16 +174,19 @@ def pick_gl():
                     "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
 
 
-def episode_gif(act, d, target_return, seed, context, device, out, title, max_frames=150):
-    """--gif: one evaluation episode rendered into <out>/episode.gif: at most max_frames + 2 frames of 240 x 240
-    (every ceil(horizon / max_frames) steps, at the env's own speed), the step and the return so far drawn on each;
-    a line says what was written. -> evaluate()'s result for the episode."""
+def episode_gif(act, d, target_return, seed, context, device, out, title, max_frames=150, greedy=False):
+    """--gif: one evaluation episode rendered into <out>/episode.gif, the title, step and return so far drawn on each
+    frame; a line says what was written. MuJoCo: at most max_frames + 2 frames of 240 x 240 (every
+    ceil(horizon / max_frames) steps, at the env's own speed). Atari: the game's colour screen (not the 84 x 84
+    input), every second step, at most GIF_FRAMES. -> evaluate()'s result for the episode."""
     from PIL import Image, ImageDraw, ImageFont
-    backend, every, path = pick_gl(), -(-d.max_ep_len // max_frames), os.path.join(out, "episode.gif")
+    atari, path = d.family == "atari", os.path.join(out, "episode.gif")
+    backend, every = (None, 2) if atari else (pick_gl(), -(-d.max_ep_len // max_frames))
     try:
-        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every)
+        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every,
+                       greedy=greedy)
     except Exception as e:   # the GL errors differ by backend and library (mujoco.FatalError, AttributeError, ...)
-        if isinstance(e, DataError):
+        if isinstance(e, DataError) or atari:
             raise
         raise DataError(f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset MUJOCO_GL to "
                         f"let the script find a backend, or set it to egl or osmesa with that library installed "
@@ -165,16 +195,34 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, max_fr
     images = []
     for step, ret, rgb in res["frames"]:
         img = Image.fromarray(rgb)
-        text = f"{title}{'' if target_return is None else f', target {target_return:g}'}\nstep {step}   return {ret:.1f}"
-        ImageDraw.Draw(img).text((6, 4), text, font=font, fill="white", stroke_width=2, stroke_fill="black")
+        if atari:                                                    # 210 x 160 -> 420 x 320, pixels kept sharp
+            img = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
+        lines = wrap_text(f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
+                          img.width - 12) + [f"step {step}   return {ret:.1f}"]
+        ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white", stroke_width=2, stroke_fill="black")
         images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
-    env = d.make_env()
-    dt = getattr(env.unwrapped, "dt", 0.01)   # seconds of simulated time per env step
-    env.close()
+    if atari:
+        dt = data_lib.atari_frame_skip(d.env_spec) / 60   # seconds of play per env step
+    else:
+        env = d.make_env()
+        dt = getattr(env.unwrapped, "dt", 0.01)   # seconds of simulated time per env step
+        env.close()
     images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
                    duration=max(20, int(round(every * dt * 100)) * 10))
-    print(f"episode.gif: {summarize(res)}, {len(images)} frames, {os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
+    cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
+    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, {os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
     return res
+
+
+def wrap_text(text, font, width):
+    """text in lines that fit `width` pixels in `font`, broken at spaces and underscores (variant names)."""
+    lines, line = [], ""
+    for word in re.split(r"(?<=[ _])", text):
+        if line and font.getlength(line + word) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += word
+    return lines + [line.rstrip()]
 
 
 def _position(obs):
@@ -189,44 +237,53 @@ def _result(d, returns, lengths, success, steps_to_goal, positions):
     return res
 
 
-def evaluate_sequential(act, d, episodes, target_return, seed, context, device="cpu"):
+def evaluate_sequential(act, d, episodes, target_return, seed, context, device="cpu", greedy=False):
     """Reference: the same protocol, one episode at a time, windows built from plain Python lists (independent of
-    data.gather_windows). Slow; kept for the test that the batched path gives the same episodes."""
-    n, H, K = episodes, d.max_ep_len, context
+    data.gather_windows and its ring; Atari states stacked here from the frame list). Slow; kept for the test that
+    the batched path gives the same episodes."""
+    n, H, K = episodes, d.horizon, context
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
-    zero_a = np.zeros(d.act_dim, np.float32)
+    atari = d.family == "atari"
+    zero_a = 0 if d.discrete else np.zeros(d.act_dim, np.float32)
+    zero_s = np.zeros(d.obs_shape, np.uint8) if atari else np.zeros(d.obs_dim, np.float32)
     positions = []
     for i in range(n):
-        env = d.make_env()
+        env, rng = d.make_env(), np.random.default_rng(seed + i)
         obs, _ = env.reset(seed=seed + i)
-        S, A, R, G = [d.normalize_states(d.flatten_obs(obs))], [], [], [(target_return or 0.0) * d.return_scale]
+        S, A, R, G = [d.observe(obs)], [], [], [(target_return or 0.0) * d.return_scale]
         positions.append([_position(obs)])
-        low, high = env.action_space.low, env.action_space.high
         for t in range(H):
             lo = max(0, t + 1 - K)                  # window = steps lo..t, padded on the left to K
             pad = K - (t + 1 - lo)
             A_win = A[lo:t] + [zero_a]              # a_t unknown -> 0
             R_win = R[lo:t] + [0.0]
+            # an Atari state: frames u-3 .. u, those before the episode's first frame 0
+            state = (lambda u: np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)])
+                     ) if atari else (lambda u: S[u])
             batch = dict(
-                states=[np.zeros(d.obs_dim, np.float32)] * pad + S[lo:t + 1],
+                states=[zero_s] * pad + [state(u) for u in range(lo, t + 1)],
                 actions=[zero_a] * pad + A_win,
                 rewards=[[0.0]] * pad + [[r] for r in R_win],
                 rtg=[[0.0]] * pad + [[g] for g in G[lo:t + 1]],
-                timesteps=[0] * pad + list(range(lo, t + 1)),
+                timesteps=[0] * pad + [min(u, d.max_ep_len - 1) for u in range(lo, t + 1)],
                 mask=[0.0] * pad + [1.0] * (t + 1 - lo),
                 prev_action=A[lo - 1] if lo > 0 else zero_a,
                 prev_reward=[R[lo - 1] if lo > 0 else 0.0],
             )
-            batch = {k: torch.tensor(np.array([v]), dtype=torch.int64 if k == "timesteps" else torch.float32,
-                                     device=device) for k, v in batch.items()}
+            dtypes = dict(timesteps=torch.int64, states=torch.uint8 if atari else torch.float32,
+                          actions=torch.int64 if d.discrete else torch.float32)
+            dtypes["prev_action"] = dtypes["actions"]
+            batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32), device=device)
+                     for k, v in batch.items()}
             with torch.no_grad():
-                a = np.clip(_as_numpy(act(batch, np.array([i])))[0], low, high)
+                out = _as_numpy(act(batch, np.array([i])))[0]
+            a = choose(out, rng, greedy) if d.discrete else np.clip(out, env.action_space.low, env.action_space.high)
             obs, r, terminated, truncated, info = env.step(a)
-            A.append(a.astype(np.float32))
+            A.append(a if d.discrete else a.astype(np.float32))
             R.append(float(np.float32(r)))
             G.append(np.float32(G[-1] - r * d.return_scale))
-            S.append(d.normalize_states(d.flatten_obs(obs)))
+            S.append(d.observe(obs))
             positions[i].append(_position(obs))
             returns[i] += r
             lengths[i] = t + 1
@@ -272,27 +329,33 @@ def parse_flags(Config, presets, argv, prog, description):
                            help=f"{text} (default: {f.default})")
     given = vars(p.parse_args(argv))
     if given.get("preset", "") not in ("", *presets):
-        p.error(f"unknown preset '{given['preset']}'; known: {', '.join(presets)}")
+        p.error(f"unknown preset '{given['preset']}'; known: {', '.join(k for k in presets if k)}")
     name, preset = given.get("dataset") or given.get("env") or Config.env, given.get("preset", "")
     values = {**preset_values(presets, preset, name), **given}
-    maze = {k.replace("_", "-"): v for k, v in maze_setting(presets, preset, name).items() if k not in given}
-    if maze:
-        print(f"--preset {preset} on a maze: " + ", ".join(
-            f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}" for k, v in maze.items()))
+    family = {k.replace("_", "-"): v for k, v in family_setting(presets, preset, name).items() if k not in given}
+    if family and preset:
+        print(f"--preset {preset} on {'a maze' if is_maze(name) else 'Atari'}: " + ", ".join(
+            f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}" for k, v in family.items()))
     if values.get("dataset"):
         values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
     return Config(**values), set(values)
 
 
-def maze_setting(presets, preset, dataset):
-    """A preset's "mazes" entries where the dataset is a maze (data.is_maze), else none."""
-    return presets.get(preset, {}).get("mazes", {}) if is_maze(dataset) else {}
+FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
+
+
+def family_setting(presets, preset, dataset):
+    """A preset's "mazes" entry where the dataset is a maze (data.is_maze), its "atari" entry on Atari data
+    (data.is_atari), else none. The preset "" is the paper's configuration (a model file's Atari settings)."""
+    family = "mazes" if is_maze(dataset) else "atari" if data_lib.is_atari(dataset) else None
+    return presets.get(preset, {}).get(family, {}) if family else {}
 
 
 def preset_values(presets, preset, dataset):
-    """A preset's settings for this dataset: its own, with its maze setting on top (maze_setting)."""
-    own = {k: v for k, v in presets.get(preset, {}).items() if k != "mazes"}
-    return own | maze_setting(presets, preset, dataset)
+    """The settings laid under the flags for this dataset: the paper's for its family (presets[""]), then the
+    preset's own, then the preset's for the family (family_setting); Config's defaults under all of them."""
+    own = {k: v for k, v in presets.get(preset, {}).items() if k not in FAMILIES}
+    return family_setting(presets, "", dataset) | own | family_setting(presets, preset, dataset)
 
 
 def check_flags(cfg, *one_of):
@@ -338,8 +401,14 @@ def pick_device(name):
     return torch.device(name)
 
 
-def check_data(cfg, d):
-    """Settings that mean nothing for this data, in one sentence before the run folder is touched."""
+def check_data(cfg, d, atari=False):
+    """Settings that mean nothing for this data, in one sentence before the run folder is touched. atari: the model
+    file reads Atari data (image states, discrete actions)."""
+    if d.family == "atari" and not atari:
+        raise DataError(f"{d.dataset_id} is Atari data (image states, discrete actions), which this model file does "
+                        f"not read yet; dt.py has DT's Atari model")
+    if d.family == "atari":
+        d.make_env().close()   # ale-py and OpenCV are there: one sentence now, not at the first evaluation
     longest = max(len(e["actions"]) for e in d.episodes)
     if cfg.context > longest:   # a training window never leaves its episode: the rest would always be padding
         raise DataError(f"--context {cfg.context} is longer than the longest episode of {d.dataset_id} ({longest} "
@@ -473,6 +542,9 @@ def refuse_occupied(out, script):
         owner = script if {"ckpt.pt", "log.csv"} & set(files) else None
         with contextlib.suppress(OSError, ValueError, AttributeError), open(os.path.join(out, "config.json")) as f:
             owner = json.load(f).get("script", owner)
+        if owner == script and "ckpt.pt" not in files:   # killed before its first checkpoint: nothing to resume
+            raise DataError(f"{out} holds a run that stopped before its first checkpoint (no ckpt.pt), so it cannot be "
+                            f"continued; delete that folder to start again there, or pass a fresh --out")
         if owner == script:
             raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
     if files:
@@ -605,10 +677,27 @@ class Run:
               f"{d.ref_source}\n{self.script} {self.variant}: {sum(p.numel() for p in model.parameters()):,} "
               f"parameters; a training step needs about {gb(need)} on {self.device}; run folder {self.out}", flush=True)
         self.first, self.t_start, self.t_log, self.n_log = step, time.time(), time.time(), 0
+        self.t_probe, self.step_s, self.eval_s = None, None, None   # the run's length, measured (length())
         return step
 
     def wall(self):
         return self.wall0 + time.time() - self.t_start
+
+    def length(self, step):
+        """One line: how long the rest of the run takes, from the measured seconds per step and, once one has run,
+        the first evaluation's seconds (until then the evaluations are counted, not timed); past a few hours on a
+        CPU it names the faster ways."""
+        cfg = self.cfg
+        evals = len(range(step // cfg.eval_every + 1, cfg.steps // cfg.eval_every + 1)) + bool(cfg.steps % cfg.eval_every)
+        train = (cfg.steps - step) * self.step_s
+        total = train + (evals * self.eval_s if self.eval_s is not None else 0.0)
+        evaluations = (f"{evals} evaluation{'s' * (evals != 1)} of {duration(self.eval_s)} each" if self.eval_s is not None else
+                       f"{evals} evaluation{'s' * (evals != 1)} of {cfg.eval_episodes} episodes (timed at the first)")
+        slow = total > 3 * 3600 and self.device.type == "cpu"
+        print(f"run length: {cfg.steps - step:,} steps at {1e3 * self.step_s:.0f} ms/step = {duration(train)}, plus "
+              f"{evaluations}: about {duration(total)} in all on {self.device}" + (
+                  "; more than a few hours on a CPU: --preset cpu is the configuration for a CPU (minutes), and the "
+                  "paper's needs a GPU (--device cuda)" if slow else ""), flush=True)
 
     def add_row(self, **values):
         """A log.csv row: every column, empty unless given."""
@@ -621,6 +710,12 @@ class Run:
         self.n_log += 1
         if step == self.first + 1 and step % self.cfg.log_every:   # a first sign of life, before the first log line
             print(f"step {step:6d} | loss {loss.item():.5f} | first step {time.time() - self.t_log:.1f} s", flush=True)
+        if step == self.first + 1:
+            self.t_probe = time.time()                             # steps after the first (its warm-up) are timed
+        elif step == self.first + PROBE_STEPS + 1 and step < self.cfg.steps:
+            loss.item()                                            # (a device sync, once)
+            self.step_s = (time.time() - self.t_probe) / PROBE_STEPS
+            self.length(step)
         if step % self.cfg.log_every and step != self.cfg.steps:
             return
         mean = float(np.mean(self.finite_losses(step)))
@@ -667,6 +762,10 @@ class Run:
                          steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "")
             print(f"eval step {step}{'' if g is None else f' target {g:g}'}: {summarize(res)} ({res['seconds']:.0f}s)",
                   flush=True)
+        if results and self.eval_s is None and self.step_s is not None:   # the first evaluation: now it is timed
+            self.eval_s = sum(res["seconds"] for _, res in results)
+            if step < self.cfg.steps:
+                self.length(step)
         self.write_log()
         d, cuda = self.d, self.device.type == "cuda"
         state = dict(script=self.script, model=model.state_dict(), optimizer=opt.state_dict(),
@@ -690,6 +789,17 @@ class Run:
         print(f"final: normalized_score={score(res['normalized'].mean()) or 'none'} return={res['returns'].mean():.2f} "
               f"episodes={len(res['returns'])}")
         return res
+
+
+PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
+
+
+def duration(seconds):
+    """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
+    return f"{seconds:.0f} s"
 
 
 def score(x):
@@ -797,6 +907,12 @@ def one_sentence_errors():
         size = f" (it asked for {gb(int(size[1])) if size[1] else size[2].upper() + 'B'} at once)" if size else ""
         print(f"error: out of memory{size}; lower --batch-size, --context or the model's size", file=sys.stderr)
         raise SystemExit(1)
+    except OSError as e:   # a figure or GIF into a folder that cannot be written (read-only, full disk)
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+            raise
+        print(f"error: could not write {e.filename or 'the output'} ({e.strerror}); run the analysis on a copy of the "
+              f"run folder that you can write to", file=sys.stderr)
+        raise SystemExit(1)
     except KeyboardInterrupt:
         print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
         raise SystemExit(130)
@@ -809,8 +925,17 @@ def one_sentence_errors():
 # model files write them. Runs are grouped by (dataset_id, script, variant), whatever the folder names say.
 
 def find_runs(runs_dir):
-    """Every folder under runs_dir (itself included) holding config.json and log.csv, sorted."""
-    return sorted(root for root, _, files in os.walk(runs_dir) if {"config.json", "log.csv"} <= set(files))
+    """Every folder under runs_dir (itself included) holding a run's file (config.json, log.csv, ckpt.pt), sorted;
+    read_run says why one that lacks config.json or log.csv is left out."""
+    return sorted(root for root, _, files in os.walk(runs_dir) if set(RUN_FILES) & set(files))
+
+
+def checkpoint_step(folder):
+    """The step of <folder>/ckpt.pt (memory-mapped: only its small entries are read), None where it has none."""
+    with contextlib.suppress(Exception):   # a damaged or foreign file: the log's step stands
+        return int(torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu", weights_only=True,
+                              mmap=True)["step"])
+    return None
 
 
 def _number(v):
@@ -828,11 +953,14 @@ def read_run(folder):
     headline target (the first target in log.csv) as dicts step, normalized_score, eval_return, success_rate,
     steps_to_goal.
     status: None for a finished run, else why it is left out of the averages."""
-    run = dict(folder=folder, key=None, steps=None, evals=[], status=None)
+    run = dict(folder=folder, key=None, steps=None, evals=[], status=None, seed=None)
+    if missing := [f for f in ("config.json", "log.csv") if not os.path.exists(os.path.join(folder, f))]:
+        return run | dict(status=f"no {' or '.join(missing)} (not a run's folder, or one whose files were moved)")
     try:
         with open(os.path.join(folder, "config.json")) as f:
             cfg = json.load(f)
-        run.update(key=(str(cfg["dataset_id"]), str(cfg["script"]), str(cfg["variant"])), steps=int(cfg["steps"]))
+        run.update(key=(str(cfg["dataset_id"]), str(cfg["script"]), str(cfg["variant"])), steps=int(cfg["steps"]),
+                   seed=cfg.get("seed"))
         with open(os.path.join(folder, "log.csv"), newline="") as f:
             rows = list(csv.reader(f))
     except (OSError, ValueError, KeyError, TypeError, csv.Error) as e:  # ValueError: bad JSON, undecodable bytes
@@ -860,7 +988,8 @@ def read_run(folder):
         return run | dict(status="no evaluation yet")
     run["evals"] = [r for r in evals if r["target"] == evals[0]["target"]]  # the headline target
     if max(r["step"] for r in run["evals"]) < run["steps"]:
-        run["status"] = f"in progress at step {max(r['step'] for r in parsed)} of {run['steps']}"
+        step = checkpoint_step(folder) or max(r["step"] for r in parsed)   # a stopped run saves between log lines
+        run["status"] = f"in progress at step {step} of {run['steps']}"
     return run
 
 
@@ -904,7 +1033,12 @@ def report(runs_dir="runs"):
     groups = defaultdict(list)
     for r in runs:
         if r["status"] is None:
-            groups[r["key"]].append(r)
+            twin = next((o for o in groups[r["key"]] if o["seed"] == r["seed"]), None)
+            if twin is not None:   # a copy of a run: one seed counts once
+                r["status"] = (f"seed {r['seed']} again (the table counts {os.path.relpath(twin['folder'], runs_dir)}"
+                               f" for it)")
+            else:
+                groups[r["key"]].append(r)
     goal = any(_last(r)["success_rate"] is not None for g in groups.values() for r in g)
     lines = ["Normalised score (D4RL: 100 * (return - random) / (expert - random)) of each run's headline target "
              "(the first target in its log.csv): **last** = the final evaluation, **best** = the best evaluation "
@@ -934,10 +1068,15 @@ def report(runs_dir="runs"):
         lines += ["", "Not in the table:"]
         lines += [f"- {os.path.relpath(r['folder'], runs_dir)}: {r['status']}" for r in left_out]
     text = "\n".join(lines)
-    with open(os.path.join(runs_dir, "report.md"), "w") as f:
-        f.write(text + "\n")
-    if groups:
-        plot_report(groups, os.path.join(runs_dir, "report.png"))
+    print(text, flush=True)   # the table first: a folder that cannot be written still gives it
+    try:
+        with open(os.path.join(runs_dir, "report.md"), "w") as f:
+            f.write(text + "\n")
+        if groups:
+            plot_report(groups, os.path.join(runs_dir, "report.png"))
+    except OSError as e:
+        raise DataError(f"the table above could not be saved in {runs_dir} ({e.strerror or type(e).__name__}); pass "
+                        f"a folder you can write to, or copy the runs to one") from None
     return text
 
 
@@ -985,7 +1124,7 @@ def main(argv=None):
     p_report.add_argument("runs_dir", nargs="?", default="runs", metavar="RUNS_DIR", help="default: %(default)s")
     args = p.parse_args(argv)
     try:
-        print(report(args.runs_dir))
+        report(args.runs_dir)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)

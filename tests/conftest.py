@@ -6,6 +6,8 @@
     tiny_hopper -> 'test/hopper/tiny-v0': 12 random-policy Hopper-v5 episodes, no reference scores in the metadata
     tiny_maze   -> 'test/pointmaze/tiny-dense-v0': 8 PointMaze_UMazeDense-v3 episodes (dict observations), eval
                    horizon 40
+    tiny_breakout -> 'test/breakout/tiny-v0': 4 short episodes of real Breakout frames (84x84 uint8, the papers'
+                   AtariPreprocessing env in the spec, stored lossless, int64 actions), as convert-dqn-replay writes
 """
 import os
 
@@ -33,7 +35,9 @@ def make_dataset(minari_path):
     from minari.data_collector import EpisodeBuffer
 
     def make(dataset_id, episodes, env, eval_env=None, **metadata):
-        buffers = [EpisodeBuffer(id=i, observations=e["observations"], actions=np.asarray(e["actions"], np.float32),
+        buffers = [EpisodeBuffer(id=i, observations=e["observations"],
+                                 actions=np.asarray(e["actions"], None if np.asarray(e["actions"]).dtype.kind == "i"
+                                                    else np.float32),
                                  rewards=list(map(float, e["rewards"])), terminations=list(map(bool, e["terminations"])),
                                  truncations=list(map(bool, e["truncations"])), infos={})
                    for i, e in enumerate(episodes)]
@@ -84,6 +88,31 @@ def tiny_maze(make_dataset):
     eps = rollout(env, 8, 40, seed=1)
     return make_dataset("test/pointmaze/tiny-dense-v0", eps, env=env, eval_env=env.spec,
                         ref_min_score=0.0, ref_max_score=40.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_breakout(make_dataset):
+    """Real frames: the papers' Breakout env (AtariPreprocessing: 84x84 grayscale, frame skip 4) played by a policy
+    that presses FIRE and moves at random, 4 episodes of at most 120 steps (the last cut as truncated)."""
+    import data
+    env = data.make_atari_env(data.atari_env_spec("breakout"))
+    rng = np.random.default_rng(0)
+    episodes = []
+    for ep in range(4):
+        obs, _ = env.reset(seed=ep)
+        frames, acts, rews, terms, truncs = [obs], [], [], [], []
+        for t in range(60 + 20 * ep):
+            a = int(rng.choice(4, p=[0.2, 0.3, 0.25, 0.25]))
+            obs, r, term, trunc, _ = env.step(a)
+            trunc = trunc or t == 60 + 20 * ep - 1
+            frames.append(obs), acts.append(a), rews.append(r), terms.append(term), truncs.append(trunc and not term)
+            if term or trunc:
+                break
+        rews[len(rews) // 2] += 1.0 + ep         # returns 1..4 beside whatever the random play scored
+        episodes.append(dict(observations=np.stack(frames), actions=np.array(acts, np.int64), rewards=np.array(rews),
+                             terminations=np.array(terms), truncations=np.array(truncs)))
+    return make_dataset("test/breakout/tiny-v0", episodes, env=env, eval_env=env.spec, jpeg_encoding=False,
+                        ref_min_score=1.7, ref_max_score=30.5)
 
 
 def pytest_configure(config):

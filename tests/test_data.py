@@ -399,3 +399,71 @@ def test_mix_concatenates_datasets_of_one_environment(make_dataset, minari_path,
         data.main(["mix", a, tiny_maze, "test/x/y-v0"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and err.startswith("error: ") and "\n" not in err and "different environments" in err
+
+
+# ---- Adroit (D4RL/{pen,hammer,door,relocate}/{human,cloned,expert}-v2) --------------------------------------------
+
+def test_adroit_short_names_resolve_without_data():
+    for task in ("pen", "hammer", "door", "relocate"):
+        for level in ("human", "cloned", "expert"):
+            assert data.resolve(f"{task}-{level}") == f"D4RL/{task}/{level}-v2"
+    assert data.resolve("D4RL/pen/human-v2") == "D4RL/pen/human-v2"
+    for name in ("pen-humn", "pen-medium", "adroit-pen-human"):
+        with pytest.raises(data.DataError, match=f"unknown environment '{name}'.*pen-human"):
+            data.resolve(name)
+
+
+def test_adroit_unknown_name_is_one_sentence(tmp_path):
+    r = _cli(["--env", "hammer-clone"], tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "unknown environment 'hammer-clone'" in r.stderr and "hammer-cloned" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_pen(make_dataset):
+    """5 smooth-random episodes of gymnasium-robotics' AdroitHandPen-v1 cut at 12 steps (so is the eval env), named
+    like the paper's pen-human so that lsdt.py's Adroit row applies; no reference returns in the metadata."""
+    import gymnasium as gym
+    import gymnasium_robotics
+    from conftest import rollout
+    gym.register_envs(gymnasium_robotics)
+    env = gym.make("AdroitHandPen-v1", max_episode_steps=12)
+    return make_dataset("test/pen/human-v0", rollout(env, 5, 12, seed=11), env=env)
+
+
+def test_adroit_loads_with_d4rl_refs_unscaled_returns_and_best_return_target(tiny_pen, make_dataset):
+    d = data.load_data(tiny_pen)
+    assert d.family == "other" and (d.obs_dim, d.act_dim, d.goal_dim) == (45, 24, 0) and d.max_ep_len == 12
+    assert d.ref_source == "D4RL reference returns for AdroitHandPen"
+    assert np.allclose(d.normalize_score([-96.262264, 3076.8331]), [0.0, 100.0])
+    assert d.return_scale == 1.0 and d.target_returns == [pytest.approx(d.episode_returns.max())]
+    assert np.allclose(d.flat["rtg"][d.ep_start], d.episode_returns, rtol=1e-5)        # R_0 = the return, unscaled
+    env = d.make_env()                                                                   # the dataset's own eval env
+    assert env.spec.id == "AdroitHandPen-v1" and env.spec.max_episode_steps == 12
+    assert d.observe(env.reset(seed=0)[0]).shape == (45,)
+    env.close()
+    import gymnasium as gym
+    from conftest import rollout
+    env = gym.make("AdroitHandDoor-v1", max_episode_steps=5)                           # refs in the metadata win
+    own = data.load_data(make_dataset("test/door/refs-v0", rollout(env, 2, 5, seed=1), env=env,
+                                      ref_min_score=-50.0, ref_max_score=3000.0))
+    assert own.ref_source == "dataset metadata" and (own.ref_min, own.ref_max) == (-50.0, 3000.0)
+
+
+def test_adroit_trains_and_evaluates_with_lsdt_and_dt(tiny_pen, tmp_path, capsys):
+    import csv
+    import json
+    import dt
+    import lsdt
+    small = ["--dataset", tiny_pen, "--n-embd", "32", "--n-layer", "1", "--context", "4", "--batch-size", "8",
+             "--steps", "3", "--eval-every", "3", "--eval-episodes", "1", "--warmup-steps", "2"]
+    ref = data.ADROIT_REF_SCORES["AdroitHandPen"]
+    for name, main in (("lsdt", lsdt.main), ("dt", dt.main)):
+        main(small + ["--out", str(tmp_path / name)])
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith("final: normalized_score=") and last.endswith("episodes=1"), last
+        row = [r for r in csv.DictReader(open(tmp_path / name / "log.csv")) if r["target"]][-1]
+        assert float(row["normalized_score"]) == pytest.approx(
+            100 * (float(row["eval_return"]) - ref[0]) / (ref[1] - ref[0]), abs=0.01)
+    cfg = json.loads((tmp_path / "lsdt" / "config.json").read_text())                 # lsdt.py's pen-human row
+    assert (cfg["n_head"], cfg["lr"], cfg["kernel"], cfg["conv_ratio"], cfg["batch_size"]) == (2, 2e-4, 6, 0.5, 8)

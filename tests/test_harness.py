@@ -259,6 +259,11 @@ def test_sigint_at_arbitrary_moments_then_resume_is_bit_identical(script, tiny_h
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     expected_final = [line for line in out.splitlines() if line.startswith("final:")]
+    # the run says its length early: after the first step and 10 timed ones, then again after the first evaluation
+    length = [line for line in out.splitlines() if line.startswith("run length:")]
+    assert len(length) == 2 and length[0].startswith(f"run length: {steps - 11} steps at ") and \
+        "3 evaluations of 1 episodes (timed at the first)" in length[0] and "2 evaluations of" in length[1], length
+    assert out.index("run length:") < out.index("step     20")
     interrupted = 0
     for i, delay in enumerate(DELAYS[script]):
         run = tmp_path / f"interrupted{i}"
@@ -490,6 +495,10 @@ def test_resume_needs_a_checkpoint(script, tiny_hopper, tmp_path, capsys, monkey
         err = one_sentence_exit_1(capsys, m.main, ["--out", str(run), "--resume", *extra])
         assert "no ckpt.pt to resume from" in err and "put ckpt.pt back" in err, err
         assert snapshot(run) == before
+    # the same folder without --resume (a run killed before its first checkpoint): the sentence says what works
+    err = one_sentence_exit_1(capsys, m.main, ["--out", str(run), "--dataset", tiny_hopper, "--steps", "2"])
+    assert "stopped before its first checkpoint" in err and "--resume" not in err, err
+    assert snapshot(run) == before
     for folder in (tmp_path / "missing", tmp_path / "empty"):
         if folder.name == "empty":
             folder.mkdir()
@@ -602,3 +611,20 @@ def test_gif_renders_one_episode_and_changes_nothing_else(script, tiny_hopper, t
         assert gif.size == (240, 240) and os.path.getsize(out / "episode.gif") < 5 * 2 ** 20
         after = snapshot(out)
         assert after.pop("episode.gif") and after == before
+
+
+def test_run_length_names_the_faster_ways_past_a_few_hours_on_a_cpu(capsys):
+    """Run.length: the steps left times the measured step, the evaluations left (counted until one is timed), and
+    past three hours on a CPU the words for --preset cpu and the GPU."""
+    run = evaluate.Run.__new__(evaluate.Run)
+    run.cfg = module("dt").Config(steps=100_000, eval_every=10_000, eval_episodes=100)
+    run.device, run.step_s, run.eval_s = torch.device("cpu"), 0.9, None
+    run.length(11)
+    said = capsys.readouterr().out
+    assert said.startswith("run length: 99,989 steps at 900 ms/step = 25.0 h, plus 10 evaluations of 100 episodes")
+    assert "--preset cpu" in said and "--device cuda" in said
+    run.step_s, run.eval_s = 0.01, 30.0
+    run.length(10_000)
+    said = capsys.readouterr().out
+    assert "90,000 steps at 10 ms/step = 15 min, plus 9 evaluations of 30 s each: about 20 min" in said, said
+    assert "--preset cpu" not in said

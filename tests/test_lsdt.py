@@ -757,3 +757,17 @@ def test_cli_routing_res_run_and_resume_refuses_another_routing(tiny_hopper, tmp
     run_main(["--out", str(tmp_path), "--resume", "--steps", "6"], capsys)   # no --routing: the run's own
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 6
     assert json.loads((tmp_path / "config.json").read_text())["routing"] == "res"
+
+
+def test_adroit_paper_rows():
+    """Table 9's eight Adroit sets (human, cloned) take Table 13's Adroit column, by short name and by Minari id; the
+    paper gives no K, xi or RTG target for them, so the row leaves those to Config and data.py."""
+    for task in ("pen", "hammer", "door", "relocate"):
+        for level in ("human", "cloned"):
+            assert lsdt.paper_row(f"{task}-{level}") == lsdt.paper_row(f"D4RL/{task}/{level}-v2") == f"{task}-{level}"
+        assert lsdt.paper_row(f"D4RL/{task}/expert-v2") is None                       # not in the paper
+    row = lsdt.PAPER_TABLE["door-cloned"]
+    assert (row["n_embd"], row["n_head"], row["batch_size"], row["lr"], row["kernel"]) == (128, 2, 256, 2e-4, 6)
+    assert not {"context", "conv_ratio", "target_return"} & set(row)
+    c, _ = lsdt.paper_settings(*lsdt.parse_flags(["--env", "relocate-human"]))
+    assert (c.context, c.conv_ratio, c.target_return, c.eval_episodes) == (10, 0.5, None, 20)

@@ -147,3 +147,41 @@ def test_a_value_that_is_not_a_number_is_named_not_in_progress(tmp_path):
     assert f"- dt/{hop}/default/seed1: unreadable (log.csv line 4: normalized_score 'abc' is not a finite number)" in text
     assert f"- dt/{hop}/default/seed2: unreadable (log.csv line 4: normalized_score 'nan' is not a finite number)" in text
     assert table_row(text, HOPPER, "dt", "default")[:4] == ["1", "200", "3600.0", "20.0 ± 0.0"] and "in progress" not in text
+
+
+def test_copies_of_a_seed_count_once_and_every_folder_left_out_is_named(tmp_path):
+    """Three copies of one seed-0 run are one seed (the copies are named, not averaged); a folder with a run's file
+    but no config.json is named; a run stopped between log lines shows its checkpoint's step."""
+    import shutil
+    import torch
+    root = str(tmp_path / "runs")
+    first = write_run(root, "dt", HOPPER, "cpu", 0, 200, hopper_evals([10, 20], (100, 200)), (100, 200))
+    for copy in ("copy1", "copy2"):
+        shutil.copytree(first, os.path.join(root, copy))
+    write_run(root, "dt", HOPPER, "cpu", 1, 200, hopper_evals([30, 40], (100, 200)), (100, 200))
+    stray = os.path.join(root, "stray")
+    os.makedirs(stray)
+    open(os.path.join(stray, "log.csv"), "w").write("step,loss\n1,0.5\n")
+    stopped = write_run(root, "dt", HOPPER, "default", 0, 200, hopper_evals([10], (100,)), (100,))
+    torch.save(dict(step=197, model={}), os.path.join(stopped, "ckpt.pt"))
+    text = evaluate.report(root)
+    assert table_row(text, HOPPER, "dt", "cpu")[0] == "2"                          # seeds 0 and 1, not 4
+    assert table_row(text, HOPPER, "dt", "cpu")[3] == "30.0 ± 10.0"                 # last: 20 and 40
+    assert text.count(": seed 0 again (the table counts ") == 2                   # two of the three are named
+    assert "stray: no config.json" in text
+    assert "in progress at step 197 of 200" in text
+
+
+def test_a_folder_that_cannot_be_written_still_prints_its_table(runs, capsys, monkeypatch):
+    real_open = open
+
+    def read_only(path, mode="r", *a, **k):
+        if "w" in mode and str(path).endswith("report.md"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, mode, *a, **k)
+    monkeypatch.setattr("builtins.open", read_only)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["report", runs])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and "| dataset |" in out
+    assert err.startswith("error: the table above could not be saved") and "\n" not in err.strip()

@@ -33,6 +33,7 @@ Command line:
     python data.py info hopper-medium        # summary and sampling rate (`python data.py NAME` is short for it)
     python data.py convert-d4rl hopper_medium-v2.hdf5 d4rl/hopper/medium-v2 [--env Hopper-v5]
     python data.py mix hopper-medium hopper-expert local/hopper/medium-expert-v0    # D4RL's medium-expert recipe
+    python data.py convert-dqn-replay Breakout/1/replay_logs Breakout dqn-replay/breakout/1pct-v0   # 1% of DQN-replay
 """
 import argparse
 import contextlib
@@ -252,6 +253,7 @@ class OfflineData:
     horizon: int = 0            # evaluation steps at most (0: max_ep_len); Atari: 108k frames / frame skip 4
     n_actions: int = 0          # discrete actions (Atari's Discrete space), 0 for continuous actions
     raw_frames: bool = False    # Atari frames stored as 210x160 RGB (Minari's atari/*): atari_frame_wrappers applied
+    delayed_reward: bool = False  # rewards moved to each episode's last step (delay_rewards), in evaluation too
     goal_reaching: bool = False
     goal_dim: int = 0           # the last goal_dim state entries are desired_goal (dict observations), else 0
     obs_keys: tuple = MAZE_KEYS  # how flatten_obs orders dict observations (obs_keys_for(env_spec))
@@ -450,8 +452,9 @@ def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
                 terminated=bool(np.asarray(ep.terminations)[-1]))
 
 
-def load_data(name, download=True):
-    """Short name or Minari id -> OfflineData (episodes, state stats, eval env, reference scores, targets)."""
+def load_data(name, download=True, delayed_reward=False):
+    """Short name or Minari id -> OfflineData (episodes, state stats, eval env, reference scores, targets).
+    delayed_reward: the delayed-return setting of DT's Table 5 and DeMa's Table 13 (delay_rewards)."""
     dataset_id = resolve(name)
     ds, meta, raw_episodes = _open_minari(dataset_id, download)
     spec = getattr(ds, "_eval_env_spec", None) or ds.env_spec  # what recover_environment(eval_env=True) makes
@@ -496,10 +499,22 @@ def load_data(name, download=True):
     # Atari: the timestep embedding covers the data's longest episode (DT's max_timestep; evaluation clamps to it),
     # while an evaluation episode may run to the 108k-frame limit (27k steps of 4 frames).
     max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
+    if delayed_reward:
+        episodes = [e | dict(rewards=delay_rewards(e["rewards"])) for e in episodes]
     return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
                        ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
                        max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim, obs_keys=keys,
-                       horizon=atari_horizon(spec) if family == "atari" else 0, n_actions=n_actions, raw_frames=raw)
+                       horizon=atari_horizon(spec) if family == "atari" else 0, n_actions=n_actions, raw_frames=raw,
+                       delayed_reward=delayed_reward)
+
+
+def delay_rewards(rewards):
+    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): every reward of an episode moved to its last
+    step, r'_t = 0 for t < T-1 and r'_{T-1} = sum_t r_t, so every return-to-go R_t equals the episode's return and
+    only the episode's end says how it went. Evaluation delays the env's rewards the same way (evaluate.evaluate)."""
+    out = np.zeros_like(rewards)
+    out[-1] = np.sum(rewards, dtype=np.float64)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

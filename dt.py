@@ -11,7 +11,7 @@ At test time the model is prompted with a target return, and R_{t+1} = R_t - r_t
     python dt.py --env hopper-medium --no-return-token                # behaviour cloning (the paper's BC row)
     python dt.py --env hopper-medium --no-return-token --top-fraction 0.1     # %BC: BC on the best 10%
     MINARI_DATASETS_PATH=<folder of local datasets> python dt.py --dataset replica/hopper/medium-v0 --preset cpu
-    python dt.py --dataset dqn/breakout/1pct-v0       # Atari (Sec. 5.1): DT's Atari model, chosen from the data
+    python dt.py --dataset dqn-replay/breakout/1pct-v0    # Atari (Sec. 5.1): DT's Atari model, chosen from the data
 
 Glossary (paper symbol -> code name):
     R_t     return-to-go, sum of the rewards from t to the episode's end      rtg (B, K, 1), times return_scale
@@ -54,6 +54,9 @@ class Config:
     # data and run
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
+                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
+                                      "is still the env's own return")
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (kzl: 10 iterations x 10k)", run=True)
     batch_size: int = arg(64, "windows per batch")
@@ -295,7 +298,7 @@ SCRIPT = "dt"
 
 
 def load_dataset(cfg):
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     # %BC (Sec. 5.3): the best episodes by return up to this share of the steps; state statistics stay the full data's
     return d.keep_top(cfg.top_fraction) if cfg.top_fraction < 1 else d
 
@@ -419,7 +422,7 @@ def load_model(cfg, given):
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 

@@ -124,14 +124,16 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
                    np.clip(out, envs[0].action_space.low, envs[0].action_space.high))
         for j, i in enumerate(live):
             obs, r, terminated, truncated, info = envs[i].step(actions[j])
+            returns[i] += r                                                   # the env's own return, as reported
+            done[i] = terminated or truncated
+            if d.delayed_reward:   # the model sees the rewards as its data had them: all of them at the last step
+                r = returns[i] if done[i] else 0.0
             hist["actions"][i, t % W], hist["rewards"][i, t % W] = actions[j], r
             new_step(i, t + 1, obs, hist["rtg"][i, t % W] - r * d.return_scale)  # RTG_{t+1} = RTG_t - r_t (DT Sec. 3)
             positions[i] += [_position(obs)] if d.goal_reaching else []
-            returns[i] += r
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
                 success[i], steps_to_goal[i] = True, t + 1
-            done[i] = terminated or truncated
             if render_every and i == 0 and ((t + 1) % render_every == 0 or done[i]) and len(frames) < GIF_FRAMES:
                 frames.append((t + 1, returns[0], envs[0].render()))
         if progress and sys.stderr.isatty():
@@ -195,10 +197,12 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, max_fr
     images = []
     for step, ret, rgb in res["frames"]:
         img = Image.fromarray(rgb)
-        if atari:                                                    # 210 x 160 -> 420 x 320, pixels kept sharp
-            img = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
         lines = wrap_text(f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
-                          img.width - 12) + [f"step {step}   return {ret:.1f}"]
+                          (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
+        if atari:   # 210 x 160 -> 420 x 320, pixels kept sharp, below a band for the words (the game's score shows)
+            game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
+            img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
+            img.paste(game, (0, img.height - game.height))
         ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white", stroke_width=2, stroke_fill="black")
         images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
     if atari:
@@ -280,12 +284,13 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, device="
                 out = _as_numpy(act(batch, np.array([i])))[0]
             a = choose(out, rng, greedy) if d.discrete else np.clip(out, env.action_space.low, env.action_space.high)
             obs, r, terminated, truncated, info = env.step(a)
+            returns[i] += r
+            r = (returns[i] if terminated or truncated else 0.0) if d.delayed_reward else r
             A.append(a if d.discrete else a.astype(np.float32))
             R.append(float(np.float32(r)))
             G.append(np.float32(G[-1] - r * d.return_scale))
             S.append(d.observe(obs))
             positions[i].append(_position(obs))
-            returns[i] += r
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
                 success[i], steps_to_goal[i] = True, t + 1
@@ -777,7 +782,7 @@ class Run:
                      return_scale=d.return_scale)
         write_atomic(os.path.join(self.out, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
         if results:
-            plot_curve(self.rows, os.path.join(self.out, "curve.png"),
+            plot_curve(self.rows, os.path.join(self.out, "curve.png"), "a gamer" if d.family == "atari" else "expert",
                        f"{self.script} {self.variant} {d.dataset_id} seed {self.cfg.seed}")
         self.t_log, self.n_log = time.time(), 0
 
@@ -807,7 +812,7 @@ def score(x):
     return f"{x:.2f}" if math.isfinite(x) else ""
 
 
-def plot_curve(rows, path, title):
+def plot_curve(rows, path, hundred, title):
     """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
     has no reference returns), plus, on goal-reaching data, the success rate and the steps to the goal."""
     import matplotlib
@@ -816,7 +821,7 @@ def plot_curve(rows, path, title):
     evals = [r for r in rows if r["eval_return"] != ""]
     scored = any(r["normalized_score"] != "" for r in evals)
     panels = [("loss", "training loss", "mean over the log interval"),
-              ("normalized_score", "normalised score", "100 = expert") if scored else
+              ("normalized_score", "normalised score", f"100 = {hundred}") if scored else
               ("eval_return", "evaluation return", "no reference returns, so no normalised score")]
     if any(r["success_rate"] != "" for r in evals):
         panels += [("success_rate", "success rate (%)", ""), ("steps_to_goal", "steps to the goal", "the horizon if missed")]

@@ -89,6 +89,9 @@ class Config:
     # with 20 episodes)
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
+                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
+                                      "is still the env's own return")
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (App. C: 100K)", run=True)
     batch_size: int = arg(64, "windows per batch (App. C)")
@@ -657,7 +660,7 @@ def train(cfg, run, d=None):
     """Fine-tune GPT2-DT(MA) (or, with --resume, continue the run) and evaluate it in the env. The run record
     (evaluate.Run) keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
     -> the first target's final evaluation (per-episode arrays)."""
-    d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
     cfg = paper_context(cfg, d)                                     # K: 20 on MuJoCo, 50 on mazes (Tabs. 5-6)
     ev.check_data(cfg, d)                                           # a context or target that means nothing here
     device = ev.pick_device(cfg.device)
@@ -859,7 +862,7 @@ def attention_maps(cfg, run):
     """--attention-maps, Fig. 4: layer-0 attention probabilities (3K x 3K, averaged over 32 dataset windows) of the
     model before fine-tuning (pretrained body + fresh DT embeddings, the 'random embedding' premise of Thm 4.3) and
     after (the run's checkpoint). A Markov head shows a bright diagonal."""
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     dev = next(run["model"].parameters()).device
     models = {"before": start_model(cfg, run["ck"]["info"], dev), "after": run["model"]}
     b = full_windows(d, 32, cfg.context, cfg.seed + 30_000)
@@ -891,7 +894,7 @@ def attention_distance(cfg, run):
     action) spreads over the tokens before it, by distance, averaged over heads, layers and 32 dataset windows, at
     step 0 (rebuilt), at each kept early checkpoint (--keep-ckpt-at) and at the end. GPT2-DT is local early on; DT
     (--init random --no-moa) learns it later."""
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     dev = next(run["model"].parameters()).device
     models = {0: start_model(cfg, run["ck"]["info"], dev)}
     for path in glob.glob(os.path.join(run["out"], "ckpt_step*.pt")):
@@ -923,7 +926,7 @@ def attention_distance(cfg, run):
 def importance_analysis(cfg, run, n_contexts=64):
     """--importance, Fig. 2 / Fig. 8: roll the fine-tuned model out in the env (on --device), keep the contexts it
     acted on, then zero each of the L x N heads in turn on those same contexts and measure ||a' - a'_{-head}||_2."""
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     model = run["model"]
     device = next(model.parameters()).device
     seen, decide = [], policy(model)
@@ -963,7 +966,7 @@ def importance_analysis(cfg, run, n_contexts=64):
 def gif(cfg, run):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     model = run["model"]
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, run["out"], f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 

@@ -86,6 +86,9 @@ class Config:
     # data and run
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
+                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
+                                      "is still the env's own return")
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (Table 13: 1e5; LSDT's cosine ends at --steps: resume with the same)",
                      run=True)
@@ -652,7 +655,7 @@ def train(cfg, run, d=None):
     """Train LSDT (or, with --resume, continue the run) and evaluate it in the env. The run record (evaluate.Run)
     keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
     -> the first target's final evaluation (per-episode arrays)."""
-    d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
     ev.check_data(cfg, d)                                           # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()
     branches = (f"routing weight (both branches on all {cfg.n_embd} channels, xi unused)" if cfg.routing == "weight"
@@ -787,7 +790,7 @@ def load_model(cfg, given):
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
@@ -795,7 +798,7 @@ def gif(cfg, given):
 def mixing_analysis(cfg, given):
     """--plot-mixing (Fig. 3, 9, 11): the run's maps on the fullest of 8 windows of its dataset -> mixing.png."""
     cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     device = next(model.parameters()).device
     b = {k: v.to(device) for k, v in get_batch(d, 8, cfg, np.random.default_rng(cfg.seed + 1)).items()}
     path = plot_mixing(model, b, os.path.join(out, "mixing.png"), index=int(b["mask"].sum(1).argmax()))
@@ -809,7 +812,7 @@ def paths_analysis(cfg, given):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     if not d.goal_reaching:
         raise data_lib.DataError(f"--plot-paths draws maze paths, and {d.dataset_id} is not a goal-reaching maze "
                                  f"dataset")

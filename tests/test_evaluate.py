@@ -91,3 +91,41 @@ def test_a_non_finite_action_stops_the_evaluation_in_one_sentence(tiny_hopper):
         return a
     with pytest.raises(data.DataError, match="non-finite action at step 3"):
         evaluate.evaluate(act, d, 2, 3600.0, seed=0, context=4, progress=False)
+
+
+def test_delayed_rewards_in_the_data_and_in_evaluation(tiny_hopper):
+    """--delayed-reward: every reward of an episode at its last step, so every return-to-go is the episode's return;
+    in evaluation the prompt stays put until the episode's end while the reported return is the env's own."""
+    assert np.array_equal(data.delay_rewards(np.array([1.0, 2.0, 0.5], np.float32)), [0.0, 0.0, 3.5])
+    dense, late = data.load_data(tiny_hopper), data.load_data(tiny_hopper, delayed_reward=True)
+    assert late.delayed_reward and not dense.delayed_reward
+    for e_dense, e_late, start in zip(dense.episodes, late.episodes, late.ep_start):
+        T = len(e_late["rewards"])
+        assert np.allclose(late.flat["rtg"][start:start + T], e_dense["rewards"].sum() * late.return_scale, atol=1e-6)
+        assert np.count_nonzero(e_late["rewards"][:-1]) == 0
+    assert np.allclose(dense.episode_returns, late.episode_returns, rtol=1e-6)
+    assert dense.target_returns == late.target_returns
+    seen = []
+
+    def act(batch, live):      # reads only the states, so both settings play the same episodes
+        seen.append(batch["rtg"][:, -1, 0].clone())
+        return np.tanh(batch["states"][:, -1, :3].numpy())
+    a = evaluate.evaluate(act, late, 2, 3600.0, seed=1, context=4, progress=False)
+    prompts = torch.cat(seen)
+    assert torch.allclose(prompts, torch.full_like(prompts, 3.6))          # never decremented before the end
+    b = evaluate.evaluate(act, dense, 2, 3600.0, seed=1, context=4, progress=False)
+    assert np.array_equal(a["returns"], b["returns"]) and np.array_equal(a["lengths"], b["lengths"])
+    s = evaluate.evaluate_sequential(probe_policy(late.act_dim), late, 2, 3600.0, seed=1, context=4)
+    p = evaluate.evaluate(probe_policy(late.act_dim), late, 2, 3600.0, seed=1, context=4, progress=False)
+    assert np.array_equal(p["lengths"], s["lengths"]) and np.allclose(p["returns"], s["returns"], atol=1e-9)
+
+
+def test_delayed_reward_flag_names_the_run_and_trains(tiny_hopper, tmp_path, capsys):
+    import dt
+    out = tmp_path / "run"
+    cfg, _ = dt.parse_flags(["--dataset", tiny_hopper, "--delayed-reward"])
+    assert "delayed-reward" in evaluate.variant_name(cfg, dt.PRESETS)
+    dt.main(["--dataset", tiny_hopper, "--delayed-reward", "--n-embd", "16", "--n-layer", "1", "--context", "4",
+             "--batch-size", "8", "--steps", "4", "--eval-every", "4", "--eval-episodes", "1", "--out", str(out)])
+    assert "final: normalized_score=" in capsys.readouterr().out
+    assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["delayed_reward"] is True

@@ -602,6 +602,17 @@ def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_di
                        target_returns=[best], max_ep_len=length, goal_dim=goal_dim)
 
 
+def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
+    """Random 84 x 84 frames, actions and rewards in Atari's layout (family 'atari'), for --bench on Atari's shapes;
+    Breakout's eval env is recorded (train() checks that ale-py can make it) but never run."""
+    rng = np.random.default_rng(seed)
+    eps = [dict(observations=rng.integers(0, 256, (length, 84, 84), dtype=np.uint8),
+                actions=rng.integers(0, n_actions, length), rewards=rng.integers(0, 2, length).astype(np.float32),
+                terminated=False) for _ in range(episodes)]
+    return OfflineData(dataset_id="synthetic-atari", family="atari", episodes=eps, env_spec=atari_env_spec("breakout"),
+                       n_actions=n_actions, max_ep_len=length, target_returns=[90.0])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # D4RL HDF5 -> local Minari dataset (python data.py convert-d4rl)
 

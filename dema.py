@@ -3,10 +3,11 @@ Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Opt
 Learning?" (NeurIPS 2024, arXiv 2405.12094; official code github.com/AndssY/DeMa, which vendors state-spaces/mamba v1.2.0).
 
 Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no MLP, no timestep
-embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state) and a_t is read
-from the s_t token. Transformer-like DeMa (the method, --mode transformer) trains on random K-step windows and re-runs
-the last K steps from a zero state at every decision; RNN-like DeMa (--mode rnn) trains on whole trajectories and
-carries the conv and SSM states through an evaluation episode, one triplet per decision (paper Sec. 3.2, App. C).
+embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state; on Atari the
+official code's [a_{t-1}, R_t, s_t]) and a_t is read from the s_t token. Transformer-like DeMa (the method, --mode
+transformer) trains on random K-step windows and re-runs the last K steps from a zero state at every decision;
+RNN-like DeMa (--mode rnn) trains on whole trajectories and carries the conv and SSM states through an evaluation
+episode, one triplet per decision (paper Sec. 3.2, App. C).
 
     python dema.py --env hopper-medium                 # the paper's configuration: 100k steps (hours on a CPU)
     python dema.py --env hopper-medium --preset cpu    # small configuration for a 2-core laptop
@@ -14,6 +15,10 @@ carries the conv and SSM states through an evaluation episode, one triplet per d
     python dema.py --out <run folder> --attention      # Fig. 4: hidden attention along one evaluation episode
     python dema.py --out <run folder> --s6-ablation zero --s6-layers 0      # Fig. 5: evaluate with layer 0's S6 zeroed
     python dema.py --bench-scan | --params             # scan timings; parameter counts next to dt.py's (no run needed)
+    python dema.py --dataset dqn-replay/breakout/1pct-v0   # Atari (Table 5): Table 9's setting, DQN's torso, cross-entropy
+    python dema.py --dataset replica/breakout/mixed-v0 --preset cpu    # the classroom Atari DeMa (~15 min of a core)
+    python dema.py --env hopper-medium --residual post # "DeMa with post.": a transformer block around S6 (Tables 3-4)
+    python dema.py --bench --env breakout-expert       # Table 7, Atari: training step time (and GPU memory) on frames
 
 Glossary (paper symbol -> code name, shape; mamba-minimal style):
     b         batch size (windows, or whole trajectories in RNN mode)         Config.batch_size
@@ -35,6 +40,9 @@ Glossary (paper symbol -> code name, shape; mamba-minimal style):
     alpha     hidden attention, y_i = sum_j alpha_ij x_j (Eq. 5-6)             Mamba.hidden_attention (b, di, L, L)
     R_t, s_t  return-to-go (times return_scale), state (normalised)            rtg (b, K, 1), states (b, K, obs_dim)
     a_{t-1}   the previous action (data.py's prev_action before a window)      previous_actions(...) (b, K, act_dim)
+  Atari (DeMa(..., discrete=True); the official atari/ code):
+    s_t       the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)  states (b, K, 4, 84, 84)
+    a_t       one of the game's |A| actions (Discrete)                         actions (b, K) int64; logits (b, K, |A|)
 
 Left padding: Mamba has no attention mask. By default (--pad-mask) pads are inert in every layer: the conv input is
 zeroed there and Delta = 0 (so A_bar = 1, B_bar x = 0 and the state stays 0), and a padded window's outputs equal
@@ -81,19 +89,29 @@ class Config:
     # data and run (dt.py's flags)
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
+                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
+                                      "is still the env's own return")
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (official code: 10 iterations x 10k)", run=True)
     batch_size: int = arg(64, "windows (transformer mode) or whole trajectories (rnn mode) per batch")
     context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
     lr: float = arg(1e-4, "AdamW learning rate (D.1: 1e-4 hopper-medium(-replay), walker2d-medium; else 1e-3)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay; the official MuJoCo code decays every parameter")
+    weight_decay: float = arg(1e-4, "AdamW weight decay; the official MuJoCo code decays every parameter (Atari: "
+                                    "weights only, param_groups)")
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Table 9, Atari: 0.95)")
     warmup_steps: int = arg(10_000, "linear warmup, then constant (official code 1e4; the paper's Table 8 says 1e5)")
+    lr_decay_steps: int = arg(0, "0: constant lr after the warmup (MuJoCo); N: the official Atari code's cosine after "
+                                 "it, max(0.1, cos) reaching 0.1 x lr before step N and rising again past N (Table 9)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
     eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official code: "
                                    "every 10k-step iteration)", run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel (official MuJoCo code: 100; mazes: 50, "
-                                   "App. F.2)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
+                                   "App. F.2; Atari: 10)", run=True)
+    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets (Atari: "
+                                     "Table 9's)", run=True)
+    greedy: bool = arg(False, "Atari: act with the most likely action instead of a draw from the softmax (the official "
+                              "code draws); greedy play can stall where a policy never presses FIRE", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/dema/<env>/<variant>/seed<N>", run=True)
@@ -110,7 +128,8 @@ class Config:
     d_state: int = arg(64, "N, SSM state size per channel")
     d_conv: int = arg(4, "W, width of the causal depthwise convolution")
     expand: int = arg(2, "d_inner = expand * D")
-    dropout: float = arg(0.0, "dropout on the token embeddings, the only dropout in DeMa (MuJoCo 0, Table 8)")
+    dropout: float = arg(0.0, "dropout on the token embeddings, the only dropout in DeMa (MuJoCo 0, Table 8; Atari "
+                              "0.1, Table 9), and after the MLP of --residual post")
     # the paper's variants and ablations
     mode: str = arg("transformer", "'transformer': K-step windows, recomputed from a zero state at every decision "
                                    "(the method); 'rnn': whole trajectories, states carried through the episode "
@@ -118,6 +137,9 @@ class Config:
     token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t as three tokens along time; 'bl3d': one token per "
                                     "step, the three embeddings concatenated (width 3E), an action from every token "
                                     "(Sec. 4.1, Table 2)")
+    residual: str = arg("pre", "'pre': Mamba's pre up-projection block x + Mamba(RMSNorm(x)) (the method); 'post': "
+                               "the transformer's post up-projection block with the S6 layer (hidden attention) in "
+                               "attention's place, x + S6(LN(x)), x + MLP(LN(x)) (Sec. 4.2, Tables 3-4)")
     prev_action: bool = arg(True, "a_{t-1} in each step's tokens (the method); --no-prev-action: the episode-start "
                                   "null a_{-1} = 0 at every step (--preset cpu on mazes, whose noisy actions make "
                                   "a_{t-1} a guide to copy rather than to use)")
@@ -127,6 +149,8 @@ class Config:
                                  "over a window's last K-1 steps (evaluation feeds R_t either way)")
     pad_mask: bool = arg(True, "left padding inert inside Mamba (Delta = 0, zero conv input); --no-pad-mask: pads "
                                "enter the state as ordinary tokens, as in the official code (with data.py's zero pads)")
+    inner_it: int = arg(1, "gradient updates on each drawn batch before the next is drawn (Table 10, RNN-like DeMa "
+                           "on Atari: 200)")
     rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps; memory ~110 KB per "
                                  "token per layer per trajectory at the paper's sizes, ~64 GB at batch 64 x 1000 "
                                  "steps (see --scan-chunk)")
@@ -144,7 +168,7 @@ class Config:
     s6_donor: str = arg("", "--s6-ablation swap: the run folder (or ckpt.pt) of another DeMa with the same D, N, "
                             "d_conv, expand (the paper: one trained on another environment)", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
+                           "rendered offscreen (MuJoCo; Atari in colour; reads the checkpoint, never trains)", run=True)
     # no run needed
     bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
     params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
@@ -156,9 +180,30 @@ class Config:
 # evaluation episodes. The data's actions carry N(0, 0.5^2) noise, and a short K does not remove a_{t-1} here: it is
 # in every step's tokens. Measured on replica/pointmaze/medium-dense-v0 (seed 0, 50 episodes, K=1, no dropout):
 # with a_{t-1} the goal is reached in 2% of episodes (591 steps to it), without it in 66% (445).
-PRESETS = {"cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64, lr=1e-3,
+# Atari (data.is_atari): Table 9 laid under the flags as the preset "" (a run at these settings is 'default'), K=8 for
+# Qbert and Frostbite (D.2) from paper_values, and RNN-like DeMa's Table 10 from paper_settings. Where Table 9 and the
+# official code differ, the code's sizes: E=128 and N=128 (Table 9: E=256, N=64), since only they give Table 7's 1.7M
+# parameters (1,713,184 at 4 actions; Table 9's give 1,836,960), i.e. the model behind the reported scores; Table 9's
+# optimiser (the code's CLI defaults, lr 1e-4, batch 8, clip 0.8, wd 1e-4, are overridden per run there): lr 6e-4,
+# batch 128, betas (0.9, 0.95), weight decay 0.1 (param_groups), clip 1.0, dropout 0.1; 10 epochs of 1% DQN-replay
+# (500k steps: 3906 batches of 128 an epoch, an evaluation of 10 episodes after each). Its schedule counts tokens
+# (B x K a step): warmup 512 x 20 tokens (3 steps of 128 x 30), cosine to "final tokens" 6 x (500000 - 3K) x K (the
+# code's 2 len(dataset) K 3; Table 9: 6 x 500000 x K), i.e. step 23,432, whatever K (lr_factor).
+ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4, beta2=0.95,
+             weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3, lr_decay_steps=23_432, steps=39_060,
+             eval_every=3906, eval_episodes=10)
+# The classroom Atari DeMa (replica/breakout/mixed-v0 on 2 CPU cores, one run per core): dt.py's Atari preset's
+# windows (K=8, batch 32, lr 6e-4, warmup 100) with half its steps, the cosine ending at the last. DQN's conv torso is
+# ~85% of a step (256 stacks of 4 frames), so DeMa's step costs about what DT's does (1.1x side by side; 250-370 ms
+# on one loaded core) whatever its Mamba part; 2000 steps and two evaluations of 10 episodes (~20-40 ms a step of
+# the 10 games, 40-120 s each) fit ~15 minutes. E = D = 64 (the paper's Atari model has E = D) cost no more than
+# D = 32; N=16 keeps the scan cheap.
+ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
+                 lr_decay_steps=2000, steps=2000, eval_every=1000, eval_episodes=10)
+PRESETS = {"": dict(atari=ATARI),
+           "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64, lr=1e-3,
                        warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
-                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50))}
+                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50), atari=ATARI_CPU)}
 
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
@@ -298,20 +343,25 @@ class RMSNorm(nn.Module):
 class Mamba(nn.Module):
     """Mamba-1 mixer (mamba_simple.Mamba): in_proj -> causal depthwise conv + SiLU -> x_proj -> (Delta, B, C) ->
     selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) -> out_proj. The S6 layer, i.e. the "hidden
-    attention" of Sec. 3.3 and Fig. 5, is {conv1d, x_proj, dt_proj, A_log, D} (S6_PARAMETERS)."""
+    attention" of Sec. 3.3 and Fig. 5, is {conv1d, x_proj, dt_proj, A_log, D} (S6_PARAMETERS).
+    s6_only=True: that S6 layer alone, at the block's width (d_inner = d_model; no in_proj, gate or out_proj): the
+    mixer of "DeMa with post." (Sec. 4.2, PostBlock; the official S6 module), whose dt_rank is ceil((d_model /
+    expand) / 16) as there."""
 
-    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4):
+    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4,
+                 s6_only=False):
         super().__init__()
-        self.d_inner = d_inner = expand * d_model
+        self.d_model, self.expand, self.s6_only = d_model, expand, s6_only
+        self.d_inner = d_inner = d_model if s6_only else expand * d_model
         self.d_state, self.d_conv = d_state, d_conv
-        self.dt_rank = dt_rank = math.ceil(d_model / 16)                    # "auto"
-        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
+        self.dt_rank = dt_rank = math.ceil((int(d_model / expand) if s6_only else d_model) / 16)   # "auto"
+        self.in_proj = None if s6_only else nn.Linear(d_model, 2 * d_inner, bias=False)
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
         self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)  # S_Delta (rank R), S_B, S_C of Eq. (5)
         self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_inner, 1))
         self.D = nn.Parameter(torch.ones(d_inner))
-        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
+        self.out_proj = None if s6_only else nn.Linear(d_inner, d_model, bias=False)
         # Mamba's initialisation (the paper states none; the official code uses mamba's): dt_proj weight
         # U(-R^-1/2, R^-1/2); its bias is softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
         # out_proj kaiming-uniform divided by sqrt(n_layer) (GPT-2's residual scaling, one residual per layer)
@@ -320,14 +370,18 @@ class Mamba(nn.Module):
             dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
             dt = dt.clamp(min=dt_init_floor)
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-            nn.init.kaiming_uniform_(self.out_proj.weight, a=math.sqrt(5))
-            self.out_proj.weight /= math.sqrt(n_layer)
+            if not s6_only:
+                nn.init.kaiming_uniform_(self.out_proj.weight, a=math.sqrt(5))
+                self.out_proj.weight /= math.sqrt(n_layer)
 
     def ssm_inputs(self, h, mask=None):
         """h (b, T, D) -> x (b, di, T) post-conv S6 input, z (b, di, T), delta (b, di, T), A (di, N), B, C (b, N, T)."""
         T = h.shape[1]
-        x, z = self.in_proj(h).chunk(2, dim=-1)                              # (b, T, di) each
-        x, z = x.transpose(1, 2), z.transpose(1, 2)                          # (b, di, T)
+        if self.s6_only:                                                     # the S6 layer reads h itself, ungated
+            x, z = h.transpose(1, 2), None                                   # (b, di = D, T)
+        else:
+            x, z = self.in_proj(h).chunk(2, dim=-1)                          # (b, T, di) each
+            x, z = x.transpose(1, 2), z.transpose(1, 2)                      # (b, di, T)
         if mask is not None:
             x = x * mask[:, None, :].to(x.dtype)                             # pads = the zeros before a fresh start
         x = F.silu(self.conv1d(x)[..., :T])                                  # causal depthwise conv, width W
@@ -342,7 +396,7 @@ class Mamba(nn.Module):
     def forward(self, h, mask=None, scan='auto', chunk=0):
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
         y = selective_scan(x, delta, A, B, C, D=self.D, z=z, scan=scan, chunk=chunk)   # (b, di, T)
-        return self.out_proj(y.transpose(1, 2))                              # (b, T, D)
+        return y.transpose(1, 2) if self.s6_only else self.out_proj(y.transpose(1, 2))  # (b, T, D)
 
     def init_cache(self, batch, device=None, dtype=torch.float32):
         return (torch.zeros(batch, self.d_inner, self.d_conv, device=device, dtype=dtype),  # the last W conv inputs
@@ -352,7 +406,7 @@ class Mamba(nn.Module):
         """One token (RNN-like DeMa, Sec. 3.2): h (b, D), cache = (conv_state (b, di, W), ssm_state (b, di, N))
         -> (out (b, D), new cache)."""
         conv_state, ssm_state = cache
-        x, z = self.in_proj(h).chunk(2, dim=-1)                              # (b, di)
+        x, z = (h, None) if self.s6_only else self.in_proj(h).chunk(2, dim=-1)   # (b, di)
         conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)  # roll in x_t
         x = F.silu((conv_state * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias)            # (b, di)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -362,6 +416,8 @@ class Mamba(nn.Module):
             A = -torch.exp(fp32(self.A_log))
             ssm_state = torch.exp(delta[..., None] * A) * ssm_state + (delta * x)[..., None] * B[:, None, :]  # Eq. (5)
             y = (ssm_state * C[:, None, :]).sum(-1) + self.D * x             # (b, di)
+        if self.s6_only:
+            return y.to(h.dtype), (conv_state, ssm_state)
         y = y * F.silu(fp32(z))
         return self.out_proj(y.to(h.dtype)), (conv_state, ssm_state)
 
@@ -400,6 +456,38 @@ class Block(nn.Module):
     def forward(self, x, mask=None, scan='auto', chunk=0):
         return x + self.mixer(self.norm(x), mask, scan, chunk)
 
+    def step(self, x, cache):
+        """One token, carrying the mixer's (conv, SSM) state: x (b, D) -> (b, D), new cache."""
+        out, cache = self.mixer.step(self.norm(x), cache)
+        return x + out, cache
+
+
+class PostBlock(nn.Module):
+    """x + S6(LN(x)), then x + MLP(LN(x)): "DeMa with post." (Sec. 4.2, Fig. 1 right, Tables 3-4), the transformer's
+    post up-projection residual block (xLSTM's term: the up-projection is the MLP's 4x, after the mixer) with the S6
+    layer, i.e. the hidden attention, in attention's place (Mamba(s6_only=True): no in_proj, gate or out_proj).
+    D.1: ReLU in the MLP (MuJoCo); the official Atari code's is GELU (gelu=True). The official model is DT's minGPT
+    with S6 for attention (DT's token order, LayerNorm everywhere, no E -> D); here the block is swapped inside DeMa,
+    whose tokens, input Linear and final RMSNorm stay, as Fig. 1 (right) draws the two blocks."""
+
+    def __init__(self, cfg, gelu=False):
+        super().__init__()
+        D = cfg.d_model
+        self.norm = nn.LayerNorm(D)
+        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=True)
+        self.norm2 = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(), nn.Linear(4 * D, D),
+                                 nn.Dropout(cfg.dropout))
+
+    def forward(self, x, mask=None, scan='auto', chunk=0):
+        x = x + self.mixer(self.norm(x), mask, scan, chunk)
+        return x + self.mlp(self.norm2(x))
+
+    def step(self, x, cache):
+        out, cache = self.mixer.step(self.norm(x), cache)
+        x = x + out
+        return x + self.mlp(self.norm2(x)), cache
+
 
 def previous_actions(actions, prev_action):
     """a_{t-1} at every position of a window: cat(prev_action, actions[:, :-1]) along time (prev_action is data.py's
@@ -409,29 +497,49 @@ def previous_actions(actions, prev_action):
 
 class DeMa(nn.Module):
     """Tokens [R_t, a_{t-1}, s_t] per step (official MuJoCo order; "B3LD", Sec. 4.1) or one token of the three
-    embeddings concatenated ("BL3D"), Linear E (3E) -> D, n_layer Mamba blocks, final RMSNorm, a_t = tanh(Linear(the
-    s_t token's output)). No timestep embedding (App. G, Table 17) unless asked, no LayerNorm on the embeddings. The
-    official model also has unused predict_state / predict_return heads (780 parameters at hopper): left out."""
+    embeddings concatenated ("BL3D"), Linear E (3E) -> D, n_layer Mamba blocks (or PostBlocks, Sec. 4.2), final
+    RMSNorm, a_t = tanh(Linear(the s_t token's output)). No timestep embedding (App. G, Table 17) unless asked, no
+    LayerNorm on the embeddings. The official model also has unused predict_state / predict_return heads (780
+    parameters at hopper): left out.
+    discrete=True, Atari (Sec. 5, Table 5; the official atari/models/mamba.py DMamba): s_t is the last 4 frames,
+    4 x 84 x 84 uint8, read by DQN's conv torso (as DT's Atari model) and tanh; R_t by Linear and tanh; a_{t-1} by a
+    table of the act_dim = |A| actions and tanh; the official Atari order [a_{t-1}, R_t, s_t] (the state token last
+    in both); dropout on the tokens (Table 9: 0.1); logits over the actions from the s_t token (cross-entropy)."""
 
-    def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
+    def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
         E, D = cfg.n_embd, cfg.d_model
+        self.discrete = discrete
         self.bl3d = cfg.token_layout == "bl3d"
         self.n = 1 if self.bl3d else 3                       # tokens per step
         self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
         self.prev_action = cfg.prev_action
         # App. G, Table 17 ("DeMa with pos. embed.", 431.5K parameters): DT's timestep embedding added to every token
         self.embed_timestep = nn.Embedding(max_ep_len, E) if cfg.timestep_embedding else None
-        self.embed_return = nn.Linear(1, E)                  # a linear layer per modality, as DT (official MuJoCo code)
-        self.embed_action = nn.Linear(act_dim, E)
-        self.embed_state = nn.Linear(obs_dim, E)
+        if discrete:
+            # DQN's torso (Mnih et al. 2015) on the 4 x 84 x 84 stack -> 64 x 7 x 7 -> E, tanh (Table 9: "ReLU (state
+            # encoder)"); tanh after the return and action embeddings too (official DMamba)
+            self.embed_state = nn.Sequential(
+                nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, E), nn.Tanh())
+            self.embed_return = nn.Sequential(nn.Linear(1, E), nn.Tanh())
+            self.embed_action = nn.Sequential(nn.Embedding(act_dim, E), nn.Tanh())
+        else:
+            self.embed_return = nn.Linear(1, E)              # a linear layer per modality, as DT (official MuJoCo code)
+            self.embed_action = nn.Linear(act_dim, E)
+            self.embed_state = nn.Linear(obs_dim, E)
         self.drop = nn.Dropout(cfg.dropout)
         self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # official MixerModel.embedding (E -> D, or 3E -> D)
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or the transformer's post up-projection
+        # block around the bare S6 layer (MLP: ReLU in MuJoCo, D.1; GELU in the official Atari code)
+        self.blocks = nn.ModuleList([PostBlock(cfg, gelu=discrete) if cfg.residual == "post" else Block(cfg)
+                                     for _ in range(cfg.n_layer)])
         self.ln_f = RMSNorm(D)                               # official norm_f: RMSNorm (the paper names no norm)
-        self.predict_action = nn.Sequential(nn.Linear(D, act_dim), nn.Tanh())
+        # MuJoCo: tanh(Linear) into [-1, 1]; Atari: logits, official head Linear(D, |A|, bias=False)
+        self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
+                               nn.Sequential(nn.Linear(D, act_dim), nn.Tanh()))
         # the official model's apply(_init_weights): every Linear bias zero except dt_proj's (its softplus^-1 init),
-        # embeddings N(0, 0.02); Linear weights keep PyTorch's default init
+        # embeddings (the timestep and Atari action tables) N(0, 0.02); Linear and conv weights keep PyTorch's init
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
                 nn.init.zeros_(m.bias)
@@ -439,23 +547,30 @@ class DeMa(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def tokens(self, states, prev_actions, rtg, timesteps):
-        """states (b, K, obs), prev_actions (b, K, act) = a_{t-1}, rtg (b, K, 1), timesteps (b, K) -> (b, nK, D), fp32."""
-        b, K, _ = states.shape
+        """states (b, K, obs) (Atari: (b, K, 4, 84, 84) uint8), prev_actions (b, K, act) = a_{t-1} (Atari: (b, K)
+        int64), rtg (b, K, 1), timesteps (b, K) -> (b, nK, D), fp32."""
+        b, K = states.shape[:2]
         if not self.prev_action:   # --no-prev-action: every step's a_{t-1} slot holds the null a_{-1} = 0
             prev_actions = torch.zeros_like(prev_actions)
-        e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]   # 3 x (b, K, E)
+        if self.discrete:          # the frames / 255 through the conv torso, one step at a time in the batch dimension
+            frames = states.reshape(b * K, *states.shape[2:]).to(self.embedding.weight.dtype) / 255.0
+            e = [self.embed_action(prev_actions), self.embed_return(rtg),                     # official Atari order
+                 self.embed_state(frames).view(b, K, -1)]                                     # 3 x (b, K, E)
+        else:
+            e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]  # 3 x (b, K, E)
         if self.embed_timestep is not None:
             time = self.embed_timestep(timesteps)                                                # (b, K, E)
             e = [x + time for x in e]
         if self.bl3d:
             u = torch.cat(e, dim=-1)                                         # (b, K, 3E): one token per step
         else:
-            u = torch.stack(e, dim=2).reshape(b, 3 * K, -1)                  # (b, 3K, E): R_0 a_-1 s_0 R_1 a_0 s_1 ...
+            u = torch.stack(e, dim=2).reshape(b, 3 * K, -1)                  # (b, 3K, E): step 0's three, step 1's ...
         return fp32(self.embedding(self.drop(u)))            # the residual stream stays fp32 under --amp (official too)
 
     def forward(self, states, actions, rtg, timesteps, mask, prev_action):
         """states (b,K,obs), actions (b,K,act), rtg (b,K,1), timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act)
-        -> predicted actions (b, K, act). Sec. 3.1: a_t is predicted from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}."""
+        -> predicted actions (b, K, act), or on Atari logits (b, K, |A|) from actions (b, K) and prev_action (b,).
+        Sec. 3.1: a_t is predicted from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}."""
         x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)   # (b, nK, D)
         tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None         # (b, nK)
         for block in self.blocks:
@@ -469,14 +584,13 @@ class DeMa(nn.Module):
     def step(self, states, prev_action, rtg, timesteps, cache):
         """RNN-like DeMa (Sec. 3.2): one environment step = the current triplet (R_t, a_{t-1}, s_t) through every layer,
         carrying the conv and SSM states. states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,)
-        -> (action (b, act), new cache)."""
+        -> (action (b, act), or Atari's logits (b, |A|), new cache)."""
         toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None], timesteps[:, None])   # (b, n, D)
         cache = list(cache)
         for i in range(self.n):
             x = toks[:, i]
             for l, block in enumerate(self.blocks):
-                out, cache[l] = block.mixer.step(block.norm(x), cache[l])
-                x = x + out
+                x, cache[l] = block.step(x, cache[l])
         return self.predict_action(self.ln_f(x)), cache                     # x is the s_t token's output
 
     def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
@@ -485,9 +599,8 @@ class DeMa(nn.Module):
         tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
         attn = []
         for block in self.blocks:
-            hn = block.norm(x)
-            attn.append(block.mixer.hidden_attention(hn, tmask, last_row))
-            x = x + block.mixer(hn, tmask, self.scan)
+            attn.append(block.mixer.hidden_attention(block.norm(x), tmask, last_row))
+            x = block(x, tmask, self.scan)
         return attn
 # <<< model: end
 
@@ -505,8 +618,8 @@ def ablate_s6(model, how, layers, donor=None, seed=0):
             if how == "random":
                 torch.manual_seed(seed + l)
                 n_layer = len(model.blocks)
-                source = Mamba(mixer.in_proj.in_features, mixer.d_state, mixer.d_conv,
-                               mixer.d_inner // mixer.in_proj.in_features, n_layer=n_layer)
+                source = Mamba(mixer.d_model, mixer.d_state, mixer.d_conv, mixer.expand, n_layer=n_layer,
+                               s6_only=mixer.s6_only)
             else:
                 source = donor.blocks[l].mixer if how == "swap" else None
             for name in S6_PARAMETERS:
@@ -519,8 +632,8 @@ def ablate_s6(model, how, layers, donor=None, seed=0):
 # the paper's pieces: per-dataset sizes, data, loss, policy
 
 SCRIPT = "dema"
-CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), scan=("auto", "sequential", "parallel"),
-               s6_ablation=("", "zero", "random", "swap"))
+CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), residual=("pre", "post"),
+               scan=("auto", "sequential", "parallel"), s6_ablation=("", "zero", "random", "swap"))
 
 
 def check_model(cfg):
@@ -535,9 +648,13 @@ def model_problem(cfg):
         if getattr(cfg, name) not in ok:
             *rest, last = [c for c in ok if c]
             return f"unknown --{name.replace('_', '-')} '{getattr(cfg, name)}'; use {', '.join(rest)} or {last}"
-    for name in ("d_model", "d_state", "d_conv", "expand", "rnn_max_len"):
+    for name in ("d_model", "d_state", "d_conv", "expand", "rnn_max_len", "inner_it"):
         if getattr(cfg, name) <= 0:
             return f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(cfg, name)}"
+    if cfg.lr_decay_steps < 0:
+        return f"--lr-decay-steps must be 0 (no decay) or a step count, got {cfg.lr_decay_steps}"
+    if not 0 <= cfg.beta2 < 1:
+        return f"--beta2 must lie in [0, 1), got {cfg.beta2}"
     if cfg.scan_chunk < 0:
         return f"--scan-chunk must be 0 (off) or a positive number of tokens, got {cfg.scan_chunk}"
     if cfg.scan_chunk and cfg.scan == "parallel":
@@ -555,9 +672,17 @@ def model_problem(cfg):
     return None
 
 
-def paper_values(name):
+def paper_values(name, mode="transformer"):
     """Per-dataset E / D / lr of D.1 (MuJoCo) and Tables 14-15 (mazes), and F.2's 50 evaluation episodes on mazes;
-    {} where the paper has none."""
+    on Atari (whose common settings, Table 9, are PRESETS[""]["atari"]) D.2's K=8 for Qbert and Frostbite, and Table
+    10 for RNN-like DeMa; {} where the paper has none."""
+    if data_lib.is_atari(name):
+        name = name.lower()
+        if mode == "rnn":   # Table 10 and D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates a batch
+            return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
+        # D.2: K=8 for Qbert and Frostbite. (Table 9's warmup, 512 x 20 tokens, would be 10 steps of 128 x 8 there
+        # against 3 of 128 x 30: both under 0.03% of the run, so the 3 steps of PRESETS serve all eight games.)
+        return dict(context=8) if re.search("qbert|frostbite", name) else {}
     name = name.lower()
     m = re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name)
     if m:
@@ -578,14 +703,40 @@ def paper_values(name):
 
 
 def paper_settings(cfg, given):
-    """cfg with paper_values() for its dataset laid under the flags in `given` (the preset's included): Config
-    defaults (hopper-medium's) < paper < --preset < flags. A resumed run or an analysis then takes its own settings
-    from its checkpoint."""
-    return dataclasses.replace(cfg, **{k: v for k, v in paper_values(cfg.dataset or cfg.env).items() if k not in given})
+    """cfg with paper_values() for its dataset laid under the flags in `given` (the command line's and a named
+    --preset's, parse_flags): Config defaults (hopper-medium's) < the paper's Atari setting (PRESETS[""]) < the
+    dataset's row < --preset < flags. A resumed run or an analysis then takes its own settings from its checkpoint."""
+    return dataclasses.replace(cfg, **{k: v for k, v in paper_values(cfg.dataset or cfg.env, cfg.mode).items()
+                                      if k not in given})
 
 
 def build_model(cfg, info):
-    return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
+    """The model the data's spaces call for: Atari's (image states, discrete actions: info["discrete"]) or MuJoCo's."""
+    return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"], discrete=info.get("discrete", False))
+
+
+def param_groups(model, cfg):
+    """AdamW's parameter groups. The official MuJoCo code decays every parameter. The official Atari code
+    (DMamba.configure_optimizers) decays the weights of linear and conv layers, A_log, D and the S6 conv, and not
+    biases, norms, or what its names call *emb*: the return and action embeddings and the E -> D input Linear
+    ('backbone.embedding', a Linear by type: kept as there), the timestep table here too."""
+    if not model.discrete:
+        return [{"params": list(model.parameters())}]
+    undecayed = ("embed_return.", "embed_action.", "embed_timestep.", "embedding.", "ln_f.")
+    rest = {n for n, p in model.named_parameters() if n.endswith("bias") or "norm" in n or n.startswith(undecayed)}
+    return [{"params": [p for n, p in model.named_parameters() if n not in rest]},
+            {"params": [p for n, p in model.named_parameters() if n in rest], "weight_decay": 0.0}]
+
+
+def lr_factor(s, cfg):
+    """Multiplier of --lr at step s: linear warmup, then constant (official MuJoCo code: LambdaLR(min((s + 1) /
+    warmup, 1))); with --lr-decay-steps N the official Atari code's decay after the warmup (Table 9: "linear warmup
+    and cosine decay (see code for details)"): max(0.1, (1 + cos(pi p)) / 2) with p = (s - warmup) / (N - warmup),
+    not clamped, so it rests at 0.1 from p = 0.8 and rises again past p = 1.2 (10 epochs reach p = 1.67, 0.75 x lr)."""
+    if s < cfg.warmup_steps or not cfg.lr_decay_steps:
+        return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
+    p = (s - cfg.warmup_steps) / max(1, cfg.lr_decay_steps - cfg.warmup_steps)
+    return max(0.1, 0.5 * (1.0 + math.cos(math.pi * p)))
 
 
 def sample_trajectories(d, batch_size, max_len, rng, longest=False):
@@ -607,6 +758,14 @@ def get_batch(d, n, cfg, rng, longest=False):
     return d.sample(n, cfg.context, rng)
 
 
+def batch_for(step, d, cfg, rng):
+    """The batch that gradient steps step .. step + inner_it - 1 train on (Table 10, RNN-like DeMa on Atari: 200
+    updates on each batch of trajectories). With --inner-it above 1 it is drawn from its own generator, seeded
+    (seed, step // inner_it), so that a run resumed between two draws draws it again exactly."""
+    own = rng if cfg.inner_it == 1 else np.random.default_rng((cfg.seed, step // cfg.inner_it))
+    return get_batch(d, cfg.batch_size, cfg, own)
+
+
 def predict(model, b, cfg, training=False):
     """A data.py / evaluate.py window -> (predicted actions, target actions, loss mask)."""
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in ("states", "actions", "rtg", "timesteps", "mask",
@@ -621,15 +780,19 @@ def predict(model, b, cfg, training=False):
 
 
 def loss_fn(model, batch, cfg):
-    pred, target, mask = predict(model, batch, cfg, training=True)                 # (b, K, act) each
-    err = ((pred.float() - target) ** 2).mean(-1)                                   # (b, K)
-    return (err * mask).sum() / mask.sum()     # Sec. 3.1: MSE of a_t; App. C: the padding's loss is masked
+    pred, target, mask = predict(model, batch, cfg, training=True)                 # (b, K, act) each; Atari: logits
+    if target.dtype == torch.int64:            # Sec. 3.1, App. C: cross-entropy for discrete actions (Atari)
+        err = F.cross_entropy(pred.float().flatten(0, 1), target.flatten(), reduction="none").view_as(mask)  # (b, K)
+    else:                                      # Sec. 3.1: MSE for continuous actions
+        err = ((pred.float() - target) ** 2).mean(-1)                               # (b, K)
+    return (err * mask).sum() / mask.sum()     # App. C: the padding's loss is masked
 
 
 def policy(model, cfg):
-    """The action for evaluate.evaluate. Transformer-like: re-run the window from a zero state, the action at its
-    last position. RNN-like (Sec. 3.2): only the current triplet (R_t, a_{t-1}, s_t), carrying each env's conv and
-    SSM states, which start from zero at an episode's first step (timesteps[:, -1] == 0)."""
+    """The action for evaluate.evaluate (on Atari its logits: evaluate draws from their softmax, or takes the argmax
+    with --greedy). Transformer-like: re-run the window from a zero state, the action at its last position. RNN-like
+    (Sec. 3.2): only the current triplet (R_t, a_{t-1}, s_t), carrying each env's conv and SSM states, which start
+    from zero at an episode's first step (timesteps[:, -1] == 0)."""
     if cfg.mode == "transformer":
         def act(batch, live):
             return predict(model, batch, cfg)[0][:, -1]
@@ -638,7 +801,7 @@ def policy(model, cfg):
 
     def act_rnn(batch, live):
         fresh = batch["timesteps"][:, -1] == 0
-        zero = model.init_cache(1, batch["states"].device, batch["states"].dtype)
+        zero = model.init_cache(1, batch["states"].device, fp32(model.embedding.weight).dtype)   # (not uint8 frames')
         per_env = [zero if bool(fresh[j]) or int(i) not in caches else caches[int(i)] for j, i in enumerate(live)]
         cache = [tuple(torch.cat([c[l][k] for c in per_env]) for k in range(2)) for l in range(len(zero))]
         prev = previous_actions(batch["actions"], batch["prev_action"])[:, -1]
@@ -650,29 +813,41 @@ def policy(model, cfg):
 
 
 def targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else DT's two per environment (data.py)."""
-    return [cfg.target_return] if cfg.target_return is not None else d.target_returns
+    """Return-to-go prompts, raw units: --target-return, else DT's two per environment (data.py); on Atari Table 9's
+    (data.DEMA_ATARI_TARGETS: DeMa raised Qbert's and Seaquest's above DT's), the data's for another game."""
+    if cfg.target_return is not None:
+        return [cfg.target_return]
+    if d.family == "atari":
+        game = d.env_spec.id.split("/")[-1].split("-")[0]                    # 'ALE/Breakout-v5' -> 'Breakout'
+        return [data_lib.DEMA_ATARI_TARGETS.get(game, d.target_returns[0])]
+    return d.target_returns
+
+
+def eval_context(cfg):
+    """Steps of history evaluate.evaluate hands the policy: the window (transformer-like), or only the current step
+    (RNN-like: its state carries the rest; the step's prev_action is a_{t-1})."""
+    return cfg.context if cfg.mode == "transformer" else 1
 
 
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
     model.eval()
-    results = [(g, ev.evaluate(policy(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device))
-               for g in targets(cfg, d)]
+    results = [(g, ev.evaluate(policy(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, eval_context(cfg),
+                               device, greedy=cfg.greedy)) for g in targets(cfg, d)]
     model.train()
     return results
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# training: dt.py's loop; DeMa's own are the model, the batches (windows or, RNN-like, whole trajectories), AdamW on
-# every parameter, and the hidden-attention figure at the end
+# training: dt.py's loop; DeMa's own are the model, the batches (windows or, RNN-like, whole trajectories, reused
+# --inner-it times), AdamW's groups and schedule per domain, and the hidden-attention figure at the end
 
 def train(cfg, run, d=None):
     """Train DeMa (or, with --resume, continue the run) and evaluate it in the env. The run record (evaluate.Run)
     keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
     -> the first target's final evaluation (per-episode arrays)."""
-    d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
-    ev.check_data(cfg, d)                                           # a context or target that means nothing here
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
+    ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()
     template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)
     with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
@@ -680,18 +855,18 @@ def train(cfg, run, d=None):
         need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)
-    # AdamW on every parameter (the official MuJoCo code decays A_log, D, norms and biases too), linear warmup then
-    # constant (official: LambdaLR(min((step + 1) / warmup, 1)))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0))
+    # AdamW: MuJoCo on every parameter, Atari on the weights (param_groups); warmup, then constant or Atari's cosine
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     rng = np.random.default_rng(cfg.seed)                           # draws the training windows
     step = run.start(cfg, model, opt, sched, rng, d, info, need)    # --resume: all of the above as the run left it
     fwd = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)   # --amp: bf16 outside the scan
-    results = None
+    results = batch = None
     with ev.StopSignal() as stop:                                   # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
-            batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg.batch_size, cfg, rng).items()}
+            if batch is None or step % cfg.inner_it == 0:          # Table 10: --inner-it updates on each batch
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch_for(step, d, cfg, rng).items()}
             with autocast:
                 loss = loss_fn(fwd, batch, cfg)
             opt.zero_grad(set_to_none=True)
@@ -743,7 +918,7 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     """Hidden attention on dataset windows (full ones where there are any): mean |alpha| against token distance per
     layer (log y), a marker per token kind. Fig. 4 shows the same last row along one episode: --attention."""
     plt = plt_agg()
-    b = d.sample(8 * n_windows, cfg.context, np.random.default_rng(seed))
+    b = d.sample((2 if d.discrete else 8) * n_windows, cfg.context, np.random.default_rng(seed))   # (frames: fewer)
     full = torch.nonzero(b["mask"].all(dim=1)).squeeze(1)
     keep = full[:n_windows] if len(full) else torch.arange(n_windows)
     device = next(model.parameters()).device
@@ -783,9 +958,9 @@ def load_model(cfg, given):
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
-    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, eval_context(cfg),
+                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 
 def attention_episode(cfg, given):
@@ -797,7 +972,7 @@ def attention_episode(cfg, given):
     if cfg.mode != "transformer":
         raise data_lib.DataError("--attention draws transformer-like DeMa's window at each decision (Fig. 4); this run "
                                  "is --mode rnn")
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     device = next(model.parameters()).device
     decide, steps = policy(model, cfg), []
 
@@ -807,7 +982,8 @@ def attention_episode(cfg, given):
         steps.append(torch.stack([a[0].abs().mean(0) for a in rows]).cpu())               # (n_layer, T)
         return decide(batch, live)
 
-    res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, progress=False)
+    res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, progress=False,
+                      greedy=cfg.greedy)
     attn = torch.stack(steps).numpy()                                                 # (steps, n_layer, T)
     np.savez(os.path.join(out, "attention_episode.npz"), attention=attn, returns=res["returns"])
     plt = plt_agg()
@@ -864,7 +1040,7 @@ def s6_ablation(cfg, given):
     if max(layers) >= n:
         raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers (0..{n - 1})")
     donor = load_donor(cfg.s6_donor, model, layers) if cfg.s6_ablation == "swap" else None
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     device = next(model.parameters()).device
     before = evaluate(model, d, cfg, device)
     ablate_s6(model, cfg.s6_ablation, layers, donor, seed=cfg.seed)
@@ -881,9 +1057,15 @@ def s6_ablation(cfg, given):
 
 def bench(cfg):
     """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape; nothing is written."""
-    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
-    tokens = (1 if cfg.token_layout == "bl3d" else 3) * cfg.context * cfg.batch_size
+    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (Table 7's Atari column:
+    --bench --env breakout-expert times the paper's Atari setting); on CUDA each mode's peak memory too. Nothing is
+    written."""
+    atari = data_lib.is_atari(cfg.dataset or cfg.env)
+    length = max(200, 2 * cfg.context)
+    d = data_lib.synthetic_atari(length=length) if atari else data_lib.synthetic_data(obs_dim=11, act_dim=3,
+                                                                                      episodes=16, length=length)
+    steps = min(length, cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context   # steps a sequence of the batch holds
+    tokens = (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
     for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
         with timer:
             train(mode_cfg, timer, d)
@@ -924,17 +1106,29 @@ def bench_scan(cfg):
 
 
 def param_table():
-    """--params: DeMa's parameters at the paper's hopper settings (Table 7's 175.5K / 500.0K, Table 17's 431.5K) and
-    dt.py's, hopper's shapes (obs 11, act 3, max_ep_len 1000). The official counts include 780 parameters of unused
-    prediction heads (11 D + 11 + D + 1 at D=64)."""
-    rows = [("dema E=256 D=64 N=64 (hopper-medium, Table 7)", dict(n_embd=256, d_model=64)),
-            ("dema E=256 D=64 + timestep embedding (Table 17)", dict(n_embd=256, d_model=64, timestep_embedding=True)),
-            ("dema E=256 D=128 (Table 7)", dict(n_embd=256, d_model=128)),
-            ("dema E=128 D=64", dict(n_embd=128, d_model=64)),
-            ("dema E=256 D=64 --token-layout bl3d (Table 2)", dict(n_embd=256, d_model=64, token_layout="bl3d")),
-            ("dema --preset cpu", ev.preset_values(PRESETS, "cpu", "hopper-medium"))]
-    for label, kw in rows:
-        print(f"{label:50s} {sum(p.numel() for p in DeMa(Config(**kw), 11, 3, 1000).parameters()):>10,}")
+    """--params: DeMa's parameters at the paper's settings, with Mamba's pre up-projection block (the method) and,
+    beside it, the post up-projection block (--residual post, Tables 3-4), and dt.py's. Hopper's shapes (obs 11, act 3,
+    max_ep_len 1000): Table 7's 175.5K / 500.0K and Table 17's 431.5K (the official counts include 780 parameters of
+    unused prediction heads, 11 D + 11 + D + 1 at D=64). Atari's (4 actions): Table 7's 1.7M is the official code's
+    sizes, 1,713,184 (Table 9's give 1,836,960); DT's count grows by 128 per timestep of its table (1000 here)."""
+    hopper, atari = (11, 3, 1000, False), (4 * 84 * 84, 4, 1000, True)
+    sizes = {k: ATARI[k] for k in ("n_embd", "d_model", "d_state", "n_layer")}
+    rows = [("dema E=256 D=64 N=64 (hopper-medium, Table 7)", dict(n_embd=256, d_model=64), hopper),
+            ("dema E=256 D=64 + timestep embedding (Table 17)", dict(n_embd=256, d_model=64, timestep_embedding=True),
+             hopper),
+            ("dema E=256 D=128 (Table 7)", dict(n_embd=256, d_model=128), hopper),
+            ("dema E=128 D=64", dict(n_embd=128, d_model=64), hopper),
+            ("dema E=256 D=64 --token-layout bl3d (Table 2)", dict(n_embd=256, d_model=64, token_layout="bl3d"),
+             hopper),
+            ("dema --preset cpu", ev.preset_values(PRESETS, "cpu", "hopper-medium"), hopper),
+            ("dema Atari E=128 D=128 N=128, 6 layers (code; Table 7)", sizes, atari),
+            ("dema Atari E=256 D=128 N=64 (Table 9 as printed)", dict(sizes, n_embd=256, d_state=64), atari),
+            ("dema Atari --preset cpu", ev.preset_values(PRESETS, "cpu", "breakout-expert"), atari)]
+    print(f"{'parameters':58s} {'pre (DeMa)':>12s} {'post (DeMa with post.)':>23s}")
+    for label, kw, (obs, act, max_ep_len, discrete) in rows:
+        n = [sum(p.numel() for p in DeMa(Config(**kw, residual=r), obs, act, max_ep_len, discrete).parameters())
+             for r in ("pre", "post")]
+        print(f"{label:58s} {n[0]:>12,} {n[1]:>23,}")
     try:
         import dt
     except ImportError:   # this file copied alone into another project
@@ -942,11 +1136,21 @@ def param_table():
     for label, kw in (("dt paper (H=128)", {}),
                       ("dt --preset cpu", ev.preset_values(dt.PRESETS, "cpu", "hopper-medium"))):
         n = sum(p.numel() for p in dt.DecisionTransformer(dt.Config(**kw), 11, 3, 1000).parameters())
-        print(f"{label:50s} {n:>10,}")
+        print(f"{label:58s} {n:>12,}")
+    for label, preset in (("dt Atari (6 x 128, 8 heads, K=30; 1000 timesteps)", ""), ("dt Atari --preset cpu", "cpu")):
+        cfg = dt.Config(**ev.preset_values(dt.PRESETS, preset, "breakout-expert"))
+        print(f"{label:58s} {sum(p.numel() for p in dt.AtariDecisionTransformer(cfg, 4, 1000).parameters()):>12,}")
 
 
 def parse_flags(argv=None):
-    return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
+    """The flags (evaluate.parse_flags) -> (cfg, given). `given` holds what the command line and a named --preset set,
+    not what the paper's Atari setting (the preset "") laid under them, so that paper_settings can put a game's own
+    row in its place (D.2's K=8 for Qbert and Frostbite, Table 10 for --mode rnn)."""
+    prog, about = f"{SCRIPT}.py", __doc__.split("\n\n")[1]
+    cfg, _ = ev.parse_flags(Config, PRESETS, argv, prog, about)
+    _, typed = ev.parse_flags(Config, dict.fromkeys(PRESETS, {}), argv, prog, about)   # the command line alone
+    named = ev.preset_values({k: v for k, v in PRESETS.items() if k}, cfg.preset, cfg.dataset or cfg.env)
+    return cfg, typed | set(named)
 
 
 def main(argv=None):

@@ -442,8 +442,11 @@ def bench_eval(cfg, given):
 
 def bench(cfg):
     """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape; nothing is written."""
-    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
+    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (DeMa's Table 7 compares
+    DT and DeMa there: --bench --env breakout-expert); nothing is written."""
+    length = max(200, 2 * cfg.context)
+    d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env) else
+         data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))
     tokens = (3 if cfg.return_token else 2) * cfg.context * cfg.batch_size
     for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
         with timer:

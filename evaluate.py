@@ -864,6 +864,8 @@ class Bench:
 
     def start(self, cfg, model, opt, sched, rng, d, info, need):
         self.params, self.times[0] = sum(p.numel() for p in model.parameters()), time.time()
+        self.cuda = next(model.parameters()).device.type == "cuda"
+        torch.cuda.reset_peak_memory_stats() if self.cuda else None
         return 0
 
     def log(self, step, loss, lr, **extra):
@@ -875,7 +877,10 @@ class Bench:
             self.eager_ms[0] = eager = self.eager_ms[0] or ms
             print(f"  {self.label:15s} {ms:9.2f} ms/step {1e3 * self.tokens / ms:12,.0f} tokens/s   {eager / ms:5.2f}x "
                   f"eager   " + (f"(first step, with compilation: {self.times[1] - self.times[0]:.1f} s)"
-                               if self.cfg.compile else f"({self.params:,} parameters)"), flush=True)
+                               if self.cfg.compile else f"({self.params:,} parameters)")
+                  # DeMa's Table 7 "GPU memory usage": the most this mode's steps held at once
+                  + (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB" if self.cuda else ""),
+                  flush=True)
             raise Bench.Done
 
     def add_row(self, **values):

@@ -210,7 +210,7 @@ def test_gif_films_the_game_in_colour(tiny_breakout, tmp_path, capsys):
     assert {k: v for k, v in snapshot(out).items() if k != "episode.gif"} == before
 
 
-@pytest.mark.parametrize("script", ["lsdt", "gpt2_dtma", "starformer"])
+@pytest.mark.parametrize("script", ["lsdt", "gpt2_dtma"])
 def test_model_files_without_an_atari_model_say_so(script, tiny_breakout, tmp_path, capsys):
     import importlib
     from test_harness import TINY
@@ -317,3 +317,17 @@ def test_atari_model_block_runs_alone():
             y = model(torch.randint(0, 256, (2, 3, 4, 84, 84), dtype=torch.uint8), torch.randint(0, 6, (2, 3)),
                       torch.randn(2, 3, 1), torch.arange(3).repeat(2, 1), torch.ones(2, 3))
         assert y.shape == (2, 3, 6) and torch.isfinite(y).all()
+
+
+def test_dt_bench_on_atari_frames(tmp_path, capsys, monkeypatch):
+    """--bench with an Atari name times DT's Atari model on synthetic 84x84 frames (DeMa's Table 7 compares the two
+    there; eager only here: compiling takes a minute) and writes nothing."""
+    import itertools
+    real = ev.bench_modes
+    monkeypatch.setattr(ev, "bench_modes", lambda *a: itertools.islice(real(*a), 1))
+    monkeypatch.chdir(tmp_path)
+    dt.main(["--bench", "--env", "breakout-expert", *TINY_DT[:-2], "--steps", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("bench dt") and f"{3 * 4 * 8} tokens per batch" in lines[0]
+    assert lines[1].split()[0] == "eager" and "ms/step" in lines[1]
+    assert os.listdir(tmp_path) == []

@@ -2,18 +2,25 @@
 under bf16 autocast, chunked (checkpointed) backprop = plain backprop and the memory it saves, the recurrent step
 against the full forward, inert left padding, causality by perturbation (B3LD and BL3D), hidden attention against
 explicit materialisation, parameter counts against the official model's (Tables 7 and 17), the official init, the
-RTG alignment, the S6 ablation of Fig. 5, overfitting, and the CLI and analyses on tiny Minari datasets."""
+RTG alignment, the S6 ablation of Fig. 5, overfitting, and the CLI and analyses on tiny Minari datasets. Atari (image
+states, discrete actions): causality with frames, the recurrent step against the full forward, "DeMa with post."
+counted by hand, cross-entropy by hand, the paper's settings, the schedule, and CLI runs and exact resume on the tiny
+Breakout set."""
 import csv
+import itertools
 import json
 import math
 import os
+import signal
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import data
 import dema
+import evaluate as ev
 
 SCANS = {"sequential": dema.selective_scan_sequential, "parallel": dema.selective_scan_parallel}
 
@@ -176,7 +183,8 @@ def window_args(b):
 
 
 @pytest.mark.parametrize("kw", [dict(scan="sequential"), dict(scan="parallel"), dict(token_layout="bl3d"),
-                                dict(timestep_embedding=True)])
+                                dict(timestep_embedding=True), dict(residual="post"),
+                                dict(residual="post", token_layout="bl3d")])
 def test_recurrent_step_equals_full_forward(kw):
     model, b = tiny_model(**kw), random_window()
     full = model(*window_args(b))                                              # (B, K, act)
@@ -540,7 +548,9 @@ def test_bad_input_is_one_sentence(tiny_hopper, tmp_path, capsys):
                         (["--s6-layers", "one"], "--s6-layers"), (["--s6-ablation", "swap"], "--s6-donor"),
                         (["--s6-ablation", "shuffle"], "--s6-ablation"), (["--mode", "rnn", "--compile"], "--compile"),
                         (["--rtg-shift", "--context", 1], "--rtg-shift"), (["--scan-chunk", -2], "--scan-chunk"),
-                        (["--bench-scan", "--attention"], "choose one"), (["--dropout", 2], "--dropout")):
+                        (["--bench-scan", "--attention"], "choose one"), (["--dropout", 2], "--dropout"),
+                        (["--residual", "mid"], "--residual"), (["--inner-it", 0], "--inner-it"),
+                        (["--beta2", 1.5], "--beta2"), (["--lr-decay-steps", -1], "--lr-decay-steps")):
         out = tmp_path / "x"
         err = one_sentence(capsys, ["--dataset", tiny_hopper, *TINY, "--out", out, "--steps", 1, *args])
         assert words in err, (args, err)
@@ -587,4 +597,285 @@ def test_no_run_flags(capsys, monkeypatch):
     dema.main(["--params"])
     out = capsys.readouterr().out
     assert "174,723" in out and "430,723" in out and "726,019" in out
+    assert "1,713,184" in out and "1,836,960" in out      # Atari: the official code's sizes (Table 7) and Table 9's
     assert math.isfinite(dema.time_scan(dema.selective_scan_sequential, 1, 4, 5, 2, reps=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Atari: image states (the last 4 of the 84x84 frames, uint8), discrete actions, logits and cross-entropy
+
+def tiny_atari(dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    return dema.DeMa(tiny_cfg(**kw), 4 * 84 * 84, 4, 50, discrete=True).to(dtype).eval()
+
+
+def atari_window(B=2, K=5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return dict(states=torch.randint(0, 256, (B, K, 4, 84, 84), generator=g, dtype=torch.uint8),
+                actions=torch.randint(0, 4, (B, K), generator=g), prev_action=torch.randint(0, 4, (B,), generator=g),
+                rtg=torch.randn(B, K, 1, generator=g, dtype=dtype) * 5, timesteps=torch.arange(K).repeat(B, 1) + 3,
+                mask=torch.ones(B, K, dtype=dtype))
+
+
+ATARI_VARIANTS = [{}, dict(residual="post"), dict(token_layout="bl3d"), dict(residual="post", token_layout="bl3d")]
+
+
+@pytest.mark.parametrize("kw", ATARI_VARIANTS)
+def test_atari_is_causal_with_frames(kw):
+    """Changing the frames, returns-to-go and actions from step j on leaves the logits before j as they were and
+    changes those at j; an action a_j first reaches step j + 1 (as a_{t-1}), never its own prediction."""
+    cfg, model, b = tiny_cfg(**kw), tiny_atari(**kw), atari_window()
+    base = dema.predict(model, b, cfg)[0]
+    B, K = b["actions"].shape
+    assert base.shape == (B, K, 4) and base.dtype == torch.float64
+    for j in range(K):
+        c = {k: v.clone() for k, v in b.items()}
+        c["states"][:, j:] = 255 - c["states"][:, j:]
+        c["rtg"][:, j:] += 3.0
+        c["actions"][:, j:] = (c["actions"][:, j:] + 1) % 4
+        out = dema.predict(model, c, cfg)[0]
+        assert torch.allclose(out[:, :j], base[:, :j], atol=1e-12, rtol=0), j
+        assert not torch.allclose(out[:, j], base[:, j], atol=1e-6), j
+    for j in range(K):
+        c = dict(b, actions=b["actions"].clone())
+        c["actions"][:, j] = (c["actions"][:, j] + 2) % 4
+        out = dema.predict(model, c, cfg)[0]
+        assert torch.allclose(out[:, :j + 1], base[:, :j + 1], atol=1e-12, rtol=0), j
+        if j < K - 1:
+            assert not torch.allclose(out[:, j + 1], base[:, j + 1], atol=1e-6), j
+    c = dict(b, prev_action=(b["prev_action"] + 1) % 4)          # a_{t0-1}, the action before the window
+    assert not torch.allclose(dema.predict(model, c, cfg)[0][:, 0], base[:, 0], atol=1e-6)
+
+
+def test_atari_tokens_are_the_official_order_and_embeddings():
+    """[a_{t-1}, R_t, s_t] per step (the official Atari code), each embedding followed by tanh: frames / 255 through
+    DQN's torso, R_t by Linear, a_{t-1} by a table; the logits are a bias-free Linear of the s_t token."""
+    model, b = tiny_atari(), atari_window()
+    B, K = b["actions"].shape
+    prev = dema.previous_actions(b["actions"], b["prev_action"])
+    e_s = torch.tanh(model.embed_state[:-1](b["states"].reshape(B * K, 4, 84, 84).double() / 255)).view(B, K, -1)
+    e = torch.stack([torch.tanh(model.embed_action[0](prev)), torch.tanh(model.embed_return[0](b["rtg"])), e_s], 2)
+    assert torch.allclose(model.tokens(b["states"], prev, b["rtg"], b["timesteps"]),
+                          model.embedding(e.reshape(B, 3 * K, -1)), atol=1e-12, rtol=0)
+    assert isinstance(model.predict_action, torch.nn.Linear) and model.predict_action.bias is None
+
+
+@pytest.mark.parametrize("kw", ATARI_VARIANTS)
+def test_atari_recurrent_step_equals_full_forward(kw):
+    """RNN-like DeMa on frames: one triplet at a time with the carried state gives the transformer-mode logits."""
+    model, b = tiny_atari(**kw), atari_window(K=6)
+    full = model(*window_args(b))                                              # (B, K, |A|)
+    prev = dema.previous_actions(b["actions"], b["prev_action"])
+    cache, steps = model.init_cache(2, dtype=torch.float64), []
+    for t in range(6):
+        logits, cache = model.step(b["states"][:, t], prev[:, t], b["rtg"][:, t], b["timesteps"][:, t], cache)
+        steps.append(logits)
+    assert torch.allclose(torch.stack(steps, 1), full, atol=1e-12, rtol=0)
+
+
+def test_atari_rnn_evaluation_plays_the_transformer_game(tiny_breakout):
+    """In the env: RNN-like evaluation (the current step only, states carried) and transformer-like evaluation over a
+    window holding the whole episode draw from the same logits at every step, so they play the same games."""
+    d = data.load_data(tiny_breakout)
+    d.horizon = 30
+    model = tiny_atari(dtype=torch.float32)
+    logits, results = {}, {}
+    for mode, K in (("transformer", 30), ("rnn", 1)):
+        act, logits[mode] = dema.policy(model, tiny_cfg(mode=mode)), []
+
+        def record(batch, live, _act=act, _seen=logits[mode]):
+            _seen.append(_act(batch, live))
+            return _seen[-1]
+        results[mode] = ev.evaluate(record, d, 2, 90, seed=1, context=K, progress=False)
+    a, b = results["transformer"], results["rnn"]
+    assert np.array_equal(a["returns"], b["returns"]) and np.array_equal(a["lengths"], b["lengths"])
+    assert len(logits["rnn"]) == 30
+    for x, y in zip(logits["transformer"], logits["rnn"]):
+        assert torch.allclose(x, y, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("D,N,expand", [(128, 128, 2), (40, 8, 2), (24, 16, 3)])
+def test_post_block_parameters_by_hand(D, N, expand):
+    """Sec. 4.2's "DeMa with post.": the bare S6 layer at the block's width (no in_proj, gate or out_proj) and the
+    transformer's 4x MLP, each behind a LayerNorm; against the pre block, Mamba's (3 D di + di (W + 3 + 2R + 3N)) and
+    its RMSNorm."""
+    cfg = dema.Config(d_model=D, d_state=N, expand=expand)
+    W, R = cfg.d_conv, math.ceil((D // expand) / 16)                 # the official S6: dt_rank of width D / expand
+    post = (2 * D + 2 * D                                            # two LayerNorms, weight and bias
+            + D * W + D                                              # depthwise causal conv on the D channels
+            + D * (R + 2 * N)                                        # x_proj -> Delta's rank-R input, B, C
+            + R * D + D                                              # dt_proj
+            + D * N + D                                              # A_log, the D skip
+            + D * 4 * D + 4 * D + 4 * D * D + D)                     # MLP: D -> 4D -> D
+    di, R_pre = expand * D, math.ceil(D / 16)
+    pre = 3 * D * di + di * (W + 3 + 2 * R_pre + 3 * N) + D
+    assert n_params(dema.PostBlock(cfg)) == post and n_params(dema.Block(cfg)) == pre
+    if (D, N) == (128, 128):
+        assert (pre, post) == (202_624, 183_296)
+
+
+def test_atari_parameter_count_matches_the_official_model():
+    """Table 7's 1.7M: the official Atari code's sizes (E=128, D=128, N=128, 6 layers, 4 actions), counted by part."""
+    sizes = {k: dema.ATARI[k] for k in ("n_embd", "d_model", "d_state", "n_layer")}
+    n = n_params(dema.DeMa(dema.Config(**sizes), 4 * 84 * 84, 4, 1000, discrete=True))
+    torso = (4 * 32 * 64 + 32) + (32 * 64 * 16 + 64) + (64 * 64 * 9 + 64) + (3136 * 128 + 128)
+    rest = (128 + 128) + 4 * 128 + (128 * 128 + 128) + 6 * 202_624 + 128 + 128 * 4   # R, a, E->D, blocks, norm, head
+    assert n == torso + rest == 1_713_184
+    post = n_params(dema.DeMa(dema.Config(**sizes, residual="post"), 4 * 84 * 84, 4, 1000, discrete=True))
+    assert n - post == 6 * (202_624 - 183_296)
+
+
+def test_cross_entropy_by_hand():
+    """loss_fn on discrete actions: the mean of -log softmax(logits)[a_t] over the unpadded steps; --rtg-shift trains
+    on a window's last K-1 steps only."""
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]], [[0.0, 3.0, 0.0], [1.0, -2.0, 4.0]]])   # (2, 2, 3)
+
+    class Fixed(torch.nn.Module):
+        def forward(self, states, actions, rtg, timesteps, mask, prev_action):
+            return logits[:, -actions.shape[1]:]
+
+    batch = dict(states=torch.zeros(2, 2, 4, 84, 84, dtype=torch.uint8), actions=torch.tensor([[0, 2], [1, 1]]),
+                 prev_action=torch.zeros(2, dtype=torch.long), rtg=torch.zeros(2, 2, 1),
+                 timesteps=torch.zeros(2, 2, dtype=torch.long), mask=torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
+
+    def nll(z, a):
+        z = np.array(z, np.float64)
+        return np.log(np.exp(z).sum()) - z[a]
+    want = (nll([0.5, 0.5, 0.5], 2) + nll([0.0, 3.0, 0.0], 1) + nll([1.0, -2.0, 4.0], 1)) / 3
+    assert abs(dema.loss_fn(Fixed(), batch, dema.Config()).item() - want) < 1e-6
+    shifted = dema.loss_fn(Fixed(), batch, dema.Config(rtg_shift=True)).item()   # row 0's pair holds a pad
+    assert abs(shifted - nll([1.0, -2.0, 4.0], 1)) < 1e-6
+
+
+def test_atari_overfits_one_batch():
+    cfg = tiny_cfg(dropout=0.0)
+    model = tiny_atari(dtype=torch.float32).train()
+    b = atari_window(B=4, K=4, seed=3, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(200):
+        loss = dema.loss_fn(model, b, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05, loss.item()
+
+
+def test_atari_paper_settings_schedule_and_weight_decay(tiny_breakout):
+    """Table 9 (the official code's sizes) under the flags and a run named 'default'; D.2's K=8 for Qbert and
+    Frostbite; Table 10 for RNN-like DeMa; flags > preset > paper; Table 9's targets; the official cosine; and the
+    official Atari decay groups."""
+    def parse(*argv):
+        return dema.paper_settings(*dema.parse_flags(list(argv)))
+    cfg = parse("--dataset", tiny_breakout)
+    assert (cfg.n_layer, cfg.n_embd, cfg.d_model, cfg.d_state, cfg.context, cfg.batch_size, cfg.lr, cfg.beta2,
+            cfg.weight_decay, cfg.grad_clip, cfg.dropout, cfg.warmup_steps, cfg.lr_decay_steps, cfg.steps,
+            cfg.eval_every, cfg.eval_episodes) == (6, 128, 128, 128, 30, 128, 6e-4, 0.95, 0.1, 1.0, 0.1, 3, 23_432,
+                                                   39_060, 3906, 10)
+    assert ev.variant_name(cfg, dema.PRESETS) == "default"
+    assert parse("--env", "qbert-expert").context == parse("--env", "frostbite-expert").context == 8
+    assert parse("--env", "qbert-expert", "--context", "30").context == 30
+    rnn = parse("--dataset", tiny_breakout, "--mode", "rnn")
+    assert (rnn.batch_size, rnn.lr, rnn.inner_it) == (8, 1e-4, 200)
+    assert parse("--env", "frostbite-expert", "--mode", "rnn").batch_size == 1
+    cfg = parse("--dataset", tiny_breakout, "--preset", "cpu", "--context", "3")
+    assert cfg.context == 3 and cfg.weight_decay == 0.1 and cfg.beta2 == 0.95 and cfg.d_model == 64
+    assert ev.variant_name(cfg, dema.PRESETS) == "cpu_context3"
+    assert parse("--env", "hopper-medium").beta2 == 0.999 and parse("--env", "hopper-medium").lr_decay_steps == 0
+    assert dema.targets(dema.Config(), data.load_data(tiny_breakout)) == [90.0]
+    # schedule: warmup, then max(0.1, (1 + cos(pi p)) / 2), p unclamped; constant without --lr-decay-steps
+    sched = dema.Config(warmup_steps=10, lr_decay_steps=110)
+    assert dema.lr_factor(4, sched) == 0.5 and dema.lr_factor(10, sched) == 1.0
+    assert abs(dema.lr_factor(60, sched) - 0.5) < 1e-12 and dema.lr_factor(110, sched) == 0.1
+    assert abs(dema.lr_factor(160, sched) - 0.5) < 1e-12                       # rises again past the "final tokens"
+    assert dema.lr_factor(10 ** 6, dema.Config(warmup_steps=10)) == 1.0
+    # weight decay: matrices, A_log, D and the S6 conv; not biases, norms, or the official *emb* modules
+    model = dema.build_model(cfg, dict(discrete=True, act_dim=4, max_ep_len=30, obs_dim=4 * 84 * 84))
+    decay, rest = dema.param_groups(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    kept = {names[id(p)] for p in rest["params"]}
+    assert rest["weight_decay"] == 0.0 and len(decay["params"]) + len(kept) == len(names)
+    assert kept == {n for n in names.values() if n.endswith("bias") or ".norm." in n or n.startswith(
+        ("embed_return", "embed_action", "embedding.", "ln_f"))}
+    assert {"blocks.0.mixer.A_log", "blocks.0.mixer.D", "blocks.0.mixer.conv1d.weight", "embed_state.0.weight",
+            "embed_state.7.weight", "predict_action.weight"} <= {names[id(p)] for p in decay["params"]}
+    mujoco = dema.build_model(dema.Config(), dict(obs_dim=11, act_dim=3, max_ep_len=100))
+    assert len(dema.param_groups(mujoco, dema.Config())) == 1                  # the gym code decays everything
+
+
+def test_cli_atari_both_modes(tiny_breakout, tmp_path, capsys):
+    run_cli(["--dataset", tiny_breakout, "--steps", 6, "--eval-every", 6, "--eval-episodes", 1], tmp_path / "tr")
+    assert final_line(capsys).endswith("episodes=1")
+    ck = torch.load(tmp_path / "tr" / "ckpt.pt", weights_only=True)
+    assert ck["info"]["discrete"] and ck["info"]["act_dim"] == 4 and ck["model"]["predict_action.weight"].shape == (4, 8)
+    assert os.path.getsize(tmp_path / "tr" / "attention.png") > 0
+    evals = [r for r in csv.DictReader(open(tmp_path / "tr" / "log.csv")) if r["target"]]
+    assert [float(r["target"]) for r in evals] == [90.0] and evals[0]["normalized_score"] != ""
+    run_cli(["--dataset", tiny_breakout, "--mode", "rnn", "--rnn-max-len", 30, "--batch-size", 2, "--inner-it", 2,
+             "--residual", "post", "--steps", 4, "--eval-every", 4, "--eval-episodes", 1], tmp_path / "rnn")
+    assert final_line(capsys).endswith("episodes=1")
+    config = json.load(open(tmp_path / "rnn" / "config.json"))
+    assert (config["mode"], config["inner_it"], config["residual"]) == ("rnn", 2, "post")
+
+
+def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
+    from test_harness import assert_same_weights, final_weights, log_rows, start, wait_for
+    common = ["--dataset", tiny_breakout, *TINY, "--steps", 40, "--eval-every", 20, "--log-every", 10, "--seed", 2,
+              "--eval-episodes", 1]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    p = start("dema", [*common, "--out", straight])
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    p = start("dema", [*common, "--out", run])
+    wait_for(p, "step     10")
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert 0 < torch.load(run / "ckpt.pt", weights_only=True)["step"] < 40
+    p = start("dema", ["--out", run, "--resume"])
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    assert_same_weights(final_weights(straight), final_weights(run))
+    assert log_rows(run) == log_rows(straight)
+
+
+def test_rnn_resume_between_two_draws_is_exact(tiny_breakout, tmp_path, capsys):
+    """--inner-it 3: steps 3..5 train on one batch; a run stopped at step 4 draws that batch again on resuming."""
+    common = ["--dataset", tiny_breakout, "--mode", "rnn", "--rnn-max-len", 20, "--batch-size", 2, "--inner-it", 3,
+              "--eval-every", 1000, "--eval-episodes", 1, "--seed", 4, "--target-return", 3]
+    run_cli(common + ["--steps", 8], tmp_path / "straight")
+    run_cli(common + ["--steps", 4], tmp_path / "split")
+    dema.main(["--out", str(tmp_path / "split"), "--resume", "--steps", "8"])
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=True)
+    assert a["step"] == b["step"] == 8
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_bench_on_atari_frames(tmp_path, capsys, monkeypatch):
+    """--bench with an Atari name times train() on synthetic 84x84 frames (eager only here: compiling takes a
+    minute) and writes nothing."""
+    real = ev.bench_modes
+    monkeypatch.setattr(ev, "bench_modes", lambda *a: itertools.islice(real(*a), 1))
+    monkeypatch.chdir(tmp_path)
+    dema.main(["--bench", "--env", "breakout-expert", *TINY[:12], "--steps", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("bench dema") and "96 tokens per batch" in lines[0]
+    assert lines[1].split()[0] == "eager" and "ms/step" in lines[1]
+    assert os.listdir(tmp_path) == []
+
+
+def test_atari_model_block_runs_alone():
+    """The '# >>> model' block, exec'd with only torch, math and dataclasses, builds and runs the Atari DeMa with
+    either residual block, in both modes: nothing it needs lives outside the block."""
+    from dataclasses import dataclass, field
+    from test_harness import marked
+    ns = dict(torch=torch, nn=torch.nn, F=F, math=math, dataclass=dataclass, field=field, Config=dema.Config,
+              arg=dema.arg)
+    exec(compile(marked("dema.py", "model"), "dema.py:model", "exec"), ns)
+    b = atari_window(K=3, dtype=torch.float32)
+    for residual in ("pre", "post"):
+        model = ns["DeMa"](tiny_cfg(residual=residual), 4 * 84 * 84, 4, 20, discrete=True).eval()
+        with torch.no_grad():
+            y = model(*window_args(b))
+            z, _ = model.step(b["states"][:, 0], b["prev_action"], b["rtg"][:, 0], b["timesteps"][:, 0],
+                              model.init_cache(2))
+        assert y.shape == (2, 3, 4) and torch.allclose(z, y[:, 0], atol=1e-5)

@@ -129,3 +129,13 @@ def test_delayed_reward_flag_names_the_run_and_trains(tiny_hopper, tmp_path, cap
              "--batch-size", "8", "--steps", "4", "--eval-every", "4", "--eval-episodes", "1", "--out", str(out)])
     assert "final: normalized_score=" in capsys.readouterr().out
     assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["delayed_reward"] is True
+
+
+def test_gif_title_wraps_to_the_frame():
+    """A long variant name (lsdt's on a maze) is broken into lines that each fit the 240-pixel frame, losing nothing."""
+    from PIL import ImageFont
+    font = ImageFont.load_default(size=13)
+    title = "lsdt cpu_n-head2_conv-ratio0.125_kernel3_routingweight_no-goal-state_context20, target 20.5"
+    lines = evaluate.wrap_text(title, font, 228)
+    assert len(lines) > 1 and all(font.getlength(line) <= 228 for line in lines)
+    assert "".join(lines).replace(" ", "") == title.replace(" ", "")

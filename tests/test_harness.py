@@ -145,7 +145,7 @@ def test_cpu_preset_has_a_maze_setting_under_the_flags(script, capsys):
     """--preset cpu on a maze lays the preset's "mazes" entries (50 episodes, K=1) over its own; explicit flags still
     win, the folder is still named "cpu", and locomotion data keeps the plain preset."""
     m = importlib.import_module(script)
-    plain = {k: v for k, v in m.PRESETS["cpu"].items() if k != "mazes"}
+    plain = {k: v for k, v in m.PRESETS["cpu"].items() if k not in evaluate.FAMILIES}
     mazes = m.PRESETS["cpu"]["mazes"]
     assert mazes["eval_episodes"] == 50 and mazes.get("context", 1) == 1           # StARformer keeps its K
     for name, want in (("pointmaze-medium-dense", mazes), ("replica/pointmaze/umaze-sparse-v0", mazes),

@@ -13,19 +13,33 @@ not on a return-to-go: by default there is no target return.
     python starformer.py --env hopper-expert --no-reward-token # Table 1's imitation setting: no reward tokens
     python starformer.py --env hopper-expert --reward-input rtg            # Table 2: return-to-go in the reward slot
     MINARI_DATASETS_PATH=<folder of local datasets> python starformer.py --dataset replica/hopper/medium-v0 --preset cpu
+    python starformer.py --dataset dqn-replay/breakout/1pct-v0        # Atari: the image model, Table 6 + official code
+    python starformer.py --dataset dqn-replay/breakout/1pct-v0 --state-token none --no-reward-token  # Table 3 w/o conv
+    python starformer.py --dataset dqn-replay/breakout/1pct-v0 --connection fusion                   # Table 4 Fusion
 
 The paper's Gym numbers (Table 1) are on D4RL's expert datasets (its dataset statistics, Hopper 3511 +- 328.6, are
 hopper-expert-v2's), although its text calls the data sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert.
 The paper's variants, each a flag (tests/test_starformer.py checks the property each one claims):
     --no-reward-token     Table 1, imitation: the Step group is (a_{t-1}, s_t), n = n_state + 1 tokens, no rewards
     --reward-input rtg    Table 2, "SF RTG": R_t in the reward slot instead of r_{t-1}, with a target return
+    --state-token none    Table 3, "w/o conv": no h^0; h^l = F_seq^l(h^{l-1} + g^l) from h^0 = 0 (official 'xconv')
+    --state-token patch   Table 3, "conv -> ViT": h^0 from a second patch embedding (official 'vit')
+    --connection fusion   Table 4, "Fusion": h^l = F_seq^l(h^{l-1} + g^l), T tokens (official 'fusion')
+    --connection stack    Table 4, "Stack": L Step layers, then g^L (beside h^0) through L Sequence layers
+(Table 3 is in the imitation setting: add --no-reward-token. Table 5's "DT with ViT" is a DT variant, and Fig. 3 is
+--context 10/20/30 on Atari, 5/10/15/20 on Gym.)
+Atari data (image states, discrete actions: data.py's convert-dqn-replay, the replica Breakout set) gets the image
+model: 7x7 patches of the 4x84x84 frame stack (144 tokens, official Atari code), h^0 from DQN's conv torso, the
+action as an embedding with the extra null index |A|, logits and cross-entropy; its paper setting is Table 6 with
+the official Atari code's batch, epochs and schedule (ATARI below), and --preset cpu has a small one (ATARI_CPU).
 
 Glossary (paper symbol -> code name, shape):
     T          context: the timesteps the model sees                      Config.context
     B          batch size (windows per gradient step)                     Config.batch_size
     L          layers of the Step and of the Sequence Transformer, paired Config.n_layer
     d, D       Step ("short-term") and Sequence ("long-term") widths      Config.step_embd, Config.n_embd
-    s_t        state, normalised by the dataset's mean and std            states (B, T, obs_dim) [image: (B, T, c, H, W)]
+    s_t        state, normalised by the dataset's mean and std            states (B, T, obs_dim) [image: (B, T, c, H, W)
+               (Atari: the last 4 84x84 frames, uint8, / 255 in the model)  uint8]
     a_{t-1}    previous action; a_0 = null (-10 per dim, or index |A|)    prev_a (B, T, act_dim) [discrete: (B, T) long]
     r_{t-1}    previous step-wise reward; r_0 = 0                         prev_r (B, T, 1)
     R_t        return-to-go (times return_scale), --reward-input rtg     rtg (B, T, 1)
@@ -37,7 +51,7 @@ Glossary (paper symbol -> code name, shape):
     e^spatial  learned spatial embedding, shared over t                   e_spatial (n_state, d)
     e^temporal learned temporal embedding, shared by g^l (all l) and h^0  e_temporal (T, D)
     g_t^l      StAR representation FC([Z_t^l]) + e_t^temporal            g (B, T, D)
-    h_t^l      integrated state token; h_t^0 = FC(s_t) + e_t^temporal     h (B, T, D)
+    h_t^l      integrated state token; h_t^0 = FC(s_t) or Conv(s_t) + e_t h (B, T, D)
     Y_in^l     {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}                  y (B, 2T, D)
     phi        prediction head, a_t = phi(h_t^L)                          predict_action
     mask       1 = a real step, 0 = left padding before an episode's start mask (B, T)
@@ -50,9 +64,7 @@ One layer l at one timestep t:
 
 Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (data,
 schedule, loss, policy) -> train(), the loop, as in dt.py -> --bench -> main(). The run folder, checkpoint and exact
-resume are evaluate.py's (the run record). Outputs go to runs/starformer/<env>/<variant>/seed<N>/. The image (Atari)
-variant is a model option (patch tokens + Nature-DQN encoder + discrete head), tested on random frames; the DQN-Replay
-Atari data is not available here, so this script does not train it.
+resume are evaluate.py's (the run record). Outputs go to runs/starformer/<env>/<variant>/seed<N>/.
 """
 import math
 from dataclasses import dataclass, field
@@ -77,6 +89,9 @@ class Config:
     # data and run (dt.py's flags)
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
+                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
+                                      "is still the env's own return")
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (official gym code: 10 iterations x 10k)", run=True)
     batch_size: int = arg(64, "windows per batch")
@@ -118,12 +133,44 @@ class Config:
                                   "a_{t-1} a guide to copy rather than to use)")
     reward_input: str = arg("reward", "what fills the reward slot of group t: 'reward' r_{t-1} (the method) or "
                                       "'rtg' the return-to-go R_t (Table 2; evaluated with --target-return)")
+    # the ablations of Sec. 5.4 (Tables 3 and 4)
+    state_token: str = arg("conv", "Table 3, the integrated state token h^0 of the Sequence Transformer: 'conv' "
+                                   "Conv(s_t) on images, FC(s_t) on vectors (the method); 'none' no h^0, g^l summed "
+                                   "into one stream ('w/o conv'); 'patch' a second, unshared patch embedding "
+                                   "('conv -> ViT')")
+    connection: str = arg("layerwise", "Table 4, Step -> Sequence: 'layerwise' g^l interleaved with h^{l-1} in "
+                                       "Sequence layer l (the method); 'fusion' g^l summed into h^{l-1}; 'stack' only "
+                                       "the last Step layer's g^L, into the first Sequence layer")
     # analysis (reads the run's checkpoint, never trains)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
+                           "rendered offscreen (MuJoCo; Atari in colour; reads the checkpoint, never trains)", run=True)
+    # Atari
+    greedy: bool = arg(False, "Atari: act with the most likely action instead of a draw from the softmax (the official "
+                              "code draws). Greedy play can stall: a policy that never presses FIRE after a lost life "
+                              "waits out the 108k-frame limit (27k steps)", run=True)
 
 
+# Atari (data.is_atari): Table 6 (L=6, D=192 / 8 heads, d=64 / 4 heads, dropout 0.1 are Config's defaults; lr 6e-4,
+# betas (0.9, 0.95), clip 1.0, weight decay 0.1) with T=30 (Sec. 5.1), laid under the flags as the paper's setting
+# (the preset ""). Where the paper is silent ("see Chen et al. (2021)"), the official Atari code (run.sh,
+# run_star_atari.py): batch 64, 10 epochs over 500k steps of 1% DQN-replay (499,970 windows / 64 = 7,813 steps an
+# epoch) with 10 evaluation episodes after each, the 0.1 decay on Linear/Conv weights only (optim_groups), warmup
+# over 512 x 20 tokens (10,240 / (64 x 30) = 5.3 -> 6 steps), then a cosine that ends at a tenth after the 10
+# epochs (the code's final_tokens); the code clamps max(0.1, cos), lr_factor lifts it, 0.1 + 0.9 cos, as dt.py.
+ATARI = dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0, warmup_steps=6, lr_decay=True,
+             steps=78_130, eval_every=7_813, eval_episodes=10)
+# The classroom Atari model (--preset cpu on Atari: replica/breakout/mixed-v0, 2 cores, 10 evaluation episodes). On
+# CPU the Step Transformer over 146 tokens costs beside DQN's torso (which dt.py's preset pays too), so: one Step
+# head of 16 (SDPA's CPU kernel pays per head: 2 heads of 8 took 85 ms a layer where 1 of 16 took 28, forward +
+# backward at B x K = 256), no dropout (its masks, and the non-flash attention they force, doubled a step), K=6 (K=8
+# cost 1.7x dt.py's preset a step; K=6 1.2-1.4x). Measured with OMP_NUM_THREADS=1 on the shared, loaded 2 cores,
+# 200 steps: 337-429 ms/step (dt.py's preset 231-305 in the same minutes; 61 s of CPU against 47 for the whole
+# probe), and 62-69 ms per step of a 10-episode evaluation (dt.py 37-56). 1,800 steps (about 750 s) and 3
+# evaluations (about 140 s at the 800-1,400-step episodes of a policy that scores) fit in about 15 minutes of one core.
+ATARI_CPU = dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6, batch_size=32, lr=6e-4,
+                 warmup_steps=100, steps=1800, eval_every=600, eval_episodes=10, dropout=0.0)
 PRESETS = {
+    "": dict(atari=ATARI),
     # Small StARformer for a 2-core CPU, at the budget of dt.py's cpu preset (same steps, batch, context, lr, warmup):
     # 2 paired layers, D=64, d=16, T=10. No dropout: on CPU the Bernoulli masks cost ~27% of a step here, and
     # 6000 x 64 windows do not overfit a 300k-step dataset. Cosine decay so the reported last checkpoint is settled.
@@ -133,7 +180,8 @@ PRESETS = {
                 # carry N(0, 0.5^2) noise, and every group holds a_{t-1} at any K, so dt.py's K=1 does not help:
                 # replica/pointmaze/medium-dense-v0, seed 0, 50 episodes: 2% reach the goal at K=10 and at K=1 with
                 # a_{t-1}, 92% (292 steps to it) at K=10 without it
-                mazes=dict(prev_action=False, eval_episodes=50)),
+                mazes=dict(prev_action=False, eval_episodes=50),
+                atari=ATARI_CPU),
     # The official code's gym sizes (gym/experiment.py: embed_dim 128, n_layer 3, n_head 1, local_D 16 / 4 heads).
     "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
 }
@@ -182,23 +230,36 @@ class Block(nn.Module):
 
 
 class StepSeqLayer(nn.Module):
-    """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a)."""
+    """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a). project=False: a Step layer
+    whose output reaches no Sequence layer (--connection stack, all but the last)."""
 
-    def __init__(self, n_tok, d, D, step_head, seq_head, dropout):
+    def __init__(self, n_tok, d, D, step_head, seq_head, dropout, project=True):
         super().__init__()
         self.step = Block(d, step_head, dropout)                    # F_step^l: full attention inside a group
-        # The LayerNorms around FC are the official code's; the paper writes FC alone (cheap, and they steady a
-        # 9,344 -> 192 projection at Atari sizes)
-        self.ln_tok = nn.LayerNorm(d)
-        self.fc = nn.Linear(n_tok * d, D)                           # FC_l, one per layer: R^{n d} -> R^D
-        self.ln_g = nn.LayerNorm(D)
-        self.seq = Block(D, seq_head, dropout)                      # F_sequence^l: causal over the 2T tokens
+        if project:
+            # The LayerNorms around FC are the official code's; the paper writes FC alone (cheap, and they steady a
+            # 9,344 -> 192 projection at Atari sizes)
+            self.ln_tok = nn.LayerNorm(d)
+            self.fc = nn.Linear(n_tok * d, D)                       # FC_l, one per layer: R^{n d} -> R^D
+            self.ln_g = nn.LayerNorm(D)
+        self.seq = Block(D, seq_head, dropout)                      # F_sequence^l: causal over the sequence
 
-    def forward(self, Z, h, e_temp, seq_mask):   # Z (B,T,n,d), h (B,T,D), e_temp (B,T,D), seq_mask (B,1,2T,2T)
+    def step_layer(self, Z):                     # Sec. 3.2.2: Z_t^l = F_step^l(Z_t^{l-1}), (B,T,n,d) -> (B,T,n,d)
         B, T, n, d = Z.shape
-        Z = self.step(Z.reshape(B * T, n, d)).reshape(B, T, n, d)             # Sec. 3.2.2: Z_t^l = F_step^l(Z_t^{l-1})
-        g = self.ln_g(self.fc(self.ln_tok(Z).reshape(B, T, n * d))) + e_temp  # Sec. 3.2.2: g_t^l = FC([Z_t^l]) + e_t
-        y = torch.stack([g, h], dim=2).reshape(B, 2 * T, -1)                  # Eq. (2): g_1,h_1,g_2,h_2,... (B,2T,D)
+        return self.step(Z.reshape(B * T, n, d)).reshape(B, T, n, d)
+
+    def star(self, Z, e_temp):                   # Sec. 3.2.2: g_t^l = FC([Z_t^l]) + e_t^temporal, -> (B,T,D)
+        B, T, n, d = Z.shape
+        return self.ln_g(self.fc(self.ln_tok(Z).reshape(B, T, n * d))) + e_temp
+
+    def forward(self, Z, h, e_temp, seq_mask, interleave=True):  # Z (B,T,n,d), h (B,T,D), e_temp (B,T,D)
+        Z = self.step_layer(Z)
+        g = self.star(Z, e_temp)                                              # (B,T,D)
+        if not interleave:      # Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): h^l = F_seq^l(h^{l-1} + g^l)
+            # g^l keeps its e_t (Sec. 3.2.2) where the code's 'fusion' adds e_t through h^0 only: the variant then
+            # differs from the method in how g meets h alone, which is what Table 4 compares
+            return Z, self.seq(h + g, seq_mask)                               # seq_mask (B,1,T,T)
+        y = torch.stack([g, h], dim=2).reshape(g.shape[0], -1, g.shape[2])    # Eq. (2): g_1,h_1,g_2,h_2,... (B,2T,D)
         y = self.seq(y, seq_mask)                                             # Sec. 3.3.2: Y_out^l = F_seq^l(Y_in^l)
         return Z, y[:, 1::2]                    # Sec. 3.3.2: h_t^l = y_out;2t^l, the g slots are dropped (B,T,D)
 
@@ -219,6 +280,19 @@ class NatureCNN(nn.Module):
         return self.fc(self.conv(x))
 
 
+class PatchState(nn.Module):
+    """Table 3 "conv -> ViT": h^0 from a second patch embedding, not shared with the Step Transformer's (Sec. 5.4);
+    as the official code's 'vit': each patch FC to d, the n_state tokens flattened, FC to D, Tanh."""
+
+    def __init__(self, patch_dim, n_state, d, D):
+        super().__init__()
+        self.embed = nn.Linear(patch_dim, d)
+        self.fc = nn.Sequential(nn.Linear(n_state * d, D), nn.Tanh())
+
+    def forward(self, patches):                  # (B, T, n_state, patch_dim) -> (B, T, D)
+        return self.fc(self.embed(patches).flatten(2))
+
+
 NULL_ACTION = -10.0   # Gym null action a_0 in every dimension, following DT (A.2)
 
 
@@ -227,9 +301,12 @@ def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_acti
     The (a_{t-1}, r_{t-1}) of every group of a window (Sec. 2.2: group t is (a_{t-1}, r_{t-1}, s_t)), from data.py's
     window: actions (B,T,A) [discrete: (B,T) long], rewards (B,T,1) are the window's own a_t, r_t; prev_action (B,A)
     [(B,)], prev_reward (B,1) the step before the window. At an episode's first step (timesteps == 0) the group gets
-    the null action and r_0 = 0 (fn. 1, A.2): -10 per dimension, or the extra index |A| for discrete actions.
-    Left padding only ever precedes an episode's first step (data.py, evaluate.py), so the first real step after
-    padding gets the null action, never a padded slot. -> prev_a (B,T,A) [(B,T) long], prev_r (B,T,1).
+    the null action and r_0 = 0 (fn. 1, A.2): -10 per dimension, or the extra index |A| for discrete actions (data.py
+    gives 0 there, which on Atari is NOOP, a real action). Left padding only ever precedes an episode's first step
+    (data.py, evaluate.py), so the first real step after padding gets the null action, never a padded slot. Elsewhere
+    a group holds the real a_{t-1}, in training as in evaluation (the official Atari code gives the null action to
+    the first group of every training window, and the real a_{t-1} there once an evaluation window slides).
+    -> prev_a (B,T,A) [(B,T) long], prev_r (B,T,1).
     """
     prev_a = torch.cat([prev_action.unsqueeze(1), actions[:, :-1]], dim=1)   # a_{t-1}: (B,T,A) [(B,T)]
     prev_r = torch.cat([prev_reward.unsqueeze(1), rewards[:, :-1]], dim=1)   # r_{t-1}: (B,T,1)
@@ -239,11 +316,23 @@ def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_acti
     return prev_a, prev_r
 
 
+def sequence_mask(real, n):
+    """(B,T) real-step mask, n Sequence tokens per step (2: g_t, h_t interleaved; 1: one stream) -> (B,1,nT,nT):
+    causal (Sec. 3.3.2: no token attends to a later timestep) and no padded key; every token may see itself so that
+    no softmax row is empty. The official code's extra loop `mask[i, i-1] = 1` is left out: besides no-ops it only
+    sets mask[0, -1], a g row that is dropped."""
+    key_ok = real.repeat_interleave(n, dim=1)                               # (B,nT)
+    causal = torch.ones(key_ok.shape[1], key_ok.shape[1], dtype=torch.bool, device=real.device).tril()
+    eye = torch.eye(key_ok.shape[1], dtype=torch.bool, device=real.device)
+    return ((causal & key_ok[:, None, :]) | eye)[:, None]                   # (B,1,nT,nT)
+
+
 class StARformer(nn.Module):
     """
-    obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, patch tokens).
+    obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, uint8 frames, patch tokens).
     act_dim:   action dimension (continuous, Tanh head, MSE) or number of discrete actions (discrete=True,
                logits head, cross-entropy; the null action is the extra index act_dim, A.2).
+    The ablations of Sec. 5.4 (cfg.state_token, Table 3; cfg.connection, Table 4) are a few lines each, marked below.
     """
 
     def __init__(self, cfg, obs_shape, act_dim, discrete=False):
@@ -254,23 +343,30 @@ class StARformer(nn.Module):
         self.patch_size = cfg.patch_size
         self.null_action = act_dim if discrete else NULL_ACTION
         self.prev_action = cfg.prev_action
+        self.state_token, self.connection = cfg.state_token, cfg.connection
         d, D = cfg.step_embd, cfg.n_embd
         # Sec. 3.2.1: state tokens z_{s_t^i} = FC(s_t^i) + e_i^spatial, one FC shared by all patches and all t
         if self.image:
             c, H, W = obs_shape
             p = cfg.patch_size
             assert H % p == 0 and W % p == 0, f"image {H}x{W} is not divisible into {p}x{p} patches"
-            n_state = (H // p) * (W // p)
-            self.embed_patch = nn.Linear(c * p * p, d)                        # FC(Flatten(s_t^i)): R^{hwC} -> R^d
-            self.embed_state = NatureCNN(obs_shape, D)                        # Sec. 3.3.1: h^0 = Conv(s_t)
+            n_state, patch_dim = (H // p) * (W // p), c * p * p
+            self.embed_patch = nn.Linear(patch_dim, d)                        # FC(Flatten(s_t^i)): R^{hwC} -> R^d
             self.embed_action = nn.Embedding(act_dim + 1, d)                  # FC on one-hot a; +1: null action (A.2)
         else:
-            n_state = obs_shape
+            n_state, patch_dim = obs_shape, 1
             self.embed_patch = nn.Linear(1, d)                                # FC(s_t^i): R^1 -> R^d, per dimension
-            # Sec. 3.3.1: h^0 = FC(s_t) + e_t; the paper says "multiple fully-connected layers", the code uses one
+            self.embed_action = nn.Linear(act_dim, d)                         # Sec. 3.2.1: z_a = FC(a), whole action
+        # Sec. 3.3.1: the integrated state token h^0 = Conv(s_t) (image) or FC(s_t) (vector) + e_t; Table 3's
+        # ablations replace it by a second patch embedding ('patch') or drop it ('none': no embed_state)
+        if self.state_token == "patch":
+            self.embed_state = PatchState(patch_dim, n_state, d, D)
+        elif self.state_token == "conv" and self.image:
+            self.embed_state = NatureCNN(obs_shape, D)
+        elif self.state_token == "conv":
+            # the paper says "multiple fully-connected layers", the official gym code uses one (the default)
             self.embed_state = (nn.Sequential(nn.Linear(obs_shape, D), nn.GELU(), nn.Linear(D, D))
                                 if cfg.state_mlp else nn.Linear(obs_shape, D))
-            self.embed_action = nn.Linear(act_dim, d)                         # Sec. 3.2.1: z_a = FC(a), whole action
         if self.reward_token:                                                 # absent in imitation (Table 1)
             self.embed_reward = nn.Sequential(nn.Linear(1, d), nn.Tanh())     # Sec. 3.2.1: z_r = Tanh(FC(r))
         self.n_tok = n_state + 1 + int(self.reward_token)                     # n: a, (r), n_state state tokens
@@ -278,8 +374,11 @@ class StARformer(nn.Module):
         # Sec. 3.3.1: "exactly the same" e^temporal on g^l (every l) and h^0; indexed by position in the window (code)
         self.e_temporal = nn.Parameter(torch.zeros(cfg.context, D))
         self.drop = nn.Dropout(cfg.dropout)                                   # on Z^0 and h^0 (code)
-        self.blocks = nn.ModuleList(StepSeqLayer(self.n_tok, d, D, cfg.step_head, cfg.n_head, cfg.dropout)
-                                    for _ in range(cfg.n_layer))
+        # Table 4 "Stack": only the last Step layer's output is projected to g (one FC, not one per layer)
+        stack = self.connection == "stack"
+        self.blocks = nn.ModuleList(StepSeqLayer(self.n_tok, d, D, cfg.step_head, cfg.n_head, cfg.dropout,
+                                                 project=not stack or i == cfg.n_layer - 1)
+                                    for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(D)                                           # the code's LayerNorm before the head
         # Sec. 3.3.3, A.1: phi = Linear, then Tanh into [-1, 1] for continuous actions; logits for discrete ones
         self.predict_action = nn.Sequential(nn.Linear(D, act_dim), *([] if discrete else [nn.Tanh()]))
@@ -292,22 +391,23 @@ class StARformer(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def state_tokens(self, states):              # Sec. 3.2.1 -> (B, T, n_state, d)
-        if self.image:
-            B, T, c, H, W = states.shape
-            p = self.patch_size
-            x = states.reshape(B * T, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)  # (BT,H/p,W/p,c,p,p)
-            x = x.reshape(B, T, (H // p) * (W // p), c * p * p)                            # flattened patches
-            return self.embed_patch(x) + self.e_spatial
-        return self.embed_patch(states.unsqueeze(-1)) + self.e_spatial        # (B,T,C,1) -> (B,T,C,d)
+    def patches(self, states):                   # Sec. 3.2.1: s_t -> its n_state patches, (B,T,n_state,patch_dim)
+        if not self.image:
+            return states.unsqueeze(-1)                                        # one "patch" per dimension (B,T,C,1)
+        B, T, c, H, W = states.shape
+        p = self.patch_size
+        x = states.reshape(B * T, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)      # (BT,H/p,W/p,c,p,p)
+        return x.reshape(B, T, (H // p) * (W // p), c * p * p)                            # flattened patches
 
     def forward(self, states, actions, rewards, rtg, timesteps, mask, prev_action, prev_reward):
-        """One data.py window (its keys, in its order; model(**batch) works): states (B,T,obs) [or (B,T,c,H,W)],
-        actions (B,T,act) [discrete: (B,T) long], rewards (B,T,1), rtg (B,T,1) (read only with --reward-input rtg),
-        timesteps, mask (B,T), prev_action (B,act) [(B,)], prev_reward (B,1) -> a_t for every t (B,T,act) (logits
-        when discrete). Position t sees s_1..s_t, a_0..a_{t-1}, r_0..r_{t-1} (or R_1..R_t) only: a_t and r_t enter
-        group t + 1."""
+        """One data.py window (its keys, in its order; model(**batch) works): states (B,T,obs) [or (B,T,c,H,W) uint8
+        frames], actions (B,T,act) [discrete: (B,T) long], rewards (B,T,1), rtg (B,T,1) (read only with
+        --reward-input rtg), timesteps, mask (B,T), prev_action (B,act) [(B,)], prev_reward (B,1) -> a_t for every t
+        (B,T,act) (logits when discrete). Position t sees s_1..s_t, a_0..a_{t-1}, r_0..r_{t-1} (or R_1..R_t) only:
+        a_t and r_t enter group t + 1."""
         B, T = states.shape[:2]
+        if self.image:
+            states = states.float() / 255.0                                    # uint8 frames -> [0, 1] (as the code)
         real = mask > 0                                                        # (B,T)
         # Temporal position counted from the first real step, so a left-padded window gives exactly what the
         # unpadded window gives (the paper's tau starts at s_1; the code indexes by window slot and never pads Atari)
@@ -322,22 +422,37 @@ class StARformer(nn.Module):
         if self.reward_token:
             r = rtg if self.reward_input == "rtg" else prev_r                  # Table 2: R_t in place of r_{t-1}
             tokens.append(self.embed_reward(self.reward_scale * r).unsqueeze(2))  # (B,T,1,d)
-        Z = self.drop(torch.cat([*tokens, self.state_tokens(states)], dim=2))  # (B,T,n,d)
-        # Sec. 3.3.1: integrated state tokens h^0_t = FC(s_t) (or Conv(s_t)) + e_t^temporal
-        if self.image:
-            h = self.embed_state(states.reshape(B * T, *states.shape[2:])).reshape(B, T, -1)
+        patches = self.patches(states)                                         # (B,T,n_state,patch_dim)
+        Z = self.drop(torch.cat([*tokens, self.embed_patch(patches) + self.e_spatial], dim=2))   # (B,T,n,d)
+        # Sec. 3.3.1: integrated state tokens h^0_t = Conv(s_t) (or FC(s_t)) + e_t^temporal
+        if self.state_token == "none":   # Table 3 "w/o conv": no h^0; the Sequence stream starts at 0 (code 'xconv')
+            h = torch.zeros_like(e_temp)
+        elif self.state_token == "patch":                                      # Table 3 "conv -> ViT"
+            h = self.drop(self.embed_state(patches) + e_temp)
+        elif self.image:
+            h = self.drop(self.embed_state(states.reshape(B * T, *states.shape[2:])).reshape(B, T, -1) + e_temp)
         else:
-            h = self.embed_state(states)
-        h = self.drop(h + e_temp)                                              # (B,T,D)
-        # Sequence mask over the 2T interleaved tokens: causal (Sec. 3.3.2: no token attends to a later timestep)
-        # and no padded key; every token may see itself so that no softmax row is empty. The official code's extra
-        # loop `mask[i, i-1] = 1` is left out: besides no-ops it only sets mask[0, -1], a g row that is dropped.
-        causal = torch.ones(2 * T, 2 * T, dtype=torch.bool, device=states.device).tril()  # (2T,2T)
-        key_ok = real.repeat_interleave(2, dim=1)                              # (B,2T)
-        eye = torch.eye(2 * T, dtype=torch.bool, device=states.device)
-        seq_mask = ((causal & key_ok[:, None, :]) | eye)[:, None]              # (B,1,2T,2T)
-        for block in self.blocks:
-            Z, h = block(Z, h, e_temp, seq_mask)
+            h = self.drop(self.embed_state(states) + e_temp)                   # (B,T,D)
+        # Eq. (2) interleaves g^l with h^{l-1}; without h^0 (Table 3 "w/o conv") and in Table 4's "Fusion" g is
+        # summed into the one stream of h tokens instead (official code: 'xconv', 'fusion')
+        interleave = self.state_token != "none" and self.connection != "fusion"
+        seq_mask = sequence_mask(real, 2 if interleave else 1)                 # (B,1,2T,2T) or (B,1,T,T)
+        if self.connection == "stack":
+            # Table 4 "Stack" (Fig. 4b): all L Step layers first, then g^L enters the first Sequence layer only,
+            # beside h^0, and L Sequence layers keep all 2T tokens. The official code's 'stack' also drops h^0 (and
+            # the token LayerNorm before FC): we keep h^0, which Fig. 4's caption names, so that Table 4 changes the
+            # connection alone and not Table 3's state token too (the code's: --connection stack --state-token none)
+            for block in self.blocks:
+                Z = block.step_layer(Z)
+            y = self.blocks[-1].star(Z, e_temp)                                # g^L (B,T,D)
+            if interleave:
+                y = torch.stack([y, h], dim=2).reshape(B, 2 * T, -1)           # {g_1^L, h_1^0, ..., g_T^L, h_T^0}
+            for block in self.blocks:
+                y = block.seq(y, seq_mask)
+            h = y[:, 1::2] if interleave else y                                # (B,T,D)
+        else:
+            for block in self.blocks:          # layer-wise (Fig. 2a): Step layer l feeds Sequence layer l
+                Z, h = block(Z, h, e_temp, seq_mask, interleave)
         return self.predict_action(self.ln_f(h))                               # Sec. 3.3.3: a_t = phi(h_t^L) (B,T,act)
 
     def optim_groups(self, weight_decay):
@@ -354,6 +469,8 @@ class StARformer(nn.Module):
 
 SCRIPT = "starformer"
 REWARD_INPUTS = ("reward", "rtg")
+STATE_TOKENS = ("conv", "none", "patch")           # Table 3
+CONNECTIONS = ("layerwise", "fusion", "stack")     # Table 4
 
 
 def check_model(cfg):
@@ -371,12 +488,33 @@ def check_model(cfg):
             (cfg.reward_input == "rtg" and not cfg.reward_token, "--reward-input rtg needs the reward token; drop "
                                                                  "--no-reward-token"),
             (cfg.target_return is not None and cfg.reward_input != "rtg", "--target-return is read only with "
-             "--reward-input rtg (StARformer conditions on r_{t-1}, not on a target)")):
+             "--reward-input rtg (StARformer conditions on r_{t-1}, not on a target)"),
+            (cfg.state_token not in STATE_TOKENS, f"--state-token must be one of {', '.join(STATE_TOKENS)}, got "
+                                                  f"'{cfg.state_token}'"),
+            (cfg.connection not in CONNECTIONS, f"--connection must be one of {', '.join(CONNECTIONS)}, got "
+                                                f"'{cfg.connection}'"),
+            (cfg.state_mlp and cfg.state_token != "conv", f"--state-mlp shapes the FC(s_t) of --state-token conv; "
+                                                          f"--state-token {cfg.state_token} has none")):
         if bad:
             raise data_lib.DataError(why)
 
 
+def check_model_data(cfg, d):
+    """StARformer's flags that the data's kind rules out, in one sentence before the run folder is touched."""
+    if d.family == "atari" and cfg.state_mlp:
+        raise data_lib.DataError("--state-mlp shapes h^0 = FC(s_t) of vector states; on Atari h^0 is the DQN conv "
+                                 "torso (Sec. 3.3.1)")
+    if d.family == "atari" and (d.obs_shape[1] % cfg.patch_size or d.obs_shape[2] % cfg.patch_size):
+        raise data_lib.DataError(f"--patch-size {cfg.patch_size} does not divide the {d.obs_shape[1]}x"
+                                 f"{d.obs_shape[2]} frames into whole patches")
+
+
 def build_model(cfg, info):
+    """The model the data's spaces call for: image states and discrete actions (Atari: patch tokens, the DQN
+    torso's h^0, the action as an embedding, logits) where info says discrete, vector states and continuous actions
+    otherwise."""
+    if info.get("discrete"):
+        return StARformer(cfg, tuple(info["obs_shape"]), info["act_dim"], discrete=True)
     return StARformer(cfg, info["obs_dim"], info["act_dim"])
 
 
@@ -398,13 +536,19 @@ def predict(model, b):
 
 def loss_fn(model, batch, cfg):
     pred = predict(model, batch)                                                        # (B, K, act)
-    err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                            # (B, K)
-    return (err * batch["mask"]).sum() / batch["mask"].sum()   # Sec. 3.4: MSE averaged over the T (real) steps
+    if batch["actions"].dtype == torch.int64:     # Sec. 3.4: cross-entropy for a discrete action space, on the logits
+        err = F.cross_entropy(pred.float().flatten(0, 1), batch["actions"].flatten(), reduction="none")  # (B * K,)
+        err = err.view_as(batch["mask"])                                                                  # (B, K)
+    else:                                         # Sec. 3.4: MSE for a continuous one
+        err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                         # (B, K)
+    return (err * batch["mask"]).sum() / batch["mask"].sum()   # Sec. 3.4: averaged over the T (real) predictions
 
 
 def policy(model):
-    """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step. The
-    current step's reward in the batch is 0 (unknown) and is never read: group t holds r_{t-1} (Sec. 3.4)."""
+    """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step (on
+    Atari its logits; evaluate draws the action from their softmax, as the official code, or takes the argmax with
+    --greedy). The current step's reward in the batch is 0 (unknown) and is never read: group t holds r_{t-1}
+    (Sec. 3.4)."""
     def act(batch, live):
         return predict(model, batch)[:, -1]
     return act
@@ -421,8 +565,8 @@ def targets(cfg, d):
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target (one, None, with r_{t-1} input). -> [(target, results)]"""
     model.eval()
-    results = [(g, ev.evaluate(policy(model), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device))
-               for g in targets(cfg, d)]
+    results = [(g, ev.evaluate(policy(model), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device,
+                               greedy=cfg.greedy)) for g in targets(cfg, d)]
     model.train()
     return results
 
@@ -434,8 +578,9 @@ def train(cfg, run, d=None):
     """Train StARformer (or, with --resume, continue the run) and evaluate it in the env. The run record
     (evaluate.Run) keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
     -> the first target's final evaluation (per-episode arrays)."""
-    d = data_lib.load_data(cfg.dataset or cfg.env) if d is None else d
-    ev.check_data(cfg, d)                                           # a context or target that means nothing here
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
+    ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
+    check_model_data(cfg, d)
     device, info = ev.pick_device(cfg.device), d.info()
     template = d.sample(2, cfg.context, np.random.default_rng(0))
     with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
@@ -485,15 +630,18 @@ def load_model(cfg, given):
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 
 def bench(cfg):
     """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape; nothing is written. Tokens: the Sequence Transformer's (g_t, h_t) per step."""
-    d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
+    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (--bench --env
+    breakout-expert: the image model); nothing is written. Tokens: the Sequence Transformer's (g_t, h_t) per step."""
+    length = max(200, 2 * cfg.context)
+    d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env) else
+         data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))
     for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), 2 * cfg.context * cfg.batch_size):
         with timer:
             train(mode_cfg, timer, d)

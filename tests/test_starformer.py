@@ -256,7 +256,8 @@ def test_image_variant_shapes_and_causality():
     cfg = tiny_cfg(context=3, patch_size=7)
     n_actions, B, T = 4, 2, 3
     model = sf.StARformer(cfg, (4, 84, 84), n_actions, discrete=True).eval()
-    w = dict(states=torch.rand(B, T, 4, 84, 84), actions=torch.randint(0, n_actions, (B, T)),
+    w = dict(states=torch.randint(0, 256, (B, T, 4, 84, 84), dtype=torch.uint8),
+             actions=torch.randint(0, n_actions, (B, T)),
              rewards=torch.zeros(B, T, 1), rtg=torch.zeros(B, T, 1), timesteps=torch.arange(T).repeat(B, 1),
              mask=torch.ones(B, T), prev_action=torch.zeros(B, dtype=torch.long), prev_reward=torch.zeros(B, 1))
     logits = model(**w)
@@ -264,7 +265,7 @@ def test_image_variant_shapes_and_causality():
     assert model.e_spatial.shape == (144, cfg.step_embd)                 # (84/7)^2 patch tokens
     assert model.blocks[0].fc.in_features == (144 + 2) * cfg.step_embd
     w2 = dict(w, states=w["states"].clone())
-    w2["states"][:, 2] = torch.rand(B, 4, 84, 84)
+    w2["states"][:, 2] = 255 - w2["states"][:, 2]
     logits2 = model(**w2)
     assert torch.allclose(logits[:, :2], logits2[:, :2], atol=1e-6)
     assert (logits[:, 2] - logits2[:, 2]).abs().max() > 1e-5
@@ -432,8 +433,290 @@ def test_flags_presets_and_bad_input(tiny_hopper, tmp_path, capsys):
                       (["--reward-input", "returns"], "--reward-input"),
                       (["--target-return", "3600"], "--target-return"),   # r_{t-1} input: there is no target to set
                       (["--no-reward-token", "--reward-input", "rtg"], "--no-reward-token"),
+                      (["--state-token", "vit"], "--state-token"), (["--connection", "tower"], "--connection"),
+                      (["--state-mlp", "--state-token", "none"], "--state-mlp"),
                       (["--env", "no-such-env"], "no-such-env")):
         with pytest.raises(SystemExit) as e:
             run_cli(["--steps", "1", *bad] if "--env" in bad else ["--dataset", tiny_hopper, *bad], tmp_path / "x")
         err = capsys.readouterr().err.strip()
         assert e.value.code == 1 and err.startswith("error:") and len(err.splitlines()) == 1 and word in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Atari: the image model on real Breakout frames (tiny_breakout) and on random uint8 frames
+
+VARIANTS = [("conv", "layerwise"), ("none", "layerwise"), ("patch", "layerwise"), ("conv", "fusion"),
+            ("none", "fusion"), ("patch", "fusion"), ("conv", "stack"), ("none", "stack"), ("patch", "stack")]
+
+
+def atari_window(B=2, T=5, t0=7, n_actions=4, seed=0):
+    """A data.py-style Atari window of T real steps from episode step t0: uint8 frame stacks, int64 actions."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(states=torch.randint(0, 256, (B, T, 4, 84, 84), generator=g, dtype=torch.uint8),
+                actions=torch.randint(0, n_actions, (B, T), generator=g),
+                rewards=torch.randint(0, 2, (B, T, 1), generator=g).float(), rtg=torch.randn(B, T, 1, generator=g) * 5,
+                timesteps=torch.arange(t0, t0 + T).repeat(B, 1), mask=torch.ones(B, T),
+                prev_action=torch.randint(0, n_actions, (B,), generator=g), prev_reward=torch.ones(B, 1))
+
+
+def atari_model(T=5, **kw):
+    torch.manual_seed(0)
+    return sf.StARformer(tiny_cfg(context=T, **kw), (4, 84, 84), 4, discrete=True).eval()
+
+
+def image_count_by_hand(A, L, D, d, T, state_token="conv", connection="layerwise", reward=True, p=7):
+    """The image model's parameters written out from the paper's description (and the official code's modules for
+    the ablations), independent of the module code. 4x84x84 frames, p x p patches."""
+    block = lambda w: 2 * (2 * w) + (3 * w * w + 3 * w) + (w * w + w) + (4 * w * w + 4 * w) + (4 * w * w + w)
+    n_state, patch_dim = (84 // p) ** 2, 4 * p * p
+    n = n_state + 1 + reward                                                # a, (r), the patches
+    embed = (patch_dim * d + d) + n_state * d + (A + 1) * d + reward * (d + d)  # FC_patch, e_spatial, a (+ null), r
+    conv = (4 * 32 * 8 * 8 + 32) + (32 * 64 * 4 * 4 + 64) + (64 * 64 * 3 * 3 + 64) + (64 * 7 * 7 * D + D)  # DQN torso
+    vit = (patch_dim * d + d) + (n_state * d * D + D)                       # a second patch FC, flatten, FC to D
+    h0 = dict(conv=conv, none=0, patch=vit)[state_token]
+    star = 2 * d + (n * d * D + D) + 2 * D                                  # LN, FC_l, LN
+    projections = 1 if connection == "stack" else L                         # Stack: g^L only
+    return embed + h0 + T * D + L * (block(d) + block(D)) + projections * star + 2 * D + (D * A + A)
+
+
+@pytest.mark.parametrize("state_token,connection", VARIANTS)
+def test_image_parameter_count_matches_hand_count(state_token, connection):
+    for reward in (True, False):
+        cfg = sf.Config(context=30, state_token=state_token, connection=connection, reward_token=reward)
+        n = sum(p.numel() for p in sf.StARformer(cfg, (4, 84, 84), 4, discrete=True).parameters())
+        assert n == image_count_by_hand(4, 6, 192, 64, 30, state_token, connection, reward), (reward, n)
+    if (state_token, connection) == ("conv", "layerwise"):
+        assert n + 6 * 64 * 192 + 2 * 64 == 14_447_076                     # Sec. 5.4: "~14M" (offline RL, |A| = 4)
+
+
+def test_vector_ablation_parameter_counts():
+    """On vectors: 'none' drops FC(s_t) (C D + D), 'patch' trades it for a per-dimension FC and FC(C d -> D), 'stack'
+    keeps one StAR projection of L."""
+    C, A, L, D, d = 11, 3, 3, 32, 8
+    count = lambda **kw: sum(p.numel() for p in sf.StARformer(sf.Config(n_layer=L, n_embd=D, n_head=2, step_embd=d,
+                                                                          step_head=2, **kw), C, A).parameters())
+    base = count()
+    assert base == count_by_hand(C, A, L, D, d)
+    assert base - count(state_token="none") == C * D + D
+    assert count(state_token="patch") - base == (1 * d + d) + (C * d * D + D) - (C * D + D)
+    assert count(connection="fusion") == base
+    assert base - count(connection="stack") == (L - 1) * (2 * d + (C + 2) * d * D + D + 2 * D)
+
+
+@pytest.mark.parametrize("state_token,connection", VARIANTS)
+@pytest.mark.parametrize("reward_input", ["reward", "rtg"])
+def test_image_model_is_causal(state_token, connection, reward_input):
+    """Frames s_{>=j}, actions and rewards a_{>=j-1}, r_{>=j-1} (group j holds a_{j-1}, r_{j-1}) and R_{>=j} (Table 2)
+    changed: the logits before step j stay put, and the change reaches step j."""
+    T = 5
+    model = atari_model(T, state_token=state_token, connection=connection, reward_input=reward_input)
+    w = atari_window(T=T)
+    with torch.no_grad():
+        base = model(**w)
+        assert base.shape == (2, T, 4)
+        for j in range(1, T):
+            c = {k: v.clone() for k, v in w.items()}
+            c["states"][:, j:] = 255 - c["states"][:, j:]
+            c["actions"][:, j - 1:] = (c["actions"][:, j - 1:] + 1) % 4
+            c["rewards"][:, j - 1:] += 30.0
+            c["rtg"][:, j:] -= 30.0
+            out = model(**c)
+            assert (out[:, :j] - base[:, :j]).abs().max() < 1e-6, j
+            assert (out[:, j] - base[:, j]).abs().max() > 1e-5, j
+        # each kind alone: s_2 reaches step 2 and a_2 (and r_2) step 3 first
+        for key, t, first in (("states", 2, 2), ("actions", 2, 3), ("rewards" if reward_input == "reward" else "rtg",
+                                                                      2, 3 if reward_input == "reward" else 2)):
+            c = {k: v.clone() for k, v in w.items()}
+            c[key][:, t] = 255 - c[key][:, t] if key == "states" else (c[key][:, t] + 1) % 4 if key == "actions" \
+                else c[key][:, t] + 30.0
+            d = (model(**c) - base).abs().amax(dim=(0, 2))
+            assert d[:first].max() < 1e-6 and d[first] > 1e-5, (key, d)
+        c = {k: v.clone() for k, v in w.items()}
+        c["actions"][:, -1] = (c["actions"][:, -1] + 2) % 4       # a_t never informs its own prediction
+        assert torch.allclose(model(**c), base, atol=1e-6)
+
+
+@pytest.mark.parametrize("state_token,connection", VARIANTS)
+def test_image_model_left_padding_equals_the_unpadded_window(state_token, connection):
+    model = atari_model(6, state_token=state_token, connection=connection)
+    w = atari_window(T=4, t0=0)                                           # an episode's first 4 steps
+    ref = model(**w)
+    g = torch.Generator().manual_seed(3)
+    wp = {k: torch.cat([torch.randint(0, 200, (2, 2, *v.shape[2:]), generator=g).to(v.dtype), v], 1)   # garbage
+          for k, v in w.items() if k in ("states", "actions", "rewards", "rtg")}
+    wp.update(timesteps=torch.cat([torch.zeros(2, 2, dtype=torch.long), w["timesteps"]], 1),
+              mask=torch.cat([torch.zeros(2, 2), w["mask"]], 1), prev_action=torch.tensor([1, 3]),
+              prev_reward=torch.ones(2, 1))
+    assert torch.allclose(model(**wp)[:, 2:], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("state_token,connection", VARIANTS)
+def test_ablations_wire_the_sequence_transformer_as_named(state_token, connection):
+    """Each Sequence layer's input, recorded by hooks, against what the flag names: layer-wise (Eq. 2) g^l interleaved
+    with h^{l-1}; Fusion h^{l-1} + g^l; Stack g^L (beside h^0) into the first layer, the previous layer's output into
+    the others; 'none' no h^0 (0); 'patch' h^0 from the second patch embedding. g^l = star(Z^l) from the recorded
+    Step outputs Z^l; h^0 computed here from the frames."""
+    T, B = 4, 2
+    model = atari_model(T, state_token=state_token, connection=connection, n_layer=3)
+    w = atari_window(B=B, T=T)
+    Zs, seq_in, seq_out = [], [], []
+    for blk in model.blocks:
+        blk.step.register_forward_hook(lambda m, a, out: Zs.append(out.reshape(B, T, *out.shape[1:])))
+        blk.seq.register_forward_pre_hook(lambda m, a: seq_in.append(a[0]))
+        blk.seq.register_forward_hook(lambda m, a, out: seq_out.append(out))
+    with torch.no_grad():
+        model(**w)
+        x = w["states"].float() / 255
+        e = model.e_temporal[:T].expand(B, T, -1)
+        h0 = {"none": lambda: torch.zeros(B, T, 16),
+              "conv": lambda: model.embed_state(x.flatten(0, 1)).view(B, T, -1) + e,
+              "patch": lambda: model.embed_state(model.patches(x)) + e}[state_token]()
+        interleave = lambda g, h: torch.stack([g, h], 2).flatten(1, 2)
+        L = 3
+        for l in range(L):
+            if connection == "stack":
+                g = model.blocks[-1].star(Zs[-1], e)                          # the last Step layer only
+                want = (interleave(g, h0) if state_token != "none" else g) if l == 0 else seq_out[l - 1]
+            else:
+                g = model.blocks[l].star(Zs[l], e)
+                h = h0 if l == 0 else seq_out[l - 1] if seq_out[l - 1].shape[1] == T else seq_out[l - 1][:, 1::2]
+                want = h + g if connection == "fusion" or state_token == "none" else interleave(g, h)
+            assert torch.allclose(seq_in[l], want, atol=1e-5), l
+        assert not hasattr(model, "embed_state") if state_token == "none" else True
+        projecting = [hasattr(b, "fc") for b in model.blocks]
+        assert projecting == ([False, False, True] if connection == "stack" else [True] * 3)
+
+
+def test_null_action_at_an_episode_start_is_the_extra_index(tiny_breakout):
+    """data.py gives a_{-1} = 0 at an episode's first step, which on Atari is NOOP, a real action. Group 1 must hold
+    the null action |A| instead (A.2): step_inputs makes it so, and the model's output at an episode start equals the
+    output mid-episode with a_{t-1} = NOOP once the embedding row of NOOP is set to the null row."""
+    d = data.load_data(tiny_breakout)
+    start = int(d.ep_start[1])
+    b = data.gather_windows(d.flat, np.array([start, start]), np.array([start + 1, start + 9]), 4)   # padded, inside
+    assert b["prev_action"].tolist() == [0, int(d.flat["actions"][start + 5])] and b["mask"][0].tolist() == [0, 0, 1, 1]
+    pa, pr = sf.step_inputs(b["actions"], b["rewards"], b["timesteps"], b["prev_action"], b["prev_reward"], 4)
+    assert pa[0, 2:].tolist() == [4, int(d.flat["actions"][start])] and pr[0, 2, 0] == 0    # null index |A| = 4
+    assert pa[1].tolist() == d.flat["actions"][start + 5:start + 9].tolist()               # real a_{t-1} elsewhere
+    model = atari_model(4)
+    w = atari_window(B=2, T=4, t0=0, seed=4)                     # an episode's first 4 steps
+    w["prev_action"] = torch.zeros(2, dtype=torch.long)          # data.py's null value, NOOP's index
+    w["prev_reward"] = torch.zeros(2, 1)                         # (r_0 = 0 either way)
+    at_start = model(**w)
+    mid = dict(w, timesteps=w["timesteps"] + 10)                 # the same inputs, labelled mid-episode
+    assert (model(**mid)[:, 0] - at_start[:, 0]).abs().max() > 1e-4   # a_0 is not NOOP...
+    with torch.no_grad():
+        model.embed_action.weight[0] = model.embed_action.weight[4]
+    assert torch.allclose(model(**mid)[:, 0], at_start[:, 0], atol=1e-6)   # ...it is row |A| of the action table
+
+
+def test_cross_entropy_on_the_logits_over_real_steps_only():
+    """sf.loss_fn on int64 actions: the mean of -log softmax(logits)[a] over the unpadded steps, by hand (Sec. 3.4)."""
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]], [[0.0, 3.0, 0.0], [1.0, -2.0, 4.0]]])   # (2, 2, 3)
+
+    class Fixed(torch.nn.Module):
+        def forward(self, *args):
+            return logits
+
+    batch = dict(states=None, actions=torch.tensor([[0, 2], [1, 1]]), rewards=None, rtg=None, timesteps=None,
+                 mask=torch.tensor([[0.0, 1.0], [1.0, 1.0]]), prev_action=None, prev_reward=None)  # row 0: 1 padded
+
+    def nll(z, a):
+        z = np.array(z, np.float64)
+        return np.log(np.exp(z).sum()) - z[a]
+    want = (nll([0.5, 0.5, 0.5], 2) + nll([0.0, 3.0, 0.0], 1) + nll([1.0, -2.0, 4.0], 1)) / 3
+    assert abs(sf.loss_fn(Fixed(), batch, None).item() - want) < 1e-6
+
+
+def test_atari_presets_are_table_6_and_the_classroom_model(tiny_breakout):
+    cfg, _ = sf.parse_flags(["--dataset", tiny_breakout])
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.step_embd, cfg.step_head, cfg.dropout, cfg.lr, cfg.weight_decay,
+            cfg.grad_clip, cfg.context, cfg.batch_size, cfg.patch_size) == (6, 192, 8, 64, 4, 0.1, 6e-4, 0.1, 1.0, 30,
+                                                                            64, 7)
+    assert (cfg.steps, cfg.eval_every, cfg.eval_episodes, cfg.lr_decay, cfg.warmup_steps) == (78_130, 7_813, 10, True,
+                                                                                              6)
+    assert evaluate.variant_name(cfg, sf.PRESETS) == "default"
+    cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu"])
+    assert all(getattr(cfg, k) == v for k, v in sf.ATARI_CPU.items())
+    assert cfg.weight_decay == 0.1 and cfg.grad_clip == 1.0                          # the paper's, under the preset
+    assert evaluate.variant_name(cfg, sf.PRESETS) == "cpu"
+    cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu", "--connection", "fusion",
+                             "--state-token", "none"])
+    assert evaluate.variant_name(cfg, sf.PRESETS) == "cpu_state-tokennone_connectionfusion"
+    hopper = sf.parse_flags(["--env", "hopper-medium"])[0]                           # vectors keep the gym setting
+    assert (hopper.lr, hopper.context, hopper.weight_decay) == (1e-4, 20, 1e-4)
+
+
+TINY_ATARI = [*TINY, "--eval-episodes", "1", "--dropout", "0.1"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--reward-input", "rtg"],
+                                   ["--state-token", "patch", "--connection", "fusion"],
+                                   ["--state-token", "none", "--connection", "stack", "--no-reward-token"]])
+def test_cli_atari_run(extra, tiny_breakout, tmp_path, capsys):
+    """Train a few steps on real Breakout frames with cross-entropy, evaluate one episode in ALE, the final line."""
+    out = tmp_path / "run"
+    sf.main(["--dataset", tiny_breakout, *TINY_ATARI, "--steps", "6", "--eval-every", "6", "--out", str(out), *extra])
+    line = final_line(capsys)
+    assert line.startswith("final: normalized_score=") and line.endswith("episodes=1")
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["step"] == 6 and ck["info"]["discrete"] and ck["info"]["obs_shape"] == [4, 84, 84]
+    assert ck["model"]["embed_action.weight"].shape == (4 + 1, 8)                   # |A| actions + the null action
+    assert ("embed_state.conv.0.weight" in ck["model"]) == ("--state-token" not in extra)
+    rows = [r for r in log_rows(out) if r["eval_return"]]
+    assert len(rows) == 1 and rows[0]["target"] == ("90" if "rtg" in extra else "")   # DT's Breakout target (Table 2)
+    assert float(rows[0]["eval_return"]) >= 0
+
+
+def test_greedy_reaches_the_rollouts(tiny_breakout, monkeypatch):
+    """--greedy: evaluate() takes the argmax of the logits (its own test in test_atari.py); the flag must reach it."""
+    d = data.load_data(tiny_breakout)
+    seen = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **kw: seen.append(kw["greedy"]) or {})
+    for greedy in (False, True):
+        sf.evaluate(atari_model(4), d, tiny_cfg(context=4, greedy=greedy), "cpu")
+    assert seen == [False, True]
+
+
+def test_atari_resume_refuses_another_ablation(tiny_breakout, tmp_path, capsys):
+    args = ["--dataset", tiny_breakout, *TINY_ATARI, "--steps", "2", "--eval-every", "2", "--out", str(tmp_path)]
+    sf.main(args)
+    capsys.readouterr()
+    for flag, said in ((["--connection", "stack"], "--connection layerwise there, stack here"),
+                       (["--state-token", "none"], "--state-token conv there, none here")):
+        with pytest.raises(SystemExit) as e:
+            sf.main(args + ["--resume", "--steps", "4", *flag])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 1 and err.startswith("error:") and said in err, err
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+    sf.main(["--out", str(tmp_path), "--resume", "--steps", "4", "--eval-every", "4"])   # the run's own settings
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 4
+
+
+def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
+    from test_harness import assert_same_weights, final_weights, log_rows as rows, start, wait_for
+    import signal
+    common = [*TINY_ATARI, "--steps", 60, "--eval-every", 30, "--log-every", 10, "--seed", 2,
+              "--connection", "fusion"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    p = start("starformer", ["--dataset", tiny_breakout, *common, "--out", straight])
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    p = start("starformer", ["--dataset", tiny_breakout, *common, "--out", run])
+    wait_for(p, "step     10")
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert 0 < torch.load(run / "ckpt.pt", weights_only=True)["step"] < 60
+    p = start("starformer", ["--out", run, "--resume"])
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    assert_same_weights(final_weights(straight), final_weights(run))
+    assert rows(run) == rows(straight)
+
+
+def test_atari_gif_reads_the_run(tiny_breakout, tmp_path, capsys):
+    from PIL import Image
+    out = tmp_path / "run"
+    sf.main(["--dataset", tiny_breakout, *TINY_ATARI, "--steps", "2", "--eval-every", "2", "--out", str(out)])
+    sf.main(["--out", str(out), "--gif"])
+    assert "episode.gif:" in capsys.readouterr().out
+    assert Image.open(out / "episode.gif").n_frames > 10

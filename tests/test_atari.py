@@ -279,7 +279,8 @@ def test_patch_state_encoder_is_starformers_patch_embedding_by_hand(capsys):
 
 def test_analyses_into_a_folder_that_cannot_be_written_are_one_sentence(tiny_breakout, tiny_hopper, tmp_path,
                                                                         capsys, monkeypatch):
-    """--gif (and lsdt.py --plot-mixing) into a read-only run folder: one sentence, exit 1, the run untouched (the
+    """--gif, lsdt.py --plot-mixing and dema.py --attention into a read-only run folder: one sentence, exit 1, the run
+    untouched (the
     tests run as root, whom chmod does not stop, so the write itself is made to fail as it would there)."""
     import matplotlib.figure
     from PIL import Image
@@ -299,6 +300,14 @@ def test_analyses_into_a_folder_that_cannot_be_written_are_one_sentence(tiny_bre
     assert "could not write" in err and "episode.gif" in err and snapshot(out) == before
     err = one_sentence_exit_1(capsys, lsdt.main, ["--out", str(run), "--plot-mixing"])
     assert "could not write" in err and "mixing.png" in err
+    import dema                                                   # dema.py --attention writes its .npz first
+    monkeypatch.undo()
+    dema_run = tmp_path / "dema"
+    dema.main(["--dataset", tiny_hopper, *TINY["dema"], "--steps", "2", "--eval-every", "2", "--eval-episodes", "1",
+               "--out", str(dema_run)])
+    monkeypatch.setattr(np, "savez", lambda path, **k: denied(None, path))
+    err = one_sentence_exit_1(capsys, dema.main, ["--out", str(dema_run), "--attention"])
+    assert "could not write" in err and "attention_episode.npz" in err
 
 
 def test_atari_model_block_runs_alone():

@@ -280,8 +280,8 @@ def test_patch_state_encoder_is_starformers_patch_embedding_by_hand(capsys):
 def test_analyses_into_a_folder_that_cannot_be_written_are_one_sentence(tiny_breakout, tiny_hopper, tmp_path,
                                                                         capsys, monkeypatch):
     """--gif, lsdt.py --plot-mixing and dema.py --attention into a read-only run folder: one sentence, exit 1, the run
-    untouched (the
-    tests run as root, whom chmod does not stop, so the write itself is made to fail as it would there)."""
+    untouched (the tests run as root, whom chmod does not stop, so the write itself is made to fail as it would
+    there)."""
     import matplotlib.figure
     from PIL import Image
     import lsdt

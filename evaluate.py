@@ -411,7 +411,7 @@ def check_data(cfg, d, atari=False):
     file reads Atari data (image states, discrete actions)."""
     if d.family == "atari" and not atari:
         raise DataError(f"{d.dataset_id} is Atari data (image states, discrete actions), which this model file does "
-                        f"not read yet; dt.py has DT's Atari model")
+                        f"not read (its paper has no Atari rows); dt.py, starformer.py and dema.py do")
     if d.family == "atari":
         d.make_env().close()   # ale-py and OpenCV are there: one sentence now, not at the first evaluation
     longest = max(len(e["actions"]) for e in d.episodes)

@@ -2,9 +2,7 @@
 evaluate.py's rollouts in ALE, and DT's Atari model in dt.py. Every dataset here is the tiny one conftest.py writes
 from real Breakout frames; nothing reads ../shared or the network."""
 import os
-import signal
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ import torch
 import data
 import dt
 import evaluate as ev
-from test_harness import assert_same_weights, final_weights, log_rows, one_sentence_exit_1, snapshot, start, wait_for
+from test_harness import interrupt_resume_equals_straight, one_sentence_exit_1, snapshot
 
 TINY_DT = ["--n-embd", "16", "--n-layer", "1", "--n-head", "2", "--context", "4", "--batch-size", "8",
            "--warmup-steps", "2", "--eval-episodes", "1"]
@@ -180,20 +178,8 @@ def test_dt_picks_its_atari_model_from_the_data_and_its_paper_settings(tiny_brea
 
 
 def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
-    common = [*TINY_DT, "--steps", 60, "--eval-every", 30, "--log-every", 10, "--seed", 2]
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    p = start("dt", ["--dataset", tiny_breakout, *common, "--out", straight])
-    assert p.wait(timeout=300) == 0, p.stderr.read()
-    p = start("dt", ["--dataset", tiny_breakout, *common, "--out", run])
-    wait_for(p, "step     10")
-    p.send_signal(signal.SIGINT)
-    rest, err = p.communicate(timeout=300)
-    assert p.returncode == 130 and "Traceback" not in err, err
-    assert 0 < torch.load(run / "ckpt.pt", weights_only=True)["step"] < 60
-    p = start("dt", ["--out", run, "--resume"])
-    assert p.wait(timeout=300) == 0, p.stderr.read()
-    assert_same_weights(final_weights(straight), final_weights(run))
-    assert log_rows(run) == log_rows(straight)
+    interrupt_resume_equals_straight("dt", ["--dataset", tiny_breakout, *TINY_DT, "--steps", 60, "--eval-every", 30,
+                                            "--log-every", 10, "--seed", 2], 60, tmp_path)
 
 
 def test_gif_films_the_game_in_colour(tiny_breakout, tmp_path, capsys):

@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import os
-import signal
 
 import numpy as np
 import pytest
@@ -818,22 +817,9 @@ def test_cli_atari_both_modes(tiny_breakout, tmp_path, capsys):
 
 
 def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
-    from test_harness import assert_same_weights, final_weights, log_rows, start, wait_for
-    common = ["--dataset", tiny_breakout, *TINY, "--steps", 40, "--eval-every", 20, "--log-every", 10, "--seed", 2,
-              "--eval-episodes", 1]
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    p = start("dema", [*common, "--out", straight])
-    assert p.wait(timeout=300) == 0, p.stderr.read()
-    p = start("dema", [*common, "--out", run])
-    wait_for(p, "step     10")
-    p.send_signal(signal.SIGINT)
-    rest, err = p.communicate(timeout=300)
-    assert p.returncode == 130 and "Traceback" not in err, err
-    assert 0 < torch.load(run / "ckpt.pt", weights_only=True)["step"] < 40
-    p = start("dema", ["--out", run, "--resume"])
-    assert p.wait(timeout=300) == 0, p.stderr.read()
-    assert_same_weights(final_weights(straight), final_weights(run))
-    assert log_rows(run) == log_rows(straight)
+    from test_harness import interrupt_resume_equals_straight
+    interrupt_resume_equals_straight("dema", ["--dataset", tiny_breakout, *TINY, "--steps", 40, "--eval-every", 20,
+                                              "--log-every", 10, "--seed", 2, "--eval-episodes", 1], 40, tmp_path)
 
 
 def test_rnn_resume_between_two_draws_is_exact(tiny_breakout, tmp_path, capsys):

@@ -222,6 +222,24 @@ def wait_for(p, prefix):
     raise AssertionError(f"the process ended before printing '{prefix}': {''.join(lines)} {p.stderr.read()}")
 
 
+def interrupt_resume_equals_straight(script, args, steps, tmp_path):
+    """args (the run's flags, --steps included) run straight, and again with SIGINT after step 10 then --resume: the
+    interrupted run exits 130 with a checkpoint inside the run, and ends with the straight run's weights and log."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    p = start(script, [*args, "--out", straight])
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    p = start(script, [*args, "--out", run])
+    wait_for(p, "step     10")
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert 0 < torch.load(run / "ckpt.pt", weights_only=True)["step"] < steps
+    p = start(script, ["--out", run, "--resume"])
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    assert_same_weights(final_weights(straight), final_weights(run))
+    assert log_rows(run) == log_rows(straight)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_two_processes_on_one_folder(script, tiny_hopper, tmp_path):
     """A second process on a folder in use refuses; a killed run's lock is released by the OS."""

@@ -694,23 +694,10 @@ def test_atari_resume_refuses_another_ablation(tiny_breakout, tmp_path, capsys):
 
 
 def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
-    from test_harness import assert_same_weights, final_weights, log_rows as rows, start, wait_for
-    import signal
-    common = [*TINY_ATARI, "--steps", 60, "--eval-every", 30, "--log-every", 10, "--seed", 2,
-              "--connection", "fusion"]
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    p = start("starformer", ["--dataset", tiny_breakout, *common, "--out", straight])
-    assert p.wait(timeout=300) == 0, p.stderr.read()
-    p = start("starformer", ["--dataset", tiny_breakout, *common, "--out", run])
-    wait_for(p, "step     10")
-    p.send_signal(signal.SIGINT)
-    rest, err = p.communicate(timeout=300)
-    assert p.returncode == 130 and "Traceback" not in err, err
-    assert 0 < torch.load(run / "ckpt.pt", weights_only=True)["step"] < 60
-    p = start("starformer", ["--out", run, "--resume"])
-    assert p.wait(timeout=300) == 0, p.stderr.read()
-    assert_same_weights(final_weights(straight), final_weights(run))
-    assert rows(run) == rows(straight)
+    from test_harness import interrupt_resume_equals_straight
+    interrupt_resume_equals_straight("starformer", ["--dataset", tiny_breakout, *TINY_ATARI, "--steps", 60,
+                                                    "--eval-every", 30, "--log-every", 10, "--seed", 2,
+                                                    "--connection", "fusion"], 60, tmp_path)
 
 
 def test_atari_gif_reads_the_run(tiny_breakout, tmp_path, capsys):

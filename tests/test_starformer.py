@@ -643,6 +643,18 @@ def test_atari_presets_are_table_6_and_the_classroom_model(tiny_breakout):
     cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu", "--connection", "fusion",
                              "--state-token", "none"])
     assert evaluate.variant_name(cfg, sf.PRESETS) == "cpu_state-tokennone_connectionfusion"
+    # the classroom model reads R_t (Table 2's variant) and is prompted with DT's target; its imitation run has no
+    # reward slot, so the preset's rtg is no error there and no target is logged, while an explicit rtg still is one
+    d = data.load_data(tiny_breakout)
+    cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu"])
+    assert cfg.reward_input == "rtg" and sf.targets(cfg, d) == d.target_returns != [None]
+    cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu", "--no-reward-token"])
+    sf.check_model(cfg)
+    assert sf.targets(cfg, d) == [None] and evaluate.variant_name(cfg, sf.PRESETS) == "cpu_no-reward-token"
+    for bad in (["--no-reward-token", "--reward-input", "rtg"], ["--preset", "cpu", "--no-reward-token",
+                                                                "--target-return", "50"]):
+        with pytest.raises(data.DataError, match="reward token"):
+            sf.check_model(sf.parse_flags(["--dataset", tiny_breakout, *bad])[0])
     hopper = sf.parse_flags(["--env", "hopper-medium"])[0]                           # vectors keep the gym setting
     assert (hopper.lr, hopper.context, hopper.weight_decay) == (1e-4, 20, 1e-4)
 

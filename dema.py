@@ -195,7 +195,7 @@ ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_
 # The classroom Atari DeMa (replica/breakout/mixed-v0 on 2 CPU cores): dt.py's Atari preset's windows (K=8, batch
 # 32, lr 6e-4, warmup 100) and the cosine ending at the last step. DQN's conv torso is ~85% of a step (256 stacks of
 # 4 frames), so DeMa's step costs about what DT's does (~210 ms on one core beside another run) whatever its Mamba
-# part; 4500 steps and three evaluations of 10 episodes (25-45 s each) take about 19 minutes of one core. 2000 steps
+# part; 4500 steps and three evaluations of 10 episodes (25-45 s each) take 18-20 minutes of one core. 2000 steps
 # were too few (seeds 0 / 1: 16.4 / 9.3, below the data's median 20). E = D = 64 (the paper's Atari model has E = D)
 # cost no more than D = 32; N=16 keeps the scan cheap.
 ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4, warmup_steps=100,

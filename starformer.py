@@ -163,7 +163,7 @@ ATARI = dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0
 # CPU the Step Transformer over 146 tokens costs beside DQN's torso (which dt.py's preset pays too), so: one Step
 # head of 16 (SDPA's CPU kernel pays per head: 2 heads of 8 took 85 ms a layer where 1 of 16 took 28, forward +
 # backward at B x K = 256), no dropout (its masks, and the non-flash attention they force, doubled a step), K=6 (K=8
-# cost 1.7x dt.py's preset a step; K=6 1.2-1.4x), 3600 steps (~280 ms each on one core, ~17 minutes with its three
+# cost 1.7x dt.py's preset a step; K=6 1.2-1.4x), 3600 steps (~280 ms each on one core, 17-20 minutes with its three
 # evaluations). Return-to-go in the reward slot (Table 2's variant, not the method's r_{t-1}): this data mixes a
 # controller with random play at an episode-wide rate, and r_{t-1} cannot ask for the good episodes, a return can
 # (seed 0 with r_{t-1}: 13.9 / 14.4 at 1200 / 1800 steps, below the data's median 20; with R_t: see the README).

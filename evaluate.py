@@ -865,7 +865,8 @@ class Bench:
     def start(self, cfg, model, opt, sched, rng, d, info, need):
         self.params, self.times[0] = sum(p.numel() for p in model.parameters()), time.time()
         self.cuda = next(model.parameters()).device.type == "cuda"
-        torch.cuda.reset_peak_memory_stats() if self.cuda else None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
         return 0
 
     def log(self, step, loss, lr, **extra):

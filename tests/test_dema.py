@@ -395,18 +395,22 @@ def test_paper_settings_and_flag_order():
     assert parse() == dema.Config()                           # no dataset named: the defaults (hopper-medium's)
 
 
-def test_overfits_one_batch():
-    cfg = tiny_cfg()
-    model = tiny_model(dtype=torch.float32).train()
-    b = random_window(B=4, seed=1, dtype=torch.float32)
-    b["mask"][0, :2] = 0
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
+def fit_one_batch(model, b, cfg, lr, steps):
+    """AdamW on the one batch b for `steps` updates -> the last loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
         loss = dema.loss_fn(model, b, cfg)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert loss.item() < 5e-3, loss.item()
+    return loss.item()
+
+
+def test_overfits_one_batch():
+    b = random_window(B=4, seed=1, dtype=torch.float32)
+    b["mask"][0, :2] = 0
+    loss = fit_one_batch(tiny_model(dtype=torch.float32).train(), b, tiny_cfg(), lr=1e-2, steps=150)
+    assert loss < 5e-3, loss
 
 
 def test_rnn_act_carries_state_like_the_full_history():
@@ -747,16 +751,9 @@ def test_cross_entropy_by_hand():
 
 
 def test_atari_overfits_one_batch():
-    cfg = tiny_cfg(dropout=0.0)
-    model = tiny_atari(dtype=torch.float32).train()
     b = atari_window(B=4, K=4, seed=3, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(200):
-        loss = dema.loss_fn(model, b, cfg)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.05, loss.item()
+    loss = fit_one_batch(tiny_atari(dtype=torch.float32).train(), b, tiny_cfg(dropout=0.0), lr=3e-3, steps=200)
+    assert loss < 0.05, loss
 
 
 def test_atari_paper_settings_schedule_and_weight_decay(tiny_breakout):
@@ -824,6 +821,7 @@ def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
 
 def test_rnn_resume_between_two_draws_is_exact(tiny_breakout, tmp_path, capsys):
     """--inner-it 3: steps 3..5 train on one batch; a run stopped at step 4 draws that batch again on resuming."""
+    from test_harness import assert_same_weights
     common = ["--dataset", tiny_breakout, "--mode", "rnn", "--rnn-max-len", 20, "--batch-size", 2, "--inner-it", 3,
               "--eval-every", 1000, "--eval-episodes", 1, "--seed", 4, "--target-return", 3]
     run_cli(common + ["--steps", 8], tmp_path / "straight")
@@ -832,8 +830,7 @@ def test_rnn_resume_between_two_draws_is_exact(tiny_breakout, tmp_path, capsys):
     a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
     b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=True)
     assert a["step"] == b["step"] == 8
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert_same_weights(a["model"], b["model"])
 
 
 def test_bench_on_atari_frames(tmp_path, capsys, monkeypatch):

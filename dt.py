@@ -26,9 +26,23 @@ Glossary (paper symbol -> code name):
     s_t     the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)    states (B, K, 4, 84, 84)
     a_t     one of the game's |A| actions (Discrete)                          actions (B, K) int64; logits (B, K, |A|)
 
-Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (data,
-schedule, loss, policy) -> train(), the loop -> --bench-eval and --bench -> main(). The run folder, its checkpoint and
-exact resume are evaluate.py's (the run record), called from train(). Outputs go to runs/dt/<env>/<variant>/seed<N>/.
+Layout: docstring -> Config (the paper's settings, then the run's flags) -> the model (only torch, math, dataclasses:
+copy it alone) -> the paper's pieces -> train(), the loop -> --gif, --bench-eval, --bench -> main(). The run folder,
+checkpoint and exact resume are evaluate.py's, called from train(). The official code, "kzl" below, is
+https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f (gym/ and atari/).
+
+Departures from the paper and the official code:
+ 1. Minari's mujoco/*-v0 data and gymnasium's MuJoCo v5 envs, not D4RL's -v2 data and mujoco-py (neither installs
+    today); scores are normalised with D4RL's reference returns.
+ 2. A window ends at a uniformly drawn step, left-padded only at an episode's start (kzl starts it at a uniform step
+    and pads the short windows near an episode's end; Atari: shifts them back inside): every step is a window's
+    newest equally often, as evaluation feeds it. Padded actions are 0 (kzl: -10); a padding query sees itself.
+ 3. --lr-decay (a cosine to a tenth) and --preset cpu are not the paper's; the default is its configuration.
+ 4. Atari: the global time embedding reads the window's first timestep in training and evaluation alike (kzl's
+    evaluation feeds the current one, up to K-1 steps from what training fed); frames come from gymnasium's
+    AtariPreprocessing (max-pool then INTER_AREA resize, 1-30 no-ops, as Dopamine made DQN-replay), not kzl's wrapper.
+ 5. Atari: the cosine reaches its floor of a tenth at --steps (kzl's, over tokens towards 23.4k steps, reaches it at
+    about step 18.6k of 19.5k).
 """
 import math
 import time
@@ -51,34 +65,19 @@ def arg(default, help, run=False):
 
 @dataclass
 class Config:
-    # data and run
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
-                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
-                                      "is still the env's own return")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    # ---- the paper's settings: what is trained (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
+    preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
     steps: int = arg(100_000, "gradient steps (kzl: 10 iterations x 10k)", run=True)
+    delayed_reward: bool = arg(False, "each episode's rewards all paid at its last step, in data and evaluation (DT "
+                                      "Table 5, DeMa Table 13); the score is still the env's own return")
     batch_size: int = arg(64, "windows per batch")
     context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(1e-4, "AdamW weight decay")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
-    lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (not in the paper; resume with the same --steps)")
+    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (not in the paper)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (DT's gym code: "
-                                  "every 10k-step iteration)", run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel (DT's gym code: 100)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    out: str = arg("", "output folder; default runs/dt/<env>/<variant>/seed<N>", run=True)
-    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
-    preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
-    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
-    # model (paper Sec. 4 / kzl gym defaults)
     n_embd: int = arg(128, "token width")
     n_layer: int = arg(3, "transformer blocks")
     n_head: int = arg(1, "attention heads")
@@ -86,36 +85,37 @@ class Config:
     # the paper's behaviour-cloning baselines (Sec. 5.3, Table 3)
     return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. behaviour cloning")
     top_fraction: float = arg(1.0, "train on the best episodes by return that hold this fraction of the steps (%BC)")
-    # analysis (reads the run's checkpoint, never trains)
-    bench_eval: bool = arg(False, "time batched vs sequential evaluation (10 episodes) of the run's checkpoint", run=True)
-    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; Atari in colour; reads the checkpoint, never trains)", run=True)
     # Atari (the official atari/ code)
     beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
     state_encoder: str = arg("conv", "Atari state encoder: conv (DQN's torso, DT) | patch (StARformer's Table 5 "
                                      "'DT with ViT': 7x7 patches, each embedded to 64, flattened, linear to the width)")
-    greedy: bool = arg(False, "Atari: act with the most likely action instead of a draw from the softmax (DT's code "
-                              "draws). Greedy play can stall: a policy that never presses FIRE after a lost life "
-                              "waits out the 108k-frame limit (27k steps)", run=True)
+    # ---- the run: data, seed, evaluation, output, device, analyses (none of these changes what is trained) ----
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end (kzl: 10k)", run=True)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel (DT's gym code: 100)", run=True)
+    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
+    greedy: bool = arg(False, "Atari: the most likely action, not a draw from the softmax (kzl draws); it can stall: "
+                              "never pressing FIRE after a lost life waits out the 108k-frame limit", run=True)
+    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/dt/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
+    bench_eval: bool = arg(False, "time batched vs sequential evaluation (10 episodes) of the run's checkpoint", run=True)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint (MuJoCo; Atari in colour)",
+                    run=True)
 
 
-# A small DT that learns hopper-medium on 2 CPU cores in about ten minutes. Narrower, shallower, shorter context,
-# a higher learning rate with a short warmup, decayed so that the last checkpoint (the one reported) is a settled
-# one: with a constant 1e-3, one seed in three fell from 40 to 13 between its last two evaluations.
-# On mazes (data.is_maze): K=1 and no dropout, 50 evaluation episodes. Measured on replica/pointmaze/medium-dense-v0
-# (seed 0, 50 episodes, the best return as target; goal reached / mean steps to it): K=10 28% / 523, K=10 without
-# dropout 58% / 415, K=1 48% / 483, K=1 without dropout 88% / 345 (90% / 310 at data.py's median target). The
-# data's actions carry N(0, 0.5^2) noise, so a history of them is a guide to copy rather than to use, and the action
-# is a precise function of position and goal, which dropout blurs in a 64-wide embedding. 10 episodes are too few
-# there (one model: 30% on its first 10, 48% on 50). The paper's configuration stays the default.
-# Atari (data.is_atari) has the official atari/ code's configuration as its paper setting (the preset ""): 6 layers,
-# 8 heads, 128 wide, K=30, batch 128, lr 6e-4 with betas (0.9, 0.95), weight decay 0.1 (on matrices only,
-# param_groups), clip 1.0, 5 epochs of 1% DQN-replay (500k steps / 128 = 3906 steps each) with an evaluation of 10
-# episodes after each. Its warmup is 512 x 20 tokens (3 steps of 128 x 30) and its cosine goes to a tenth over
-# 2 x 500k x 3K tokens (23.4k steps, past the run's end); here the cosine reaches its tenth at --steps.
-# The classroom Atari model (replica/breakout/mixed-v0, 2 cores): DQN's torso on 256 stacks is ~90% of a step, so
-# width and depth cost little (128 wide, 3 layers, 8 heads: 1.15x a step) and bought nothing (seed 0, evaluation
-# at step 4000 of 5000: 32.2 against 33.4). 5000 steps take 16-20 minutes of one core. The README has the runs.
+# --preset cpu: a small DT that learns hopper-medium on 2 CPU cores in minutes: a higher lr, cosine-decayed so that the
+# reported last checkpoint is a settled one (at a constant 1e-3 one seed in three fell from 40 to 13 at the end).
+# Mazes: K=1 and no dropout, 50 episodes. The data's noisy actions are a history to copy rather than use, and dropout
+# blurs the position and goal the action depends on (medium-dense, seed 0: K=10 reaches the goal in 28% of episodes,
+# K=1 without dropout in 90%). Atari's paper setting (the preset "") is kzl's atari/run_dt_atari.py#L79-L87: 5 epochs
+# of 1% DQN-replay (500k steps / 128 = 3906 steps each), an evaluation after each; its warmup of 512 x 20 tokens is 3
+# steps here. Classroom Atari: DQN's torso is ~90% of a step on CPU; 128 wide, 3 layers bought nothing for 1.15x a step.
 ATARI_CPU = dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4, warmup_steps=100, steps=5000,
                  eval_every=1000, eval_episodes=10, dropout=0.1)
 ATARI = dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4, beta2=0.95, weight_decay=0.1,
@@ -156,7 +156,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        # kzl's gym DT configures GPT-2 with activation_function='relu'; the Atari code's minGPT keeps GPT's GELU
+        # kzl's gym GPT-2 is configured with ReLU (gym/experiment.py#L218, #L295), its atari/ minGPT keeps GELU (model_atari.py#L109)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU() if gelu else nn.ReLU(),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
 
@@ -170,7 +170,7 @@ class DecisionTransformer(nn.Module):
         super().__init__()
         C = cfg.n_embd
         # Sec. 3: "an embedding for each timestep is learned and added to each token" (one timestep = 3 tokens), in
-        # place of GPT's positional embedding
+        # place of GPT's positional embedding. kzl gym/decision_transformer/models/decision_transformer.py#L40-L52
         self.embed_timestep = nn.Embedding(max_ep_len, C)
         self.return_token = cfg.return_token                 # False: (s, a) tokens only, behaviour cloning (Sec. 5.3)
         if self.return_token:
@@ -223,10 +223,8 @@ def causal_padding_mask(mask, n):
 
 
 class PatchEncoder(nn.Module):
-    """StARformer's patch-wise state embedding as one DT token (its Table 5, "DT with ViT"; its official code's 'vit'
-    encoder): the 4 x 84 x 84 stack cut into p x p patches (144 of 4 * 7 * 7 = 196 values), each through one shared
-    linear layer to d = 64 (StARformer's Step width) plus a learned spatial embedding (zero-initialised), then all 144
-    flattened and a linear layer to the token width C, tanh (as DQN's torso ends)."""
+    """StARformer's Table 5 "DT with ViT" state token: the 4 x 84 x 84 stack cut into 144 patches of 7 x 7 x 4, each
+    linear to d = 64 plus a learned spatial embedding (zeros at init), all 144 flattened, linear to C, tanh."""
 
     def __init__(self, C, shape=(4, 84, 84), p=7, d=64):
         super().__init__()
@@ -245,7 +243,7 @@ class PatchEncoder(nn.Module):
 
 
 class AtariDecisionTransformer(nn.Module):
-    """DT on Atari (Sec. 5.1; the official atari/mingpt/model_atari.py): the same token sequence (R_t, s_t, a_t), with
+    """DT on Atari (Sec. 5.1; kzl atari/mingpt/model_atari.py#L126-L157): the same token sequence (R_t, s_t, a_t), with
     the state read by DQN's conv torso, the action an embedding, logits over the game's actions out of the s_t token
     (cross-entropy), and time as one learned embedding of the window's first timestep added to every token plus one
     learned embedding per token position (where the gym model adds one per timestep). minGPT blocks (GELU)."""
@@ -260,8 +258,8 @@ class AtariDecisionTransformer(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg, gelu=True) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(C)
         self.head = nn.Linear(C, n_actions, bias=False)
-        # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above: the official code applies it before
-        # building the embeddings below, which keep PyTorch's default init, all but the action table's N(0, 0.02)
+        # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above: kzl applies it before building the
+        # embeddings below, which keep PyTorch's default init, all but the action table's N(0, 0.02) (#L150-L157)
         self.apply(DecisionTransformer._init_weights)
         # DQN's torso (Mnih et al. 2015) on the 4 x 84 x 84 stack -> 64 x 7 x 7, then a linear layer to C and tanh;
         # --state-encoder patch: StARformer's patch embedding in its place (StARformer Table 5)
@@ -315,8 +313,8 @@ def build_model(cfg, info):
 
 
 def param_groups(model, cfg):
-    """AdamW's parameter groups. The gym code (kzl) decays every parameter; the Atari code (minGPT) decays only the
-    weights of linear and conv layers, never biases, LayerNorms, embeddings or the position tables."""
+    """AdamW's parameter groups. kzl's gym code decays every parameter (gym/experiment.py#L237-L241); its Atari code
+    decays only the weights of linear and conv layers (atari/mingpt/model_atari.py#L181-L214)."""
     if not isinstance(model, AtariDecisionTransformer):
         return [{"params": list(model.parameters())}]
     matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
@@ -326,7 +324,8 @@ def param_groups(model, cfg):
 
 
 def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup (kzl), then constant, or with --lr-decay a cosine down to 0.1."""
+    """Multiplier of --lr at step s: linear warmup, then constant (kzl gym/experiment.py#L242-L245), or with --lr-decay
+    a cosine down to 0.1 (kzl's Atari cosine, atari/mingpt/trainer_atari.py#L115-L125, counts tokens: departure 5)."""
     if s < cfg.warmup_steps or not cfg.lr_decay:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
@@ -338,7 +337,7 @@ def loss_fn(model, batch, cfg):
     if batch["actions"].dtype == torch.int64:     # Sec. 3: cross-entropy for discrete actions (Atari), on the logits
         err = F.cross_entropy(pred.float().flatten(0, 1), batch["actions"].flatten(), reduction="none")  # (B * K,)
         err = err.view_as(batch["mask"])                                                                  # (B, K)
-    else:                                         # Sec. 3: MSE for continuous actions
+    else:                                         # Sec. 3: MSE (kzl gym/.../training/seq_trainer.py#L18-L25)
         err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                         # (B, K)
     return (err * batch["mask"]).sum() / batch["mask"].sum()       # real steps only
 
@@ -352,8 +351,7 @@ def policy(model):
 
 
 def targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else the DT paper's two per environment (data.py); none for
-    behaviour cloning (--no-return-token), which reads no return."""
+    """Return-to-go prompts, raw units: --target-return, else the paper's two per environment; none for BC."""
     if not cfg.return_token:
         return [None]
     return [cfg.target_return] if cfg.target_return is not None else d.target_returns
@@ -426,7 +424,7 @@ def load_model(cfg, given):
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    d = load_dataset(cfg)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 

@@ -39,8 +39,10 @@ Departures from the paper and the official code:
     newest equally often, as evaluation feeds it. Padded actions are 0 (kzl: -10); a padding query sees itself.
  3. --lr-decay (a cosine to a tenth) and --preset cpu are not the paper's; the default is its configuration.
  4. Atari: the global time embedding reads the window's first timestep in training and evaluation alike (kzl's
-    evaluation feeds the current one, up to K-1 steps from what training fed); frames come from gymnasium's
-    AtariPreprocessing (max-pool then INTER_AREA resize, 1-30 no-ops, as Dopamine made DQN-replay), not kzl's wrapper.
+    evaluation feeds the current one, up to K-1 steps from what training fed; its create_dataset.py#L93-L99 numbers a
+    later episode's first step with the previous episode's length, its next ones from 0); frames come from
+    gymnasium's AtariPreprocessing (max-pool then INTER_AREA resize, 1-30 no-ops, as Dopamine made DQN-replay), not
+    kzl's trainer_atari.py#L243-L283 (resize with INTER_LINEAR, then max-pool, 0-29 no-ops).
  5. Atari: the cosine reaches its floor of a tenth at --steps (kzl's, over tokens towards 23.4k steps, reaches it at
     about step 18.6k of 19.5k).
 """

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 # -------------------------------------------------------------------------------------------------------------------
-# names
+# names and tables: short names -> Minari ids, reference returns, the papers' return-to-go targets
 
 _LOCOMOTION = ["halfcheetah", "hopper", "walker2d", "ant"]
 SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION for level in ("simple", "medium", "expert")}
@@ -824,7 +824,7 @@ def _npy_read(path, kinds, scalar=False):
     """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB), or one number (scalar)."""
     f, dtype, n = _npy_open(path, (), kinds, scalar)
     with f:
-        if n * dtype.itemsize > 1032 * os.path.getsize(path):  # deflate makes at most 1032 bytes of one
+        if n * dtype.itemsize > 1032 * os.path.getsize(path):  # deflate expands a byte into 1032 at most
             raise DataError(f"{path} is truncated or damaged (its header declares {n:,} rows, more than its "
                             f"{os.path.getsize(path):,} bytes can hold); download it again")
         return _npy_fill(f, np.empty(n, dtype), path)

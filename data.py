@@ -1,8 +1,15 @@
 """
-Minari datasets -> episodes -> training windows. The only data code the model files share.
+Minari datasets -> episodes -> training windows: the only data code the model files share.
 
     d = load_data("hopper-medium")            # short name, or any Minari id ("replica/hopper/medium-v0")
     batch = d.sample(64, 20, rng)              # dict of torch tensors, shapes below
+
+The top of the file is what the model files and evaluate.py use, in the order a training step meets it: names and
+tables, load_data -> OfflineData (episodes, state stats, eval env, reference scores, targets) -> returns_to_go ->
+gather_windows -> stack_frames (evaluate.py builds its contexts with the last two), then the Atari env helpers and
+--bench's synthetic data. Below the "Dataset tools" fence: the converters, mix, atomic writes and the command line.
+Where this follows DT's official code, the line names it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
+https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/gym/experiment.py#L103).
 
 What a window holds (B windows of K steps, left-padded, the last position is always a real step):
     states      (B, K, obs_dim)  float32, normalised (s - mean) / std, 0 where padded
@@ -18,16 +25,15 @@ cat(prev_action, actions[:, :-1]) along time, padded windows included. evaluate.
 
 Atari (image states, discrete actions; family 'atari') differs in two entries and keeps the rest:
     states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step, stacked when the batch is drawn (memory
-                holds one 84x84 frame per step, never 4 copies); frames before the episode's first are 0 (stack_frames)
+                holds one 84x84 frame per step); frames before the episode's first are 0 (stack_frames)
     actions     (B, K) int64 action index (0 where padded); prev_action (B,) int64
-A state is divided by 255 inside the model. Atari data comes from Minari's atari/<game>/expert-v0 (raw RGB frames,
-turned into 84x84 grayscale at load by the same per-frame transform its eval env gets: atari_frame_wrappers) or from
-a dataset in DQN-replay's own format (84x84 frames, the papers' AtariPreprocessing env in its spec: convert-dqn-replay
-and the replica Breakout set).
+A state is divided by 255 inside the model. Atari data is Minari's atari/<game>/expert-v0 (raw RGB frames, made
+84x84 grayscale at load by the transform its eval env gets: atari_frame_wrappers) or DQN-replay's 84x84 frames
+(convert-dqn-replay, the replica Breakout set).
 
-Episodes from Minari have T+1 observations for T actions: s_t is paired with a_t, r_t for t < T and the final
-observation s_T (no action follows it) is dropped. Dict observations (mazes) are flattened to one vector, see
-flatten_obs. Data with a NaN or infinite observation, action or reward is refused when it is loaded.
+Minari stores T+1 observations for T actions: s_t is paired with a_t, r_t for t < T and the final observation s_T
+is dropped. Dict observations (mazes) are flattened to one vector (flatten_obs). Data with a NaN or infinite
+observation, action or reward is refused when it is loaded.
 
 Command line:
     python data.py info hopper-medium        # summary and sampling rate (`python data.py NAME` is short for it)
@@ -51,8 +57,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-# ----------------------------------------------------------------------------------------------------------------
-# names
+# -------------------------------------------------------------------------------------------------------------------
+# names and tables: short names -> Minari ids, reference returns, the papers' return-to-go targets
 
 _LOCOMOTION = ["halfcheetah", "hopper", "walker2d", "ant"]
 SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION for level in ("simple", "medium", "expert")}
@@ -60,32 +66,27 @@ SHORT_NAMES.update({f"pointmaze-{m}": f"D4RL/pointmaze/{m}-v2" for m in
                     ("umaze", "umaze-dense", "medium", "medium-dense", "large", "large-dense")})
 SHORT_NAMES.update({f"antmaze-{m}": f"D4RL/antmaze/{m}-v1" for m in
                     ("umaze", "umaze-diverse", "medium-play", "medium-diverse", "large-play", "large-diverse")})
-# Adroit (24-DoF Shadow Hand, gymnasium-robotics' AdroitHand{Pen,Hammer,Door,Relocate}-v1): D4RL's v1 data as Minari
-# re-recorded it, pen-human -> D4RL/pen/human-v2 (LSDT's Table 9 ran D4RL's v0 human and cloned sets)
+# Adroit (24-DoF Shadow Hand, AdroitHand{Pen,Hammer,Door,Relocate}-v1): D4RL's v1 data as Minari re-recorded it
+# (LSDT's Table 9 ran D4RL's v0 human and cloned sets)
 ADROIT_TASKS = ("pen", "hammer", "door", "relocate")
 SHORT_NAMES.update({f"{t}-{level}": f"D4RL/{t}/{level}-v2" for t in ADROIT_TASKS
                     for level in ("human", "cloned", "expert")})
 # The Atari games of the DT (Breakout, Qbert, Pong, Seaquest), StARformer (+ Assault, Boxing) and DeMa (+ Asterix,
-# Frostbite, Gopher) papers, as Minari's expert sets. The papers' own data, 1% of DQN-replay, is the user's download,
-# turned into a local dataset by `python data.py convert-dqn-replay`.
+# Frostbite, Gopher) papers, as Minari's expert sets (the papers' own data, 1% of DQN-replay: convert-dqn-replay)
 ATARI_GAMES = ("breakout", "qbert", "pong", "seaquest", "assault", "boxing", "asterix", "frostbite", "gopher")
 SHORT_NAMES.update({f"{g}-expert": f"atari/{g}/expert-v0" for g in ATARI_GAMES})
 
 # D4RL's reference returns (d4rl/infos.py), used when a dataset carries none (Minari's mujoco/* sets, Minari#323)
 D4RL_REF_SCORES = {"Hopper": (-20.272305, 3234.3), "HalfCheetah": (-280.178953, 12135.0),
                    "Walker2d": (1.629008, 4592.3), "Ant": (-325.6, 3879.7)}
-# D4RL's Adroit reference returns (d4rl/infos.py, one pair per task), likewise used only when a dataset's metadata
-# carries none. Kept apart from D4RL_REF_SCORES, whose keys also name the locomotion robots (make_env's tracking
-# camera, convert-d4rl).
+# D4RL's Adroit reference returns (d4rl/infos.py), likewise; apart from D4RL_REF_SCORES, whose keys name the
+# locomotion robots (make_env's tracking camera, convert-d4rl)
 ADROIT_REF_SCORES = {"AdroitHandPen": (-96.262264, 3076.8331), "AdroitHandHammer": (-274.856578, 12794.1),
                      "AdroitHandDoor": (-56.512833, 2880.5697), "AdroitHandRelocate": (-6.425911, 4233.8773)}
-# Decision Transformer's evaluation targets (Chen et al. 2021, gym/experiment.py), raw return units
+# Decision Transformer's evaluation targets, raw return units: kzl/decision-transformer@e2d82e6 gym/experiment.py#L41
 DT_TARGETS = {"Hopper": [3600.0, 1800.0], "HalfCheetah": [12000.0, 6000.0], "Walker2d": [5000.0, 2500.0]}
-# AntMaze returns: reward 1 on every step within 0.45 of the goal (gymnasium-robotics maze_v4.compute_reward, sparse),
-# and Minari's D4RL/antmaze-v1 data runs as a continuing task that keeps the goal (reset_target=False) up to the time
-# limit (700 steps umaze, 1000 medium/large), so a return counts the steps spent at the goal: 0 to several hundred.
-# Return-to-go prompts on Atari, raw return units: DT's atari/run_dt_atari.py, and DeMa's Table 9 for its other games
-# (DeMa raised Qbert to 12000 and Seaquest to 1750; dema.py reads DEMA_ATARI_TARGETS).
+# Return-to-go prompts on Atari, raw return units: kzl/decision-transformer@e2d82e6 atari/mingpt/trainer_atari.py#L161,
+# and DeMa's Table 9 (DeMa raised Qbert to 12000 and Seaquest to 1750; dema.py reads DEMA_ATARI_TARGETS).
 DT_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 14000.0, "Pong": 20.0, "Seaquest": 1150.0}
 DEMA_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 12000.0, "Pong": 20.0, "Seaquest": 1750.0, "Asterix": 700.0,
                       "Frostbite": 1450.0, "Assault": 1200.0, "Gopher": 6500.0}
@@ -94,13 +95,12 @@ DEMA_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 12000.0, "Pong": 20.0, "Seaques
 ATARI_GAMER_SCORES = {"Breakout": (1.7, 30.5), "Qbert": (163.9, 13455.0), "Pong": (-20.7, 14.6),
                       "Seaquest": (68.4, 42054.7), "Asterix": (210.0, 8503.0), "Frostbite": (65.0, 4335.0),
                       "Assault": (222.0, 742.0), "Gopher": (258.0, 2412.0)}
-FRAME_STACK = 4          # an Atari state is the last 4 frames (DQN, and every paper here)
-NULL_ACTION_VALUE = 0.0  # a_{-1} and r_{-1} at an episode's first step (and the padding value)
+FRAME_STACK = 4  # an Atari state is the last 4 frames (DQN, and every paper here)
 
 
 class FlagParser(argparse.ArgumentParser):
     """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's own is the usage
-    block and exit 2). The command lines of data.py, evaluate.py and the model files' harness use it."""
+    block and exit 2). data.py, evaluate.py and the model files use it."""
 
     def error(self, message):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
@@ -122,14 +122,14 @@ def resolve(name):
 
 
 def is_maze(name):
-    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name before any data is read (presets
-    and the papers' per-dataset rows are chosen from it)."""
-    return "maze" in name.lower()             # short names (pointmaze-umaze) and Minari ids (D4RL/antmaze/...) alike
+    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name (short or Minari id) before any
+    data is read."""
+    return "maze" in name.lower()
 
 
 def is_atari(name):
     """Atari data, told before the episodes are read: Minari's atari/* ids (and their short names), or a local
-    dataset whose recorded env is ale-py's (convert-dqn-replay's, the replica). False for a name that means nothing."""
+    dataset whose recorded env is ale-py's. False for a name that means nothing."""
     try:
         dataset_id = resolve(name)
         if dataset_id.startswith("atari/"):
@@ -140,101 +140,82 @@ def is_atari(name):
         return False
 
 
-# Dict observations are flattened in a fixed key order. PointMaze's `observation` starts with the ball's x, y, so its
-# state is observation ++ desired_goal. AntMaze's `observation` leaves out the torso's x, y (they are `achieved_goal`),
-# while D4RL's AntMaze state started with them (29-d), so its state is achieved_goal ++ observation ++ desired_goal:
-# x, y, the other 27 (105 in v5, with contact forces), goal x, y. desired_goal always comes last (goal_dim entries).
+# Dict observations are flattened in a fixed key order. PointMaze: observation (starts with the ball's x, y) ++
+# desired_goal. AntMaze's `observation` leaves out the torso's x, y (its `achieved_goal`), which D4RL's AntMaze state
+# started with, so: achieved_goal ++ observation ++ desired_goal. desired_goal always comes last (goal_dim entries).
 MAZE_KEYS = ("observation", "desired_goal")
 ANTMAZE_KEYS = ("achieved_goal", "observation", "desired_goal")
 
 
 def obs_keys_for(spec):
-    """The key order of an env's dict observations. Read from the env's entry point (ant_maze_v4/v5:AntMazeEnv), not
-    from array sizes: AntMaze's observation is 27-d in v4, 105-d in v5 and changes with kwargs, while the entry point
-    names the robot for the dataset's env and for the eval env alike."""
+    """The key order of an env's dict observations, read from its entry point (ant_maze_v4/v5:AntMazeEnv), not from
+    array sizes (AntMaze's observation is 27-d in v4, 105-d in v5 and changes with kwargs)."""
     return ANTMAZE_KEYS if "ant_maze" in str(getattr(spec, "entry_point", "")) else MAZE_KEYS
 
 
 def flatten_obs(obs, keys=MAZE_KEYS):
-    """Dict observations (PointMaze, AntMaze) -> the `keys` entries concatenated in that order (OfflineData.obs_keys).
-    Works on one observation or on arrays with a leading time axis; plain arrays pass through."""
+    """Dict observations -> the `keys` entries concatenated in that order, for one observation or with a leading
+    time axis; plain arrays pass through."""
     if isinstance(obs, dict):
         return np.concatenate([np.asarray(obs[k]) for k in keys], axis=-1)
     return np.asarray(obs)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# loading
+# -------------------------------------------------------------------------------------------------------------------
+# one training step: load_data -> OfflineData (returns-to-go, sample) -> gather_windows -> stack_frames
 
-def dataset_folder(dataset_id):
-    """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<namespace>/<name>-vN."""
-    from minari.storage.datasets_root_dir import get_dataset_path
-    root = os.environ.get("MINARI_DATASETS_PATH", "")
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point it at a folder")
-    return str(get_dataset_path(dataset_id))
-
-
-def damaged(dataset_id, detail):
-    """The one sentence for a dataset that is there but cannot be read as Minari wrote it, saying how to get it again:
-    the data.py command that made it (mix, convert-*: its metadata's data_py_command, or algorithm_name in datasets
-    made before that key), else `minari download`."""
-    folder = dataset_folder(dataset_id)
-    try:
-        with open(os.path.join(folder, "data", "metadata.json")) as f:
-            meta = json.load(f)
-        algorithm = str(meta.get("algorithm_name"))
-        made = (f"`{meta['data_py_command']}`" if meta.get("data_py_command") else
-                f"the data.py command that made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm
-                else None)
-    except (OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
-        meta, made = None, None
-    again = (f"make it again with {made}" if made else f"download it again with `minari download {dataset_id}`"
-             if meta is not None else f"get it again (`minari download {dataset_id}` if it came from Minari's "
-             f"servers, else the data.py command that made it)")
-    return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that folder and {again}")
-
-
-def _open_minari(dataset_id, download):
-    """-> (MinariDataset, its metadata, its episodes), with what a user can hit turned into one sentence: not there,
-    not downloadable, or there but damaged."""
-    import minari
-    folder = dataset_folder(dataset_id)
-    if not os.path.exists(os.path.join(folder, "data")):  # minari's own test for "the dataset is here"
-        _download(dataset_id, download)
-    try:
-        ds = minari.load_dataset(dataset_id)
-        return ds, ds.storage.metadata, list(ds.iterate_episodes())
-    except Exception as e:  # the folder is there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
-        detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
-        detail = detail if len(detail) <= 160 else detail[:157] + "..."
-        raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
-
-
-def _download(dataset_id, download):
-    import minari
-    where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
-    if not download:
-        raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari download {dataset_id}` "
-                        f"or set MINARI_DATASETS_PATH to a folder that holds it")
-    print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
-    try:
-        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
-            socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not after a minute of retries
-        minari.load_dataset(dataset_id, download=True)
-    except Exception as e:  # network errors come from several libraries (httpx, huggingface_hub, socket)
-        raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
-                        f"({'no network' if isinstance(e, OSError) else type(e).__name__}); with a network run "
-                        f"`minari download {dataset_id}`, or copy it there and set MINARI_DATASETS_PATH") from None
-
-
-def _check_finite(source, arrays, ep_start):
-    """Refuse NaN/inf: arrays maps a name to an array with one row per step; ep_start (n_episodes,) first rows."""
-    for name, a in arrays.items():
-        bad = ~np.isfinite(np.asarray(a, dtype=np.float64).reshape(len(a), -1)).all(axis=1)  # (N,) rows with NaN/inf
-        if bad.any():
-            episode = int(np.searchsorted(ep_start, np.argmax(bad), side="right")) - 1
-            raise DataError(f"{source} has NaN or infinite {name}, first in episode {episode}, so it cannot be used")
+def load_data(name, download=True, delayed_reward=False):
+    """Short name or Minari id -> OfflineData (episodes, state stats, eval env, reference scores, targets).
+    delayed_reward: the delayed-return setting of DT's Table 5 and DeMa's Table 13 (delay_rewards)."""
+    dataset_id = resolve(name)
+    ds, meta, raw_episodes = _open_minari(dataset_id, download)
+    spec = getattr(ds, "_eval_env_spec", None) or ds.env_spec  # what recover_environment(eval_env=True) makes
+    if spec is None:
+        raise DataError(f"dataset '{dataset_id}' records no environment, so it cannot be evaluated")
+    entry = str(spec.entry_point)
+    family = ("maze" if "maze" in entry else "mujoco" if "gymnasium.envs.mujoco" in entry else
+              "atari" if entry.startswith("ale_py") else "other")
+    keys = obs_keys_for(spec)
+    space, n_actions, raw, frames = ds.observation_space, 0, False, None
+    if family == "atari":
+        n_actions, raw, frames = _atari_spaces(dataset_id, space, ds.action_space, spec)
+    episodes = [_episode_arrays(ep, keys, family == "maze", dataset_id, frames) for ep in raw_episodes]
+    if not episodes:
+        raise DataError(f"dataset '{dataset_id}' has no episodes")
+    env_key = spec.id.split("/")[-1].split("-")[0]  # 'Hopper-v5' -> 'Hopper', 'ALE/Breakout-v5' -> 'Breakout'
+    if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:
+        ref_min, ref_max, ref_source = float(meta["ref_min_score"]), float(meta["ref_max_score"]), "dataset metadata"
+    elif env_key in D4RL_REF_SCORES:
+        (ref_min, ref_max), ref_source = D4RL_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
+    elif env_key in ADROIT_REF_SCORES:
+        (ref_min, ref_max), ref_source = ADROIT_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
+    elif family == "atari" and env_key in ATARI_GAMER_SCORES:
+        (ref_min, ref_max), ref_source = ATARI_GAMER_SCORES[env_key], f"random and gamer returns for {env_key}"
+    else:
+        ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
+    goal_dim = int(np.prod(space["desired_goal"].shape)) if hasattr(space, "spaces") and "desired_goal" in space.spaces else 0
+    returns = np.array([e["rewards"].sum() for e in episodes])
+    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, target the best episode return.
+    # PointMaze: Minari ends an episode at the goal and pays a dense reward on every step before, so the best return
+    # is the slowest path; its target is the median episode's return ("reach the goal as a typical episode does"; 1
+    # on sparse data). (AntMaze's data keeps its goal to the time limit: there the best return is the fastest.)
+    # Adroit (family 'other'): unscaled, as LSDT's Table 13 ("RTG scale 1: AntMaze, Maze2d, Adroit"), and the best
+    # episode's return as target, as LSDT gives no Adroit target.
+    scale = 1e-3 if family == "mujoco" else 1.0
+    target = float(np.median(returns) if spec.id.startswith("PointMaze") else returns.max())
+    targets = (list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else
+               [DT_ATARI_TARGETS.get(env_key, target)] if family == "atari" else [target])
+    longest = max(len(e["actions"]) for e in episodes)
+    # Atari: the timestep embedding covers the data's longest episode (kzl/decision-transformer@e2d82e6
+    # atari/run_dt_atari.py#L80; evaluation clamps to it), while an evaluation episode may run to 27k steps.
+    max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
+    if delayed_reward:
+        episodes = [e | dict(rewards=delay_rewards(e["rewards"])) for e in episodes]
+    return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
+                       ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
+                       max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim, obs_keys=keys,
+                       horizon=atari_horizon(spec) if family == "atari" else 0, n_actions=n_actions, raw_frames=raw,
+                       delayed_reward=delayed_reward)
 
 
 @dataclass
@@ -329,8 +310,7 @@ class OfflineData:
 
     def make_env(self, render=False):
         """The dataset's own evaluation env (Minari's eval_env_spec, else env_spec); render=True: one that renders
-        240 x 240 RGB frames offscreen (MuJoCo needs MUJOCO_GL on a machine without a display, evaluate.pick_gl),
-        or on Atari the game's own 210 x 160 colour screen."""
+        240 x 240 RGB frames offscreen (MuJoCo: evaluate.pick_gl), or on Atari the game's 210 x 160 colour screen."""
         import gymnasium as gym
         if self.env_spec is None:
             raise DataError(f"'{self.dataset_id}' is synthetic data and has no environment to evaluate in")
@@ -355,18 +335,18 @@ class OfflineData:
         return env
 
     def sample(self, batch_size, K, rng):
-        """B windows of K steps: the last step is uniform over all dataset steps (so episodes are drawn in
-        proportion to their length), and the window reaches back K-1 steps, left-padded at an episode's start.
-        End-anchored rather than start-anchored (kzl's DT): every step is the newest token equally often, and the
-        padded windows are exactly what evaluation feeds the model during an episode's first K-1 steps."""
+        """B windows of K steps: the last step is uniform over all dataset steps (episodes drawn in proportion to
+        their length), the window reaching back K-1 steps, left-padded at an episode's start. End-anchored, where
+        kzl/decision-transformer@e2d82e6 gym/experiment.py#L129 draws the start: every step is the newest token
+        equally often, and the padded windows are what evaluation feeds the model in an episode's first K-1 steps."""
         end = rng.integers(0, len(self.step_ep_start), size=batch_size)  # (B,)
         return gather_windows(self.flat, self.step_ep_start[end], end, K)
 
     def keep_top(self, fraction):
-        """%BC (DT Sec. 5.3; kzl gym/experiment.py `pct_traj`): the episodes with the highest returns, best first, as
-        long as their steps together stay within `fraction` of all steps (at least the best episode). -> a new
-        OfflineData that samples only those; state_mean/state_std stay the full dataset's (as in the DT code), and
-        targets, reference scores and max_ep_len are unchanged."""
+        """%BC (DT Sec. 5.3; kzl/decision-transformer@e2d82e6 gym/experiment.py#L103): the highest-return episodes,
+        best first, while their steps stay within `fraction` of all steps (at least the best episode). -> a new
+        OfflineData that samples only those; state_mean/std stay the full dataset's (as in the DT code), and targets,
+        reference scores and max_ep_len are unchanged."""
         if not 0 < fraction <= 1:
             raise DataError(f"the fraction of episodes to keep must lie in (0, 1], got {fraction}")
         lengths = np.array([len(e["actions"]) for e in self.episodes])             # (n_episodes,)
@@ -380,6 +360,15 @@ class OfflineData:
 def returns_to_go(rewards):
     """R_t = sum_{t'>=t} r_t' (undiscounted, DT Sec. 3.1); float64 accumulation."""
     return np.cumsum(np.asarray(rewards, dtype=np.float64)[::-1])[::-1]
+
+
+def delay_rewards(rewards):
+    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): every reward of an episode moved to its last
+    step, r'_t = 0 for t < T-1 and r'_{T-1} = sum_t r_t, so every return-to-go R_t equals the episode's return and
+    only the episode's end says how it went. Evaluation delays the env's rewards the same way (evaluate.evaluate)."""
+    out = np.zeros_like(rewards)
+    out[-1] = np.sum(rewards, dtype=np.float64)
+    return out
 
 
 def gather_windows(flat, start, end, K, ring=0):
@@ -417,12 +406,76 @@ def gather_windows(flat, start, end, K, ring=0):
 
 def stack_frames(frames, start, rows, at=lambda r: r):
     """Atari's state at each of `rows`: its frame and the FRAME_STACK - 1 before it, oldest first, with the frames
-    before the episode's first row (`start`, one per window) set to 0. DT's Atari env wrapper fills its frame buffer
-    with zeros at reset, so evaluation's first states look like this; training's windows at an episode's start are
-    stacked by the same rule (one function for both). frames (N, 84, 84) uint8; rows (B, K) -> (B, K, 4, 84, 84)."""
+    before the episode's first row (`start`, one per window) set to 0, as DT's Atari env fills its frame buffer at
+    reset (kzl/decision-transformer@e2d82e6 atari/mingpt/trainer_atari.py#L247); training and evaluation stack by
+    this one rule. frames (N, 84, 84) uint8; rows (B, K) -> (B, K, 4, 84, 84)."""
     r = rows[..., None] - (FRAME_STACK - 1) + np.arange(FRAME_STACK)          # (B, K, 4) rows of the stacked frames
     inside = r >= start.reshape(-1, 1, 1)                                       # (B, K, 4) False before the episode
     return frames[at(np.where(inside, r, start.reshape(-1, 1, 1)))] * inside[..., None, None]  # (B, K, 4, 84, 84)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# reading a Minari dataset (what load_data calls)
+
+def _open_minari(dataset_id, download):
+    """-> (MinariDataset, its metadata, its episodes), with what a user can hit turned into one sentence: not there,
+    not downloadable, or there but damaged."""
+    import minari
+    folder = dataset_folder(dataset_id)
+    if not os.path.exists(os.path.join(folder, "data")):  # minari's own test for "the dataset is here"
+        _download(dataset_id, download)
+    try:
+        ds = minari.load_dataset(dataset_id)
+        return ds, ds.storage.metadata, list(ds.iterate_episodes())
+    except Exception as e:  # the folder is there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
+        detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
+        detail = detail if len(detail) <= 160 else detail[:157] + "..."
+        raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
+
+
+def _download(dataset_id, download):
+    import minari
+    where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
+    if not download:
+        raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari download {dataset_id}` "
+                        f"or set MINARI_DATASETS_PATH to a folder that holds it")
+    print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
+    try:
+        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
+            socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not after a minute of retries
+        minari.load_dataset(dataset_id, download=True)
+    except Exception as e:  # network errors come from several libraries (httpx, huggingface_hub, socket)
+        raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
+                        f"({'no network' if isinstance(e, OSError) else type(e).__name__}); with a network run "
+                        f"`minari download {dataset_id}`, or copy it there and set MINARI_DATASETS_PATH") from None
+
+
+def damaged(dataset_id, detail):
+    """The one sentence for a dataset that is there but unreadable, saying how to get it again: the data.py command
+    that made it (its metadata's data_py_command, or algorithm_name in older datasets), else `minari download`."""
+    folder = dataset_folder(dataset_id)
+    try:
+        with open(os.path.join(folder, "data", "metadata.json")) as f:
+            meta = json.load(f)
+        algorithm = str(meta.get("algorithm_name"))
+        made = (f"`{meta['data_py_command']}`" if meta.get("data_py_command") else
+                f"the data.py command that made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm
+                else None)
+    except (OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
+        meta, made = None, None
+    again = (f"make it again with {made}" if made else f"download it again with `minari download {dataset_id}`"
+             if meta is not None else f"get it again (`minari download {dataset_id}` if it came from Minari's "
+             f"servers, else the data.py command that made it)")
+    return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that folder and {again}")
+
+
+def dataset_folder(dataset_id):
+    """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<namespace>/<name>-vN."""
+    from minari.storage.datasets_root_dir import get_dataset_path
+    root = os.environ.get("MINARI_DATASETS_PATH", "")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point it at a folder")
+    return str(get_dataset_path(dataset_id))
 
 
 def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
@@ -452,123 +505,17 @@ def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
                 terminated=bool(np.asarray(ep.terminations)[-1]))
 
 
-def load_data(name, download=True, delayed_reward=False):
-    """Short name or Minari id -> OfflineData (episodes, state stats, eval env, reference scores, targets).
-    delayed_reward: the delayed-return setting of DT's Table 5 and DeMa's Table 13 (delay_rewards)."""
-    dataset_id = resolve(name)
-    ds, meta, raw_episodes = _open_minari(dataset_id, download)
-    spec = getattr(ds, "_eval_env_spec", None) or ds.env_spec  # what recover_environment(eval_env=True) makes
-    if spec is None:
-        raise DataError(f"dataset '{dataset_id}' records no environment, so it cannot be evaluated")
-    entry = str(spec.entry_point)
-    family = ("maze" if "maze" in entry else "mujoco" if "gymnasium.envs.mujoco" in entry else
-              "atari" if entry.startswith("ale_py") else "other")
-    keys = obs_keys_for(spec)
-    space, n_actions, raw, frames = ds.observation_space, 0, False, None
-    if family == "atari":
-        n_actions, raw, frames = _atari_spaces(dataset_id, space, ds.action_space, spec)
-    episodes = [_episode_arrays(ep, keys, family == "maze", dataset_id, frames) for ep in raw_episodes]
-    if not episodes:
-        raise DataError(f"dataset '{dataset_id}' has no episodes")
-    env_key = spec.id.split("/")[-1].split("-")[0]  # 'Hopper-v5' -> 'Hopper', 'ALE/Breakout-v5' -> 'Breakout'
-    if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:
-        ref_min, ref_max, ref_source = float(meta["ref_min_score"]), float(meta["ref_max_score"]), "dataset metadata"
-    elif env_key in D4RL_REF_SCORES:
-        (ref_min, ref_max), ref_source = D4RL_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
-    elif env_key in ADROIT_REF_SCORES:
-        (ref_min, ref_max), ref_source = ADROIT_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
-    elif family == "atari" and env_key in ATARI_GAMER_SCORES:
-        (ref_min, ref_max), ref_source = ATARI_GAMER_SCORES[env_key], f"random and gamer returns for {env_key}"
-    else:
-        ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
-    goal_dim = int(np.prod(space["desired_goal"].shape)) if hasattr(space, "spaces") and "desired_goal" in space.spaces else 0
-    returns = np.array([e["rewards"].sum() for e in episodes])
-    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, target the best episode return.
-    # PointMaze: Minari cuts an episode when its goal is reached, and a dense reward is paid on every step until
-    # then, so an episode's return grows with its length and the best return is the slowest path. Its target is the
-    # median episode's return, "reach the goal as a typical episode does" (1 on sparse data, where every episode
-    # returns 1). Kept on the dataset's scale: evaluation runs on to the horizon (returns in the hundreds), a scale
-    # the data never shows. (AntMaze's data keeps its goal to the time limit: there the best return is the fastest.)
-    # Adroit (family 'other'): unscaled, LSDT's Table 13 ("RTG scale 1: AntMaze, Maze2d, Adroit"; CORL's DT too), and
-    # the best episode's return as target, as LSDT gives no Adroit target (CORL's DT prompts about ref_max and half).
-    scale = 1e-3 if family == "mujoco" else 1.0
-    target = float(np.median(returns) if spec.id.startswith("PointMaze") else returns.max())
-    targets = (list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else
-               [DT_ATARI_TARGETS.get(env_key, target)] if family == "atari" else [target])
-    longest = max(len(e["actions"]) for e in episodes)
-    # Atari: the timestep embedding covers the data's longest episode (DT's max_timestep; evaluation clamps to it),
-    # while an evaluation episode may run to the 108k-frame limit (27k steps of 4 frames).
-    max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
-    if delayed_reward:
-        episodes = [e | dict(rewards=delay_rewards(e["rewards"])) for e in episodes]
-    return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
-                       ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
-                       max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim, obs_keys=keys,
-                       horizon=atari_horizon(spec) if family == "atari" else 0, n_actions=n_actions, raw_frames=raw,
-                       delayed_reward=delayed_reward)
+def _check_finite(source, arrays, ep_start):
+    """Refuse NaN/inf: arrays maps a name to an array with one row per step; ep_start (n_episodes,) first rows."""
+    for name, a in arrays.items():
+        bad = ~np.isfinite(np.asarray(a, dtype=np.float64).reshape(len(a), -1)).all(axis=1)  # (N,) rows with NaN/inf
+        if bad.any():
+            episode = int(np.searchsorted(ep_start, np.argmax(bad), side="right")) - 1
+            raise DataError(f"{source} has NaN or infinite {name}, first in episode {episode}, so it cannot be used")
 
 
-def delay_rewards(rewards):
-    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): every reward of an episode moved to its last
-    step, r'_t = 0 for t < T-1 and r'_{T-1} = sum_t r_t, so every return-to-go R_t equals the episode's return and
-    only the episode's end says how it went. Evaluation delays the env's rewards the same way (evaluate.evaluate)."""
-    out = np.zeros_like(rewards)
-    out[-1] = np.sum(rewards, dtype=np.float64)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Atari: the environment and the frames
-
-def _ale():
-    """gymnasium with ale-py's ALE/* envs registered and ALE's start-up banner off; one sentence where ale-py or
-    OpenCV (AtariPreprocessing resizes with it) is missing. -> the gymnasium module."""
-    import gymnasium as gym
-    try:
-        import ale_py
-        import cv2  # noqa: F401
-    except ImportError as e:
-        raise DataError(f"Atari needs ale-py and OpenCV ({e.name} is missing): pip install ale-py "
-                        f"opencv-python-headless") from None
-    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)   # (C++ prints it, past Python's stderr)
-    gym.register_envs(ale_py)
-    return gym
-
-
-def make_atari_env(spec, render_mode=None):
-    """An Atari dataset's eval env: gymnasium.make on its spec (ale-py's ALE, with gymnasium's AtariPreprocessing
-    where the spec names it)."""
-    return _ale().make(spec, render_mode=render_mode)
-
-
-def atari_frame_wrappers(env):
-    """Minari's atari/* data stores raw 210x160 RGB screens; the papers' models see 84x84 grayscale. gymnasium's own
-    GrayscaleObservation and ResizeObservation (OpenCV's INTER_AREA) do that to the eval env's observations, and
-    their observation() to each dataset frame (raw_frame_transform), so training and evaluation see the same pixels."""
-    from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
-    return ResizeObservation(GrayscaleObservation(env), (84, 84))
-
-
-def raw_frame_transform(spec):
-    """(T, 210, 160, 3) RGB frames -> (T, 84, 84) uint8, by the wrappers of atari_frame_wrappers on this spec's env."""
-    env = atari_frame_wrappers(make_atari_env(spec))
-    gray, resize = env.env, env
-    env.close()
-    return lambda rgb: np.stack([resize.observation(gray.observation(f)) for f in rgb]).astype(np.uint8)
-
-
-def atari_frame_skip(spec):
-    """Emulator frames (1/60 s each) per env step: AtariPreprocessing's frame_skip times ALE's own frameskip."""
-    skips = [w.kwargs.get("frame_skip", 4) for w in spec.additional_wrappers or () if w.name == "AtariPreprocessing"]
-    skip = skips[0] * spec.kwargs.get("frameskip", 1) if skips else spec.kwargs.get("frameskip", 4)
-    return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
-
-
-def atari_horizon(spec):
-    """Evaluation steps at most: ALE's frame limit (max_num_frames_per_episode, 108k as in the papers) over the frames
-    one step takes."""
-    return int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
-
+# -------------------------------------------------------------------------------------------------------------------
+# Atari: the environment and the frames (load_data, OfflineData.make_env, evaluate.py)
 
 def _atari_spaces(dataset_id, obs_space, action_space, spec):
     """-> (number of actions, raw RGB frames?, the frame transform) of an Atari dataset; one sentence for spaces no
@@ -585,10 +532,82 @@ def _atari_spaces(dataset_id, obs_space, action_space, spec):
                     f"frames (DQN-replay's) or RGB screens (Minari's atari/*, made 84x84 at load)")
 
 
+def raw_frame_transform(spec):
+    """(T, 210, 160, 3) RGB frames -> (T, 84, 84) uint8, by the wrappers of atari_frame_wrappers on this spec's env."""
+    env = atari_frame_wrappers(make_atari_env(spec))
+    gray, resize = env.env, env
+    env.close()
+    return lambda rgb: np.stack([resize.observation(gray.observation(f)) for f in rgb]).astype(np.uint8)
+
+
+def atari_frame_wrappers(env):
+    """Raw 210x160 RGB screens (Minari's atari/*) -> the papers' 84x84 grayscale, by gymnasium's own wrappers (OpenCV's
+    INTER_AREA): on the eval env, and on each dataset frame (raw_frame_transform), so both see the same pixels."""
+    from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
+    return ResizeObservation(GrayscaleObservation(env), (84, 84))
+
+
+def make_atari_env(spec, render_mode=None):
+    """An Atari dataset's eval env: gymnasium.make on its spec (with AtariPreprocessing where the spec names it)."""
+    return _ale().make(spec, render_mode=render_mode)
+
+
+def atari_env_spec(game):
+    """The papers' Atari evaluation env as an EnvSpec: ALE/<Game>-v5 without sticky actions, with ALE's own frame skip
+    off and the 108k-frame limit, in gymnasium's AtariPreprocessing (up to 30 no-ops at reset, 4 frames a step
+    max-pooled, 84x84 grayscale uint8, an episode ends at game over, not at a lost life): DQN's preprocessing, which
+    the DQN-replay frames went through. `game`: ALE's name in any case (Breakout, breakout)."""
+    import difflib
+    from gymnasium.envs.registration import WrapperSpec
+    gym = _ale()
+    games = {k[4:-3].lower(): k for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")}  # 'breakout'
+    key = re.sub(r"[^a-z0-9]", "", game.lower())
+    if key not in games:
+        near = difflib.get_close_matches(key, games, n=1)
+        raise DataError(f"ALE knows no game '{game}'" + (f" (did you mean {games[near[0]][4:-3]}?)" if near else "")
+                        + f"; its {len(games)} games include {', '.join(sorted(ATARI_GAMER_SCORES))}")
+    base = gym.spec(games[key])
+    preprocessing = WrapperSpec("AtariPreprocessing", "gymnasium.wrappers.atari_preprocessing:AtariPreprocessing",
+                                dict(noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False,
+                                     grayscale_obs=True, grayscale_newaxis=False, scale_obs=False))
+    kwargs = dict(base.kwargs, repeat_action_probability=0.0, full_action_space=False, frameskip=1,
+                  max_num_frames_per_episode=108_000)
+    return replace(base, kwargs=kwargs, additional_wrappers=(preprocessing,))
+
+
+def atari_frame_skip(spec):
+    """Emulator frames (1/60 s each) per env step: AtariPreprocessing's frame_skip times ALE's own frameskip."""
+    skips = [w.kwargs.get("frame_skip", 4) for w in spec.additional_wrappers or () if w.name == "AtariPreprocessing"]
+    skip = skips[0] * spec.kwargs.get("frameskip", 1) if skips else spec.kwargs.get("frameskip", 4)
+    return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
+
+
+def atari_horizon(spec):
+    """Evaluation steps at most: ALE's frame limit (108k in the papers) over the frames one step takes."""
+    return int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
+
+
+def _ale():
+    """gymnasium with ale-py's ALE/* envs registered and ALE's start-up banner off; one sentence where ale-py or
+    OpenCV (AtariPreprocessing resizes with it) is missing. -> the gymnasium module."""
+    import gymnasium as gym
+    try:
+        import ale_py
+        import cv2  # noqa: F401
+    except ImportError as e:
+        raise DataError(f"Atari needs ale-py and OpenCV ({e.name} is missing): pip install ale-py "
+                        f"opencv-python-headless") from None
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)   # (C++ prints it, past Python's stderr)
+    gym.register_envs(ale_py)
+    return gym
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# synthetic data (the model files' --bench)
+
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0):
-    """Random episodes with no environment behind them (env_spec None), for benchmarks: MuJoCo-like (family 'mujoco',
-    returns scaled by 1e-3, target = the best episode's return); the last goal_dim state entries stay fixed during an
-    episode, like a maze goal."""
+    """Random MuJoCo-like episodes with no environment (env_spec None) for --bench: returns scaled by 1e-3, the best
+    episode's return as target; the last goal_dim state entries stay fixed in an episode, like a maze goal."""
     assert 0 <= goal_dim <= obs_dim
     rng = np.random.default_rng(seed)
     eps = []
@@ -613,7 +632,12 @@ def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
                        n_actions=n_actions, max_ep_len=length, target_returns=[90.0])
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ===================================================================================================================
+# Dataset tools: below this line nothing is used by the model files or evaluate.py. The converters (D4RL HDF5,
+# DQN-replay), mix, the atomic dataset writes and the command line (python data.py ...).
+# ===================================================================================================================
+
+# -------------------------------------------------------------------------------------------------------------------
 # D4RL HDF5 -> local Minari dataset (python data.py convert-d4rl)
 
 D4RL_ROBOTS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5", "ant": "Ant-v5"}
@@ -719,7 +743,7 @@ def convert_d4rl(path, dataset_id, env_id=None):
     return len(buffers)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------------
 # DQN-replay (Dopamine's replay-buffer checkpoints) -> local Minari dataset (python data.py convert-dqn-replay)
 #
 # A DQN-replay run folder (gs://atari-replay-datasets/dqn/<Game>/<run>/replay_logs) holds checkpoints N = 0..49 of
@@ -729,77 +753,47 @@ def convert_d4rl(path, dataset_id, env_id=None):
 #   $store$_reward_ckpt.N.gz      (n,) float32: r_t as Dopamine stored it (clipped to [-1, 1])
 #   $store$_terminal_ckpt.N.gz    (n,) uint8: 1 on an episode's last step (game over; no life-loss ends)
 #   add_count_ckpt.N.gz           (): transitions added so far (optional here; it places the buffer's oldest row)
-# Dopamine's replay buffer shapes the rows in two ways:
-# - It is circular, so one buffer is a window of one long stream whose oldest row is add_count % n (batch_rl's logger
-#   saves when the cursor reaches n - 1, so a DQN-replay buffer begins at row n - 1); a window starts and ends
-#   anywhere, mid-episode too.
-# - Before an episode's first transition it adds stack_size - 1 = 3 blank ones (zero frame, action 0, reward 0), so
-#   that frame stacks never reach into the previous episode. Those are no steps of the game: dropped here.
-# The data was played with sticky actions (p = 0.25); the papers evaluate without them (atari_env_spec).
+# Dopamine's buffer is circular: one buffer is a window of one long stream, starting and ending anywhere (mid-episode
+# too), whose oldest row is add_count % n (n - 1 in DQN-replay, saved when the cursor reached it). Before an
+# episode's first transition it adds 3 blank ones (zero frame, action 0, reward 0; frame stack 4, minus 1): no steps
+# of the game, dropped here. The data was played with sticky actions (p = 0.25); the papers evaluate without them.
 
 DQN_REPLAY_FIELDS = ("observation", "action", "reward", "terminal")
 DQN_REPLAY_MAX_ROWS = 10_000_000  # rows a checkpoint may declare (Dopamine's hold 1M): a larger header is refused
 DQN_BLANK_ROWS = 3                # Dopamine's blank transitions before an episode (frame stack 4, minus 1)
 
 
-def atari_env_spec(game):
-    """The papers' Atari evaluation env as an EnvSpec: ALE/<Game>-v5 without sticky actions, with ALE's own frame skip
-    off and the 108k-frame limit, in gymnasium's AtariPreprocessing (up to 30 no-ops at reset, 4 frames a step
-    max-pooled, 84x84 grayscale uint8, an episode ends at game over, not at a lost life): DQN's preprocessing, which
-    the DQN-replay frames went through. `game`: ALE's name in any case (Breakout, breakout)."""
-    import difflib
-    from gymnasium.envs.registration import WrapperSpec
-    gym = _ale()
-    games = {k[4:-3].lower(): k for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")}  # 'breakout'
-    key = re.sub(r"[^a-z0-9]", "", game.lower())
-    if key not in games:
-        near = difflib.get_close_matches(key, games, n=1)
-        raise DataError(f"ALE knows no game '{game}'" + (f" (did you mean {games[near[0]][4:-3]}?)" if near else "")
-                        + f"; its {len(games)} games include {', '.join(sorted(ATARI_GAMER_SCORES))}")
-    base = gym.spec(games[key])
-    preprocessing = WrapperSpec("AtariPreprocessing", "gymnasium.wrappers.atari_preprocessing:AtariPreprocessing",
-                                dict(noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False,
-                                     grayscale_obs=True, grayscale_newaxis=False, scale_obs=False))
-    kwargs = dict(base.kwargs, repeat_action_probability=0.0, full_action_space=False, frameskip=1,
-                  max_num_frames_per_episode=108_000)
-    return replace(base, kwargs=kwargs, additional_wrappers=(preprocessing,))
-
-
-def _npy_open(path, shape_after_rows=(), kinds="biuf", scalar=False):
-    """Open the gzipped np.save array at `path` and read its header -> (open gzip file at the first data byte,
-    dtype, number of rows). One sentence if it is no gzip, no np.save array, or not rows of `shape_after_rows` with a
-    dtype of one of `kinds` (numpy's kind letters; rows of a shape: uint8 frames); scalar: one number, shape () or
-    (1,). The header is checked before any data is read, so a hostile one cannot make a huge allocation; nothing is
-    unpickled."""
+def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
+    """The gzipped np.save array at `path`, its header read by numpy's own np.lib.format -> (the gzip file at its first
+    data byte, dtype, number of rows). One sentence if it is no gzip or no np.save array, or not rows of `row_shape`
+    (uint8 frames) with a dtype of one of `kinds` (numpy's kind letters); scalar: one number, shape () or (1,). Nothing
+    is allocated before the header passes, and nothing is unpickled (an object dtype is refused)."""
     import gzip
     import zlib
-    from numpy.lib import format as npy
-    name = os.path.basename(path)
     try:
         f = gzip.open(path, "rb")
     except OSError as e:
         raise DataError(f"{path} cannot be opened ({e.strerror or e})") from None
     try:
-        version = npy.read_magic(f)
-        read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
-        if read_header is None:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
             raise ValueError(f"np.save format {version}")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran_order, dtype = read_header(f)
     except (OSError, EOFError, zlib.error, ValueError) as e:  # (gzip's BadGzipFile is an OSError)
         f.close()
         what = ("not a gzip file, or a damaged one" if isinstance(e, OSError) else "truncated" if
                 isinstance(e, EOFError) else "damaged" if isinstance(e, zlib.error) else
                 "not an array np.save wrote, or damaged")
-        raise DataError(f"{path} cannot be read ({what}); DQN-replay's {name.split('_ckpt')[0]} files are gzipped "
-                        f"np.save arrays") from None
-    want = f"(n, {', '.join(map(str, shape_after_rows))})" if shape_after_rows else "()" if scalar else "(n,)"
-    shape_ok = shape in ((), (1,)) if scalar else (len(shape) == 1 + len(shape_after_rows) and
-                                                    tuple(shape[1:]) == tuple(shape_after_rows))
-    if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (shape_after_rows and dtype != np.uint8)
+        raise DataError(f"{path} cannot be read ({what}); DQN-replay's {os.path.basename(path).split('_ckpt')[0]} "
+                        f"files are gzipped np.save arrays") from None
+    want = f"(n, {', '.join(map(str, row_shape))})" if row_shape else "()" if scalar else "(n,)"
+    shape_ok = shape in ((), (1,)) if scalar else len(shape) == 1 + len(row_shape) and shape[1:] == tuple(row_shape)
+    if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (row_shape and dtype != np.uint8)
             or (fortran_order and len(shape) > 1)):
         f.close()
         raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay has {want} "
-                        f"{'uint8 frames' if shape_after_rows else 'numbers'}")
+                        f"{'uint8 frames' if row_shape else 'numbers'}")
     if shape and shape[0] > DQN_REPLAY_MAX_ROWS:
         f.close()
         raise DataError(f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this reader "
@@ -807,36 +801,33 @@ def _npy_open(path, shape_after_rows=(), kinds="biuf", scalar=False):
     return f, dtype, int(shape[0]) if shape else 1
 
 
-def _npy_rows(f, dtype, count, path):
-    """The next `count` rows (flat) of the open array file f; one sentence if the file ends before them."""
+def _npy_fill(f, out, path, last=True):
+    """Fill the array `out` with the next bytes of the open array file f -> out. last: nothing may follow (and
+    reaching the end makes gzip check its CRC). One sentence if the file ends early or is damaged."""
     import zlib
     try:
-        data = f.read(count * dtype.itemsize)
+        got = f.readinto(memoryview(out).cast("B"))
     except (OSError, EOFError, zlib.error):
-        data = b""
-    if len(data) < count * dtype.itemsize:
+        got = -1
+    if got != out.nbytes:
         raise DataError(f"{path} is truncated or damaged (it ends within its array); download it again")
-    return np.frombuffer(data, dtype)
-
-
-def _npy_end(f, path):
-    """After the last row: nothing may follow (and reaching the end makes gzip check its CRC)."""
-    import zlib
     try:
-        extra = f.read(1)
+        extra = f.read(1) if last else b""
     except (OSError, EOFError, zlib.error):
         extra = b"?"
     if extra:
         raise DataError(f"{path} is damaged (bytes after its array, or a failed gzip check); download it again")
+    return out
 
 
-def _npy_read(path, kinds):
-    """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB)."""
-    f, dtype, n = _npy_open(path, (), kinds)
+def _npy_read(path, kinds, scalar=False):
+    """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB), or one number (scalar)."""
+    f, dtype, n = _npy_open(path, (), kinds, scalar)
     with f:
-        a = _npy_rows(f, dtype, n, path)
-        _npy_end(f, path)
-    return a
+        if n * dtype.itemsize > 1032 * os.path.getsize(path):  # deflate expands a byte into 1032 at most
+            raise DataError(f"{path} is truncated or damaged (its header declares {n:,} rows, more than its "
+                            f"{os.path.getsize(path):,} bytes can hold); download it again")
+        return _npy_fill(f, np.empty(n, dtype), path)
 
 
 def _dqn_replay_buffers(folder):
@@ -875,12 +866,10 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     order = (np.arange(n) + cursor) % n                                   # (n,) stream position -> file row
     act, rew, term = act[order], rew[order], term[order].astype(bool)
     ends = np.flatnonzero(term)                                           # stream positions of episodes' last steps
-    if len(ends) == 0:
-        counts["cut"] += 1
-        counts["head"] += n
-        return []
     counts["cut"] += 1
-    counts["head"] += ends[0] + 1                 # rows up to the first terminal: an episode begun before the buffer
+    counts["head"] += ends[0] + 1 if len(ends) else n  # rows up to the first terminal: an episode begun before it
+    if len(ends) == 0:
+        return []
     episodes, taken = [], 0                       # (first row, end row, blank rows maybe) in stream positions
     for s, e in zip(ends[:-1] + 1, ends[1:] + 1):
         maybe = 0                                 # Dopamine's blank rows, as far as actions and rewards tell
@@ -924,40 +913,32 @@ def _dqn_replay_cursor(folder, number, n):
     path = os.path.join(folder, f"add_count_ckpt.{number}.gz")
     if not os.path.isfile(path):
         return 0
-    f, dtype, _ = _npy_open(path, (), "iu", scalar=True)
-    with f:
-        add_count = int(_npy_rows(f, dtype, 1, path)[0])
-        _npy_end(f, path)
-    return add_count % n
+    return int(_npy_read(path, "iu", scalar=True)[0]) % n
 
 
 def _dqn_replay_frames(path, dest, frames):
     """Read the observation file's rows in order, no further than the last one kept, and copy row r to
     frames[dest[r]] where dest[r] >= 0 (4096 rows, 29 MB, at a time)."""
-    f, dtype, n = _npy_open(path, (84, 84), "u")
+    f, _, n = _npy_open(path, (84, 84), "u")
     last = int(np.flatnonzero(dest >= 0)[-1]) + 1
+    chunk = np.empty((min(4096, last), 84, 84), np.uint8)
     with f:
         for r0 in range(0, last, 4096):
             r1 = min(r0 + 4096, last)
-            rows = _npy_rows(f, dtype, (r1 - r0) * 84 * 84, path).reshape(r1 - r0, 84, 84)
+            rows = _npy_fill(f, chunk[:r1 - r0], path, last=r1 == n)
             keep = dest[r0:r1] >= 0
             frames[dest[r0:r1][keep]] = rows[keep]
-        if last == n:
-            _npy_end(f, path)
 
 
 def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
-    """A DQN-replay run folder -> the local Minari dataset `dataset_id` (under MINARI_DATASETS_PATH): whole episodes
-    from its last `buffers` checkpoints (the highest numbers; default all, as DT's create_dataset draws from buffers
-    50 - num_buffers .. 49), `steps` steps spread over them: each buffer in turn gives whole episodes up to an equal
-    share of the steps still wanted (DT's create_dataset draws 10 episodes at a time from random buffers of the range,
-    so its 500k steps come from all of them, not from the earliest, near-random play); the episode that reaches a share
-    is kept whole (an episode is never cut, so there may be a few steps more). Pieces of episodes cut by a buffer's edge are
-    dropped: each lacks its start or its end (in another buffer, or in none), so its timesteps or its returns-to-go
-    would be wrong. Dopamine's blank rows are dropped too. Each episode's T + 1 observations end with its last frame
-    repeated (the replay keeps no frame after a terminal; the loader drops s_T). Frames are stored lossless
-    (jpeg_encoding=False); env and eval env: atari_env_spec(game); reference scores: ATARI_GAMER_SCORES (random,
-    gamer) where the game has them. Never overwrites. -> the number of episodes."""
+    """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes from its last `buffers`
+    checkpoints (default all), `steps` steps spread over them: each buffer in turn gives whole episodes up to an equal
+    share of the steps still wanted, the episode that reaches it kept whole. (kzl/decision-transformer@e2d82e6
+    atari/create_dataset.py#L33 draws 10 episodes at a time from random buffers of its range, so its 500k steps come
+    from all of them, not from the earliest, near-random play.) Pieces of episodes cut by a buffer's edge are dropped
+    (their timesteps or returns-to-go would be wrong), and Dopamine's blank rows. An episode's T + 1 observations end
+    with its last frame repeated (the replay keeps no frame after a terminal). Frames stored lossless; env and eval
+    env atari_env_spec(game); reference scores ATARI_GAMER_SCORES. Never overwrites. -> the number of episodes."""
     from collections import Counter
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
@@ -987,9 +968,8 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
         raise DataError(f"{which} of {folder} hold no whole episode (the rows before a buffer's first terminal and "
                         f"after its last are pieces of episodes cut by its edges)")
     print(f"dropped {counts['cut']} piece{'s' * (counts['cut'] != 1)} of episodes at the edges of {which} "
-          f"({counts['head']:,} rows up to a "
-          f"buffer's first terminal, {counts['tail']:,} after its last): each lacks its start or its end, which lie "
-          f"in another buffer or in none")
+          f"({counts['head']:,} rows up to a buffer's first terminal, {counts['tail']:,} after its last): each lacks "
+          f"its start or its end, which lie in another buffer or in none")
     if counts["blank"]:
         print(f"dropped {counts['blank']:,} blank rows (zero frame, action 0, reward 0) that Dopamine adds before an "
               f"episode's first step")
@@ -1015,8 +995,60 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     return len(episodes)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------------
 # several Minari datasets of one environment -> one local dataset (python data.py mix)
+
+def mix(sources, dataset_id):
+    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL's medium-expert:
+    all of medium, then all of expert). The sources must share the env (max_episode_steps may differ: the larger is
+    kept) and the spaces; the eval env and reference returns are carried over, the sources listed in the metadata
+    (`combined_datasets`, minari.combine_datasets' key). Episode infos are not copied. -> the number of episodes."""
+    from minari.data_collector import EpisodeBuffer
+    ids = [resolve(s) for s in sources]
+    if len(ids) < 2:
+        raise DataError("mix needs at least two source datasets, then the new id")
+    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the sources are read)
+    loaded = [_open_minari(i, download=True) for i in ids]               # (MinariDataset, metadata, episodes) each
+    first, (first_ds, first_meta, _) = ids[0], loaded[0]
+    spec = first_ds.env_spec
+    for i, (ds, meta, _) in zip(ids[1:], loaded[1:]):
+        same = spec is not None and ds.env_spec is not None and replace(ds.env_spec, max_episode_steps=None) == \
+            replace(spec, max_episode_steps=None)
+        if not same:
+            raise DataError(f"{first} and {i} are datasets of different environments ("
+                            f"{getattr(spec, 'id', None)} and {getattr(ds.env_spec, 'id', None)}); mix takes one "
+                            f"environment's datasets")
+        if ds.observation_space != first_ds.observation_space or ds.action_space != first_ds.action_space:
+            raise DataError(f"{first} and {i} have different observation or action spaces, so their episodes cannot "
+                            f"form one dataset")
+        for key in ("ref_min_score", "ref_max_score"):
+            if meta.get(key) != first_meta.get(key):
+                raise DataError(f"{first} and {i} have different reference returns ({key} {first_meta.get(key)} and "
+                                f"{meta.get(key)}), so the mix would have no single normalised score")
+    steps = [ds.env_spec.max_episode_steps for ds, _, _ in loaded]
+    spec = replace(spec, max_episode_steps=None if None in steps else max(steps))
+    buffers = [EpisodeBuffer(id=n, observations=ep.observations, actions=ep.actions, rewards=list(ep.rewards),
+                             terminations=list(ep.terminations), truncations=list(ep.truncations), infos={})
+               for n, ep in enumerate(ep for _, _, episodes in loaded for ep in episodes)]
+    folder = _write_dataset(
+        dataset_id, buffers, _command("mix", *sources, dataset_id), {"combined_datasets": ids}, env=spec,
+        eval_env=getattr(first_ds, "_eval_env_spec", None), observation_space=first_ds.observation_space,
+        action_space=first_ds.action_space, ref_min_score=first_meta.get("ref_min_score"),
+        ref_max_score=first_meta.get("ref_max_score"), algorithm_name="data.py mix",
+        description=f"every episode of {', then '.join(ids)}", jpeg_encoding=False)  # lossless, as DESIGN.md asks
+    counts = ", ".join(f"{len(episodes)} from {i}" for i, (_, _, episodes) in zip(ids, loaded))
+    print(f"{dataset_id}: {len(buffers)} episodes ({counts}), {sum(len(b.actions) for b in buffers):,} steps, env "
+          f"{spec.id}, written to {folder}")
+    return len(buffers)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix)
+#
+# A dataset is written whole into a hidden folder in the datasets folder (same filesystem; Minari lists no hidden
+# folder) and renamed into place when complete: an interrupt (Ctrl-C, SIGTERM, kill -9) never leaves a partial dataset
+# where Minari looks. The writing process holds a lock on the hidden folder; the next dataset command removes any such
+# folder whose lock no live process holds.
 
 def _new_dataset_folder(dataset_id):
     """The folder a new local dataset `dataset_id` gets; one sentence if the id is malformed or already taken, or
@@ -1040,10 +1072,6 @@ def _new_dataset_folder(dataset_id):
     return folder
 
 
-# Atomic dataset writes. A dataset is written whole into a hidden folder in the datasets folder (same filesystem;
-# Minari lists no hidden folder, so a partial one is never taken for a dataset) and renamed into place when complete:
-# an interrupt (Ctrl-C, SIGTERM, kill -9) never leaves a partial dataset where Minari looks. The writing process holds
-# a lock on the hidden folder; the next dataset command removes any such folder whose lock no live process holds.
 PARTIAL_PREFIX = ".data.py-partial-"
 
 
@@ -1148,53 +1176,7 @@ def _command(*words):
     return shlex.join(["python", "data.py", *map(str, words)])
 
 
-def mix(sources, dataset_id):
-    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL built
-    medium-expert this way: all of medium, then all of expert). The sources must share the environment (as Minari
-    compares specs: max_episode_steps may differ, the larger is kept) and the observation and action spaces; the
-    evaluation env and the reference returns are carried over, and the sources are listed in the metadata
-    (`combined_datasets`, as minari.combine_datasets names them). Episode infos are not copied (no model here reads
-    them). -> the number of episodes."""
-    from minari.data_collector import EpisodeBuffer
-    ids = [resolve(s) for s in sources]
-    if len(ids) < 2:
-        raise DataError("mix needs at least two source datasets, then the new id")
-    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the sources are read)
-    loaded = [_open_minari(i, download=True) for i in ids]               # (MinariDataset, metadata, episodes) each
-    first, (first_ds, first_meta, _) = ids[0], loaded[0]
-    spec = first_ds.env_spec
-    for i, (ds, meta, _) in zip(ids[1:], loaded[1:]):
-        same = spec is not None and ds.env_spec is not None and replace(ds.env_spec, max_episode_steps=None) == \
-            replace(spec, max_episode_steps=None)
-        if not same:
-            raise DataError(f"{first} and {i} are datasets of different environments ("
-                            f"{getattr(spec, 'id', None)} and {getattr(ds.env_spec, 'id', None)}); mix takes one "
-                            f"environment's datasets")
-        if ds.observation_space != first_ds.observation_space or ds.action_space != first_ds.action_space:
-            raise DataError(f"{first} and {i} have different observation or action spaces, so their episodes cannot "
-                            f"form one dataset")
-        for key in ("ref_min_score", "ref_max_score"):
-            if meta.get(key) != first_meta.get(key):
-                raise DataError(f"{first} and {i} have different reference returns ({key} {first_meta.get(key)} and "
-                                f"{meta.get(key)}), so the mix would have no single normalised score")
-    steps = [ds.env_spec.max_episode_steps for ds, _, _ in loaded]
-    spec = replace(spec, max_episode_steps=None if None in steps else max(steps))
-    buffers = [EpisodeBuffer(id=n, observations=ep.observations, actions=ep.actions, rewards=list(ep.rewards),
-                             terminations=list(ep.terminations), truncations=list(ep.truncations), infos={})
-               for n, ep in enumerate(ep for _, _, episodes in loaded for ep in episodes)]
-    folder = _write_dataset(
-        dataset_id, buffers, _command("mix", *sources, dataset_id), {"combined_datasets": ids}, env=spec,
-        eval_env=getattr(first_ds, "_eval_env_spec", None), observation_space=first_ds.observation_space,
-        action_space=first_ds.action_space, ref_min_score=first_meta.get("ref_min_score"),
-        ref_max_score=first_meta.get("ref_max_score"), algorithm_name="data.py mix",
-        description=f"every episode of {', then '.join(ids)}", jpeg_encoding=False)  # lossless, as DESIGN.md asks
-    counts = ", ".join(f"{len(episodes)} from {i}" for i, (_, _, episodes) in zip(ids, loaded))
-    print(f"{dataset_id}: {len(buffers)} episodes ({counts}), {sum(len(b.actions) for b in buffers):,} steps, env "
-          f"{spec.id}, written to {folder}")
-    return len(buffers)
-
-
-# ----------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------------
 # command line
 
 def info(name):
@@ -1239,9 +1221,9 @@ def _unknown_command(word, commands):
 def main(argv=None):
     import signal
     import threading
-    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, turn a D4RL "
-                   "MuJoCo HDF5 file or a DQN-replay folder into a local Minari dataset, or mix datasets of one "
-                   "environment into one. A dataset is renamed into place only when it is complete.")
+    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert a D4RL "
+                   "HDF5 file or a DQN-replay folder, or mix datasets of one environment. A new dataset is renamed "
+                   "into place only when it is complete.")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",

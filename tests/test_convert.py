@@ -289,11 +289,11 @@ def flip(data):
     return data[:mid] + bytes(255 - x for x in data[mid:mid + 100]) + data[mid + 100:]
 
 
-def huge_header():
-    """An np.save header that declares 10^12 frames (7 PB), and no data."""
+def npy_header(shape, descr="|u1"):
+    """An np.save header that declares `shape`, and no data (10^12 frames: 7 PB)."""
     import io
     f = io.BytesIO()
-    np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False, "shape": (10 ** 12, 84, 84)})
+    np.lib.format.write_array_header_1_0(f, {"descr": descr, "fortran_order": False, "shape": shape})
     return f.getvalue()
 
 
@@ -335,8 +335,11 @@ def test_dqn_replay_bad_input_one_sentence_nothing_written(tmp_path, minari_tmp,
          r"shape \(40, 84, 83\) where DQN-replay has \(n, 84, 84\) uint8 frames"),
         (broken("dtype", lambda f: save_gz(obs(f), np.zeros((40, 84, 84), np.float32))), "Breakout",
          "array of float32 with shape"),
-        (broken("huge", lambda f: obs(f).write_bytes(gzip.compress(huge_header()))), "Breakout",
+        (broken("huge", lambda f: obs(f).write_bytes(gzip.compress(npy_header((10 ** 12, 84, 84))))), "Breakout",
          "declares 1,000,000,000,000 rows"),
+        (broken("short", lambda f: (f / "$store$_action_ckpt.1.gz").write_bytes(gzip.compress(npy_header(
+            (9_000_000,), "<i4")))), "Breakout", r"action_ckpt.1.gz is truncated or damaged \(its header declares "
+         r"9,000,000 rows, more than its \d+ bytes can hold\)"),
         (broken("actions", lambda f: save_gz(f / "$store$_action_ckpt.1.gz", np.full(40, 7, np.int32))), "Breakout",
          "has action 7 where the game has 4 actions"),
         (str(good), "Breakot", r"ALE knows no game 'Breakot' \(did you mean Breakout\?\)"),

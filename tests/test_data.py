@@ -467,3 +467,26 @@ def test_adroit_trains_and_evaluates_with_lsdt_and_dt(tiny_pen, tmp_path, capsys
             100 * (float(row["eval_return"]) - ref[0]) / (ref[1] - ref[0]), abs=0.01)
     cfg = json.loads((tmp_path / "lsdt" / "config.json").read_text())                 # lsdt.py's pen-human row
     assert (cfg["n_head"], cfg["lr"], cfg["kernel"], cfg["conv_ratio"], cfg["batch_size"]) == (2, 2e-4, 6, 0.5, 8)
+
+
+def test_what_the_model_files_use_is_above_the_fence():
+    """data.py's reading order: every name a model file or evaluate.py takes from it is defined above the one
+    "Dataset tools" fence, below which sit only the converters, mix, atomic writes and the command line."""
+    import ast
+    source = open(os.path.join(ROOT, "data.py")).read()
+    fence = [i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# Dataset tools:")]
+    assert len(fence) == 1, fence
+    defined = {}
+    for node in ast.parse(source).body:
+        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)] or [getattr(node, "name", "")]
+        defined.update({name: node.lineno for name in names if name})
+    used = set()
+    for name in ("dt", "lsdt", "starformer", "dema", "gpt2_dtma", "evaluate"):
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, f"{name}.py")).read())):
+            if isinstance(node, ast.ImportFrom) and node.module == "data":
+                used |= {a.name for a in node.names}
+            elif isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "data_lib":
+                used.add(node.attr)
+    assert used and all(n in defined for n in used), used - set(defined)
+    below = sorted(n for n in used if defined[n] > fence[0])
+    assert not below, f"defined below the fence: {below}"

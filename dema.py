@@ -1,6 +1,6 @@
 """
 Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Optimization in Offline Reinforcement
-Learning?" (NeurIPS 2024, arXiv 2405.12094; official code github.com/AndssY/DeMa, which vendors state-spaces/mamba v1.2.0).
+Learning?" (NeurIPS 2024, arXiv 2405.12094).
 
 Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no MLP, no timestep
 embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state; on Atari the
@@ -44,23 +44,37 @@ Glossary (paper symbol -> code name, shape; mamba-minimal style):
     s_t       the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)  states (b, K, 4, 84, 84)
     a_t       one of the game's |A| actions (Discrete)                         actions (b, K) int64; logits (b, K, |A|)
 
-Left padding: Mamba has no attention mask. By default (--pad-mask) pads are inert in every layer: the conv input is
-zeroed there and Delta = 0 (so A_bar = 1, B_bar x = 0 and the state stays 0), and a padded window's outputs equal
-those of the shorter unpadded one (tested). --no-pad-mask lets pad tokens enter the state as ordinary tokens, as in
-the official code; its pad values (states 0 before normalisation, actions -10 in training) and its start-anchored
-training windows are not reproduced: the pads here are data.py's (zeros) in end-anchored windows.
-
-RNN mode memory: backpropagating the scan through whole trajectories keeps ~2 (d_inner, N) fp32 states per token per
-layer (2.06 measured with saved-tensor hooks); a training step at the paper's sizes (d_inner 128, N 64, 3 layers)
-peaked at 1.19 GB for 4 trajectories x 300 steps, ~110 KB per token per layer per trajectory: ~21 GB per layer, ~64 GB
-in all at the paper's batch of 64 x 1000 steps (3000 tokens). --scan-chunk 30 recomputes the scan chunk by chunk in
-the backward (exact gradients): the tensors kept fall 8x (795 -> 99 MB at 4 x 300) and the measured peak about 2x
-(7.9 GB at 16 x 1000 steps). A smaller --batch-size or --rnn-max-len fits a laptop.
-
 Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the S6 ablation of Fig. 5
 (pure torch) -> the paper's pieces (per-dataset sizes, data, loss, policy) -> train(), the loop, as in dt.py -> figures
 and analyses (Fig. 4, Fig. 5) -> benchmarks -> main(), which lays the dataset's sizes under the flags. The run folder,
 checkpoint and exact resume are evaluate.py's (the run record). Outputs go to runs/dema/<env>/<variant>/seed<N>/.
+
+Official code: https://github.com/AndssY/dema/blob/e2aed7e1a3893bbf0ff651388659f0927c88d365/gym/decision_transformer/models/ssm.py#L30
+(branch main; the hidden attention is on its branch attention, 05bd941) and the Mamba v1.2.0 it vendors unchanged,
+https://github.com/state-spaces/mamba/blob/afd5fb5b1b89d2d353e9316809903267cbe70971/mamba_ssm/modules/mamba_simple.py#L31
+
+Departures from the paper and the official code:
+ 1. The selective scan, causal conv and RMSNorm are plain PyTorch (a loop with selective_scan_ref's semantics, or a
+    log-depth scan), not mamba's CUDA and Triton kernels: it runs on a CPU, and agrees with them to float tolerance.
+ 2. Left padding is inert by default (--pad-mask: zero conv input and Delta = 0 at pads, so a padded window's outputs
+    equal the shorter window's); the official pads enter the state (--no-pad-mask). Its pad values (states 0 before
+    normalisation, actions -10) and start-anchored windows are not reproduced: data.py's zeros, end-anchored windows.
+ 3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the official code trains on
+    (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps and evaluates on R_t (--rtg-shift reproduces it).
+ 4. MuJoCo warmup: 10k steps, the official code's (the paper's Table 8 says 1e5).
+ 5. Atari: where Table 9 and the official code differ, the code's E=128 and N=128 (Table 9: 256, 64), the only
+    sizes that give Table 7's 1.7M parameters, and its cosine's end (step 23,432); Table 9's optimiser.
+ 6. The official model's unused predict_state / predict_return heads (780 parameters at hopper) are left out.
+ 7. "DeMa with post." (--residual post) swaps the block inside DeMa (its tokens, E -> D Linear and final RMSNorm
+    stay), as Fig. 1 draws it; the official one is DT's GPT with S6 for attention (DT's tokens, LayerNorm, no E -> D).
+ 8. RNN-like DeMa trains on trajectories left-padded under the inert pad mask; the official code right-pads (the
+    same for a causal model), and the paper's App. C packs them for a variable-length kernel that is not released.
+ 9. Hidden attention (Fig. 4): Eq. 5 exactly (softplus, fp32, vectorised), not Eq. 6's ReLU approximation; the
+    attention branch computes the same sum in a triple loop in fp16.
+10. MuJoCo evaluation: DT's two targets per environment, and the last evaluation is the result; the official code
+    conditions on four (hopper: 3600, 7200, 36000, 72000) and keeps each one's best over its 10 evaluations.
+11. Mazes: the paper's maze code is not released; Tables 14-15's settings here, and --preset cpu drops a_{t-1} there
+    (the data's actions are noisy: a_{t-1} is copied rather than used).
 """
 import dataclasses
 import math
@@ -86,14 +100,10 @@ def arg(default, help, run=False):
 
 @dataclass
 class Config:
-    # data and run (dt.py's flags)
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    # --- the paper's settings (what is trained): Table 8 and D.1 at hopper-medium; a new run on another named dataset
+    # gets that dataset's row (paper_settings) unless given. E and D are two widths (a Linear E -> D after the tokens).
     delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
-                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
-                                      "is still the env's own return")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    steps: int = arg(100_000, "gradient steps (official code: 10 iterations x 10k)", run=True)
+                                      "evaluation (Table 13); the score is still the env's own return")
     batch_size: int = arg(64, "windows (transformer mode) or whole trajectories (rnn mode) per batch")
     context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
     lr: float = arg(1e-4, "AdamW learning rate (D.1: 1e-4 hopper-medium(-replay), walker2d-medium; else 1e-3)")
@@ -104,6 +114,42 @@ class Config:
     lr_decay_steps: int = arg(0, "0: constant lr after the warmup (MuJoCo); N: the official Atari code's cosine after "
                                  "it, max(0.1, cos) reaching 0.1 x lr before step N and rising again past N (Table 9)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
+    preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
+    amp: bool = arg(False, "bf16 autocast for the forward pass; the scan, the residual stream and the loss stay fp32")
+    n_embd: int = arg(256, "E, token-embedding width (D.1: 256 hopper-medium(-replay), else 128)")
+    d_model: int = arg(64, "D, Mamba residual width (D.1: 128 for the medium-expert datasets, else 64)")
+    n_layer: int = arg(3, "Mamba blocks")
+    d_state: int = arg(64, "N, SSM state size per channel")
+    d_conv: int = arg(4, "W, width of the causal depthwise convolution")
+    expand: int = arg(2, "d_inner = expand * D")
+    dropout: float = arg(0.0, "dropout on the token embeddings, the only dropout in DeMa (MuJoCo 0, Table 8; Atari "
+                              "0.1, Table 9), and after the MLP of --residual post")
+    # the paper's variants and ablations
+    mode: str = arg("transformer", "'transformer': K-step windows, re-run from a zero state at every decision (the "
+                                   "method); 'rnn': whole trajectories, states carried through the episode (Sec. 3.2, "
+                                   "App. C; ~64 GB at the paper's batch of 64 x 1000 steps: see --scan-chunk)")
+    token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t as three tokens along time; 'bl3d': one token per "
+                                    "step, the three embeddings concatenated (width 3E) (Sec. 4.1, Table 2)")
+    residual: str = arg("pre", "'pre': Mamba's pre up-projection block x + Mamba(RMSNorm(x)) (the method); 'post': "
+                               "the transformer's post up-projection block with the S6 layer (hidden attention) in "
+                               "attention's place, x + S6(LN(x)), x + MLP(LN(x)) (Sec. 4.2, Tables 3-4)")
+    prev_action: bool = arg(True, "a_{t-1} in each step's tokens (the method); --no-prev-action: the episode-start "
+                                  "null a_{-1} = 0 at every step (--preset cpu on mazes)")
+    timestep_embedding: bool = arg(False, "add DT's learned timestep embedding to every token (App. G, Table 17: "
+                                          "+max_ep_len x E parameters, 256,000 at hopper)")
+    rtg_shift: bool = arg(False, "train on the official code's triplet alignment (R_{t-1}, a_{t-1}, s_t) -> a_t "
+                                 "over a window's last K-1 steps (evaluation feeds R_t either way)")
+    pad_mask: bool = arg(True, "left padding inert inside Mamba (Delta = 0, zero conv input); --no-pad-mask: pads "
+                               "enter the state as ordinary tokens, as in the official code (with data.py's zero pads)")
+    inner_it: int = arg(1, "gradient updates on each drawn batch before the next is drawn (Table 10, RNN-like DeMa "
+                           "on Atari: 200)")
+    rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps (memory: ~110 KB per "
+                                 "token per layer per trajectory at the paper's sizes; see --scan-chunk)")
+    # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (official code: 10 iterations x 10k)", run=True)
     eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official code: "
                                    "every 10k-step iteration)", run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel (official MuJoCo code: 100; mazes: 50, "
@@ -116,49 +162,13 @@ class Config:
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/dema/<env>/<variant>/seed<N>", run=True)
     resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
-    preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
-    amp: bool = arg(False, "bf16 autocast for the forward pass; the scan, the residual stream and the loss stay fp32")
     bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
-    # model (Table 8 and D.1 at hopper-medium; a new run on another named dataset gets that dataset's E, D, lr from
-    # paper_settings unless they are given). E and D are two different widths (Linear E -> D after the embeddings).
-    n_embd: int = arg(256, "E, token-embedding width (D.1: 256 hopper-medium(-replay), else 128)")
-    d_model: int = arg(64, "D, Mamba residual width (D.1: 128 for the medium-expert datasets, else 64)")
-    n_layer: int = arg(3, "Mamba blocks")
-    d_state: int = arg(64, "N, SSM state size per channel")
-    d_conv: int = arg(4, "W, width of the causal depthwise convolution")
-    expand: int = arg(2, "d_inner = expand * D")
-    dropout: float = arg(0.0, "dropout on the token embeddings, the only dropout in DeMa (MuJoCo 0, Table 8; Atari "
-                              "0.1, Table 9), and after the MLP of --residual post")
-    # the paper's variants and ablations
-    mode: str = arg("transformer", "'transformer': K-step windows, recomputed from a zero state at every decision "
-                                   "(the method); 'rnn': whole trajectories, states carried through the episode "
-                                   "(Sec. 3.2, App. C; ~64 GB at the paper's batch: see --rnn-max-len, --scan-chunk)")
-    token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t as three tokens along time; 'bl3d': one token per "
-                                    "step, the three embeddings concatenated (width 3E), an action from every token "
-                                    "(Sec. 4.1, Table 2)")
-    residual: str = arg("pre", "'pre': Mamba's pre up-projection block x + Mamba(RMSNorm(x)) (the method); 'post': "
-                               "the transformer's post up-projection block with the S6 layer (hidden attention) in "
-                               "attention's place, x + S6(LN(x)), x + MLP(LN(x)) (Sec. 4.2, Tables 3-4)")
-    prev_action: bool = arg(True, "a_{t-1} in each step's tokens (the method); --no-prev-action: the episode-start "
-                                  "null a_{-1} = 0 at every step (--preset cpu on mazes, whose noisy actions make "
-                                  "a_{t-1} a guide to copy rather than to use)")
-    timestep_embedding: bool = arg(False, "add DT's learned timestep embedding to every token (App. G, Table 17: "
-                                          "+max_ep_len x E parameters, 256,000 at hopper)")
-    rtg_shift: bool = arg(False, "train on the official code's triplet alignment (R_{t-1}, a_{t-1}, s_t) -> a_t "
-                                 "over a window's last K-1 steps (evaluation feeds R_t either way)")
-    pad_mask: bool = arg(True, "left padding inert inside Mamba (Delta = 0, zero conv input); --no-pad-mask: pads "
-                               "enter the state as ordinary tokens, as in the official code (with data.py's zero pads)")
-    inner_it: int = arg(1, "gradient updates on each drawn batch before the next is drawn (Table 10, RNN-like DeMa "
-                           "on Atari: 200)")
-    rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps; memory ~110 KB per "
-                                 "token per layer per trajectory at the paper's sizes, ~64 GB at batch 64 x 1000 "
-                                 "steps (see --scan-chunk)")
     scan: str = arg("auto", "selective scan: auto (sequential on CPU, measured; parallel on CUDA, not measured) | "
                             "sequential | parallel", run=True)
-    scan_chunk: int = arg(0, "backpropagate the (sequential) scan in chunks of this many tokens, recomputing each "
-                             "(exact gradients, ~1 more scan forward; it keeps ~L/chunk + 2 chunk states per layer "
-                             "instead of ~2 L: for --mode rnn, e.g. 30); 0 = off", run=True)
+    scan_chunk: int = arg(0, "backpropagate the sequential scan in chunks of this many tokens, recomputing each "
+                             "(exact gradients; ~L/chunk + 2 chunk states kept per layer instead of ~2 L: for --mode "
+                             "rnn, e.g. 30, 7.9 GB at batch 16 x 1000 steps); 0 = off", run=True)
     # analyses (read the run's checkpoint, never train)
     attention: bool = arg(False, "Fig. 4: roll out one evaluation episode with the run's checkpoint and draw the "
                                  "hidden attention of every decision step (attention_episode.png)", run=True)
@@ -174,30 +184,23 @@ class Config:
     params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
 
 
-# A small DeMa for a 2-core CPU at dt.py's preset budget (same steps, batch, K, lr, warmup and evaluations). A small
-# state (N=16) and two layers keep the scan cheap. The paper's configuration stays the default.
-# On mazes (data.is_maze): dt.py's maze setting (K=1, no dropout), no a_{t-1} (--no-prev-action) and F.2's 50
-# evaluation episodes. The data's actions carry N(0, 0.5^2) noise, and a short K does not remove a_{t-1} here: it is
-# in every step's tokens. Measured on replica/pointmaze/medium-dense-v0 (seed 0, 50 episodes, K=1, no dropout):
-# with a_{t-1} the goal is reached in 2% of episodes (591 steps to it), without it in 66% (445).
-# Atari (data.is_atari): Table 9 laid under the flags as the preset "" (a run at these settings is 'default'), K=8 for
-# Qbert and Frostbite (D.2) from paper_values, and RNN-like DeMa's Table 10 from paper_settings. Where Table 9 and the
-# official code differ, the code's sizes: E=128 and N=128 (Table 9: E=256, N=64), since only they give Table 7's 1.7M
-# parameters (1,713,184 at 4 actions; Table 9's give 1,836,960), i.e. the model behind the reported scores; Table 9's
-# optimiser (the code's CLI defaults, lr 1e-4, batch 8, clip 0.8, wd 1e-4, are overridden per run there): lr 6e-4,
-# batch 128, betas (0.9, 0.95), weight decay 0.1 (param_groups), clip 1.0, dropout 0.1; 10 epochs of 1% DQN-replay
-# (500k steps: 3906 batches of 128 an epoch, an evaluation of 10 episodes after each). Its schedule counts tokens
-# (B x K a step): warmup 512 x 20 tokens (3 steps of 128 x 30), cosine to "final tokens" 6 x (500000 - 3K) x K (the
-# code's 2 len(dataset) K 3; Table 9: 6 x 500000 x K), i.e. step 23,432, whatever K (lr_factor).
+# A small DeMa for a 2-core CPU at dt.py's preset budget (same steps, batch, K, lr, warmup and evaluations); N=16
+# and two layers keep the scan cheap. On mazes: dt.py's maze setting (K=1, no dropout), F.2's 50 episodes, and no
+# a_{t-1}, whose N(0, 0.5^2) noise is in every step's tokens whatever K (replica/pointmaze/medium-dense-v0, seed 0:
+# the goal reached in 2% of episodes with a_{t-1}, 66% without).
+# Atari: Table 9 laid under the flags as the preset "" (a run at these settings is 'default'), with the official
+# code's E=128 and N=128 (departure 5; AndssY/dema@e2aed7e atari/configs/config.py#L1): 1,713,184 parameters at 4
+# actions, Table 7's 1.7M. Table 9's optimiser: lr 6e-4, batch 128, betas (0.9, 0.95), weight decay 0.1
+# (param_groups), clip 1.0, dropout 0.1; 10 epochs of 1% DQN-replay (3906 batches of 128 each, then 10 evaluation
+# episodes). Its schedule counts tokens (B x K a step): a warmup of 512 x 20 tokens (3 steps of 128 x 30), then the
+# cosine to the code's "final tokens" 2 len(dataset) K 3 = 6 (500000 - 3K) K (Table 9: 6 x 500000 x K), i.e. step
+# 23,432 whatever K (atari/run_atari.py#L169). paper_values adds D.2's K=8 (Qbert, Frostbite) and Table 10 (rnn).
 ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4, beta2=0.95,
              weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3, lr_decay_steps=23_432, steps=39_060,
              eval_every=3906, eval_episodes=10)
-# The classroom Atari DeMa (replica/breakout/mixed-v0 on 2 CPU cores): dt.py's Atari preset's windows (K=8, batch
-# 32, lr 6e-4, warmup 100) and the cosine ending at the last step. DQN's conv torso is ~85% of a step (256 stacks of
-# 4 frames), so DeMa's step costs about what DT's does (~210 ms on one core beside another run) whatever its Mamba
-# part; 4500 steps and three evaluations of 10 episodes (25-45 s each) take 18-20 minutes of one core. 2000 steps
-# were too few (seeds 0 / 1: 16.4 / 9.3, below the data's median 20). E = D = 64 (the paper's Atari model has E = D)
-# cost no more than D = 32; N=16 keeps the scan cheap.
+# The classroom Atari DeMa (replica/breakout/mixed-v0, 2 CPU cores): dt.py's Atari preset's windows (K=8, batch 32,
+# lr 6e-4, warmup 100), the cosine ending at the last step. DQN's torso is ~85% of a step, so DeMa's step costs
+# about DT's; 4500 steps take 18-20 minutes of one core (2000 were too few). E = D = 64 as the paper's E = D.
 ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
                  lr_decay_steps=4500, steps=4500, eval_every=1500, eval_episodes=10)
 PRESETS = {"": dict(atari=ATARI),
@@ -214,7 +217,7 @@ def fp32(t):
 
 
 # The selective scan (Mamba's S6 recurrence, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), with the signature and semantics
-# of state-spaces/mamba's `selective_scan_ref`:
+# of mamba's reference (state-spaces/mamba@afd5fb5 mamba_ssm/ops/selective_scan_interface.py#L91, selective_scan_ref):
 #   u, delta, z: (b, di, L);  A: (di, N);  B, C: (b, N, L);  D, delta_bias: (di,)
 #   delta <- softplus(delta + delta_bias)                                      (if asked)
 #   A_bar_t = exp(delta_t A) (ZOH),   B_bar_t u_t = delta_t B_t u_t (Euler, as the official kernel)
@@ -272,6 +275,7 @@ def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None
 def _hillis_steele(a, b):
     """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, with the official kernel's operator on pairs
         (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
+    (state-spaces/mamba@afd5fb5 csrc/selective_scan/selective_scan_common.h#L111, SSMScanOp).
     ceil(log2 L) vectorised rounds; after the round with shift s every position holds the composition of its last 2s
     terms. Works on copies; no autograd (the gradient is _LinearScan.backward)."""
     a, b = a.clone(), b.clone()
@@ -329,7 +333,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (official code: mamba's fused RMSNorm, eps 1e-5, no bias)."""
+    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (official code: mamba's fused RMSNorm, eps 1e-5, no bias;
+    state-spaces/mamba@afd5fb5 mamba_ssm/ops/triton/layernorm.py#L481)."""
 
     def __init__(self, d, eps=1e-5):
         super().__init__()
@@ -341,12 +346,12 @@ class RMSNorm(nn.Module):
 
 
 class Mamba(nn.Module):
-    """Mamba-1 mixer (mamba_simple.Mamba): in_proj -> causal depthwise conv + SiLU -> x_proj -> (Delta, B, C) ->
-    selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) -> out_proj. The S6 layer, i.e. the "hidden
-    attention" of Sec. 3.3 and Fig. 5, is {conv1d, x_proj, dt_proj, A_log, D} (S6_PARAMETERS).
-    s6_only=True: that S6 layer alone, at the block's width (d_inner = d_model; no in_proj, gate or out_proj): the
-    mixer of "DeMa with post." (Sec. 4.2, PostBlock; the official S6 module), whose dt_rank is ceil((d_model /
-    expand) / 16) as there."""
+    """Mamba-1 mixer (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> causal depthwise
+    conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) ->
+    out_proj. The S6 layer, i.e. the "hidden attention" of Sec. 3.3 and Fig. 5, is {conv1d, x_proj, dt_proj, A_log,
+    D} (S6_PARAMETERS). s6_only=True: that S6 layer alone, at the block's width (d_inner = d_model; no in_proj, gate
+    or out_proj): the mixer of "DeMa with post." (Sec. 4.2, PostBlock), whose dt_rank is ceil((d_model / expand) / 16)
+    as in the official S6 (AndssY/dema@e2aed7e gym/decision_transformer/models/trajectory_gpt2.py#L266)."""
 
     def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4,
                  s6_only=False):
@@ -362,9 +367,10 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_inner, 1))
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = None if s6_only else nn.Linear(d_inner, d_model, bias=False)
-        # Mamba's initialisation (the paper states none; the official code uses mamba's): dt_proj weight
-        # U(-R^-1/2, R^-1/2); its bias is softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
-        # out_proj kaiming-uniform divided by sqrt(n_layer) (GPT-2's residual scaling, one residual per layer)
+        # Mamba's initialisation (the paper states none; the official code uses mamba's, mamba_simple.py#L82): dt_proj
+        # weight U(-R^-1/2, R^-1/2); its bias is softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
+        # out_proj kaiming-uniform / sqrt(n_layer), GPT-2's residual scaling with one residual per layer
+        # (AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
             dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
@@ -403,8 +409,8 @@ class Mamba(nn.Module):
                 torch.zeros(batch, self.d_inner, self.d_state, device=device, dtype=dtype))  # ssm_state h
 
     def step(self, h, cache):
-        """One token (RNN-like DeMa, Sec. 3.2): h (b, D), cache = (conv_state (b, di, W), ssm_state (b, di, N))
-        -> (out (b, D), new cache)."""
+        """One token (RNN-like DeMa, Sec. 3.2; mamba_simple.py#L208): h (b, D), cache = (conv_state (b, di, W),
+        ssm_state (b, di, N)) -> (out (b, D), new cache)."""
         conv_state, ssm_state = cache
         x, z = (h, None) if self.s6_only else self.in_proj(h).chunk(2, dim=-1)   # (b, di)
         conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)  # roll in x_t
@@ -425,9 +431,9 @@ class Mamba(nn.Module):
         """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5-6), exactly, per channel c:
             alpha[c]_{i,j} = sum_n C_i[n] exp(A[c,n] sum_{k=j+1..i} Delta_k[c]) Delta_j[c] B_j[n]   for j <= i, else 0
         so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x is the
-        post-conv input, so the conv's own W-token mixing is not in alpha). Eq. (6) is this with softplus replaced by
-        ReLU (Ali et al.'s approximation); the exact form is used here. -> (b, di, T, T), or the last query row only
-        (b, di, T), the row a decision reads (App. J)."""
+        post-conv input, so the conv's own W-token mixing is not in alpha). Eq. (6) replaces softplus by ReLU (Ali et
+        al.'s approximation); departure 9 (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394).
+        -> (b, di, T, T), or the last query row only (b, di, T), the row a decision reads (App. J)."""
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
         B, C = fp32(B), fp32(C)
         T = x.shape[-1]
@@ -446,7 +452,8 @@ S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weigh
 
 
 class Block(nn.Module):
-    """x + Mamba(RMSNorm(x)): the "pre up-projection" residual block (Sec. 4.2, Fig. 1 right); no MLP."""
+    """x + Mamba(RMSNorm(x)): the "pre up-projection" residual block (Sec. 4.2, Fig. 1 right); no MLP
+    (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297, with the fp32 residual)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -466,9 +473,8 @@ class PostBlock(nn.Module):
     """x + S6(LN(x)), then x + MLP(LN(x)): "DeMa with post." (Sec. 4.2, Fig. 1 right, Tables 3-4), the transformer's
     post up-projection residual block (xLSTM's term: the up-projection is the MLP's 4x, after the mixer) with the S6
     layer, i.e. the hidden attention, in attention's place (Mamba(s6_only=True): no in_proj, gate or out_proj).
-    D.1: ReLU in the MLP (MuJoCo); the official Atari code's is GELU (gelu=True). The official model is DT's minGPT
-    with S6 for attention (DT's token order, LayerNorm everywhere, no E -> D); here the block is swapped inside DeMa,
-    whose tokens, input Linear and final RMSNorm stay, as Fig. 1 (right) draws the two blocks."""
+    D.1: ReLU in the MLP (MuJoCo); the official Atari code's is GELU (gelu=True; AndssY/dema@e2aed7e
+    atari/mingpt/model_atari2.py#L263). Swapped inside DeMa (departure 7)."""
 
     def __init__(self, cfg, gelu=False):
         super().__init__()
@@ -499,12 +505,11 @@ class DeMa(nn.Module):
     """Tokens [R_t, a_{t-1}, s_t] per step (official MuJoCo order; "B3LD", Sec. 4.1) or one token of the three
     embeddings concatenated ("BL3D"), Linear E (3E) -> D, n_layer Mamba blocks (or PostBlocks, Sec. 4.2), final
     RMSNorm, a_t = tanh(Linear(the s_t token's output)). No timestep embedding (App. G, Table 17) unless asked, no
-    LayerNorm on the embeddings. The official model also has unused predict_state / predict_return heads (780
-    parameters at hopper): left out.
-    discrete=True, Atari (Sec. 5, Table 5; the official atari/models/mamba.py DMamba): s_t is the last 4 frames,
-    4 x 84 x 84 uint8, read by DQN's conv torso (as DT's Atari model) and tanh; R_t by Linear and tanh; a_{t-1} by a
-    table of the act_dim = |A| actions and tanh; the official Atari order [a_{t-1}, R_t, s_t] (the state token last
-    in both); dropout on the tokens (Table 9: 0.1); logits over the actions from the s_t token (cross-entropy)."""
+    LayerNorm on the embeddings (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30, Mamba_mujoco).
+    discrete=True, Atari (Sec. 5, Table 5; AndssY/dema@e2aed7e atari/models/mamba.py#L76, DMamba): s_t is the last 4
+    frames, 4 x 84 x 84 uint8, read by DQN's conv torso (as DT's Atari model) and tanh; R_t by Linear and tanh;
+    a_{t-1} by a table of the act_dim = |A| actions and tanh; the official Atari order [a_{t-1}, R_t, s_t] (the state
+    token last in both); dropout on the tokens (Table 9: 0.1); logits over the actions from the s_t token."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
@@ -529,17 +534,18 @@ class DeMa(nn.Module):
             self.embed_action = nn.Linear(act_dim, E)
             self.embed_state = nn.Linear(obs_dim, E)
         self.drop = nn.Dropout(cfg.dropout)
+        # the official backbone: AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L86 (MixerModel)
         self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # official MixerModel.embedding (E -> D, or 3E -> D)
         # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or the transformer's post up-projection
         # block around the bare S6 layer (MLP: ReLU in MuJoCo, D.1; GELU in the official Atari code)
         self.blocks = nn.ModuleList([PostBlock(cfg, gelu=discrete) if cfg.residual == "post" else Block(cfg)
                                      for _ in range(cfg.n_layer)])
         self.ln_f = RMSNorm(D)                               # official norm_f: RMSNorm (the paper names no norm)
-        # MuJoCo: tanh(Linear) into [-1, 1]; Atari: logits, official head Linear(D, |A|, bias=False)
+        # MuJoCo: tanh(Linear) into [-1, 1]; Atari: logits, official head Linear(D, |A|, bias=False) (mamba.py#L132)
         self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
                                nn.Sequential(nn.Linear(D, act_dim), nn.Tanh()))
-        # the official model's apply(_init_weights): every Linear bias zero except dt_proj's (its softplus^-1 init),
-        # embeddings (the timestep and Atari action tables) N(0, 0.02); Linear and conv weights keep PyTorch's init
+        # the official model's apply(_init_weights) (ssm.py#L96): every Linear bias zero except dt_proj's (its
+        # softplus^-1 init), embeddings (the timestep and Atari action tables) N(0, 0.02); other weights PyTorch's init
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
                 nn.init.zeros_(m.bias)
@@ -555,10 +561,10 @@ class DeMa(nn.Module):
         if self.discrete:          # the frames / 255 through the conv torso, one step at a time in the batch dimension
             frames = states.reshape(b * K, *states.shape[2:]).to(self.embedding.weight.dtype) / 255.0
             frames = frames.contiguous(memory_format=torch.channels_last)  # same values; convs ~1.3x faster on CPU
-            e = [self.embed_action(prev_actions), self.embed_return(rtg),                     # official Atari order
+            e = [self.embed_action(prev_actions), self.embed_return(rtg),    # official Atari order, mamba.py#L220
                  self.embed_state(frames).view(b, K, -1)]                                     # 3 x (b, K, E)
         else:
-            e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]  # 3 x (b, K, E)
+            e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]  # ssm.py#L133
         if self.embed_timestep is not None:
             time = self.embed_timestep(timesteps)                                                # (b, K, E)
             e = [x + time for x in e]
@@ -681,8 +687,7 @@ def paper_values(name, mode="transformer"):
         name = name.lower()
         if mode == "rnn":   # Table 10 and D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates a batch
             return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
-        # D.2: K=8 for Qbert and Frostbite. (Table 9's warmup, 512 x 20 tokens, would be 10 steps of 128 x 8 there
-        # against 3 of 128 x 30: both under 0.03% of the run, so the 3 steps of PRESETS serve all eight games.)
+        # D.2: K=8 for Qbert and Frostbite (Table 9's warmup would be 10 steps there, not 3: < 0.03% of the run)
         return dict(context=8) if re.search("qbert|frostbite", name) else {}
     name = name.lower()
     m = re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name)
@@ -718,9 +723,10 @@ def build_model(cfg, info):
 
 def param_groups(model, cfg):
     """AdamW's parameter groups. The official MuJoCo code decays every parameter. The official Atari code
-    (DMamba.configure_optimizers) decays the weights of linear and conv layers, A_log, D and the S6 conv, and not
-    biases, norms, or what its names call *emb*: the return and action embeddings and the E -> D input Linear
-    ('backbone.embedding', a Linear by type: kept as there), the timestep table here too."""
+    (AndssY/dema@e2aed7e atari/models/mamba.py#L141, DMamba.configure_optimizers) decays the weights of linear and
+    conv layers, A_log, D and the S6 conv, and not biases, norms, or what its names call *emb*: the return and action
+    embeddings and the E -> D input Linear ('backbone.embedding', a Linear by type: kept as there), the timestep
+    table here too."""
     if not model.discrete:
         return [{"params": list(model.parameters())}]
     undecayed = ("embed_return.", "embed_action.", "embed_timestep.", "embedding.", "ln_f.")
@@ -730,10 +736,11 @@ def param_groups(model, cfg):
 
 
 def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup, then constant (official MuJoCo code: LambdaLR(min((s + 1) /
-    warmup, 1))); with --lr-decay-steps N the official Atari code's decay after the warmup (Table 9: "linear warmup
-    and cosine decay (see code for details)"): max(0.1, (1 + cos(pi p)) / 2) with p = (s - warmup) / (N - warmup),
-    not clamped, so it rests at 0.1 from p = 0.8 and rises again past p = 1.2 (10 epochs reach p = 1.67, 0.75 x lr)."""
+    """Multiplier of --lr at step s: linear warmup, then constant (AndssY/dema@e2aed7e gym/experiment.py#L455:
+    LambdaLR(min((s + 1) / warmup, 1))); with --lr-decay-steps N the official Atari code's decay after the warmup
+    (AndssY/dema@e2aed7e atari/mingpt/trainer_atari.py#L217; Table 9: "linear warmup and cosine decay (see code for
+    details)"): max(0.1, (1 + cos(pi p)) / 2) with p = (s - warmup) / (N - warmup), not clamped, so it rests at 0.1
+    from p = 0.8 and rises again past p = 1.2 (10 epochs reach p = 1.67, 0.75 x lr)."""
     if s < cfg.warmup_steps or not cfg.lr_decay_steps:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     p = (s - cfg.warmup_steps) / max(1, cfg.lr_decay_steps - cfg.warmup_steps)
@@ -743,7 +750,8 @@ def lr_factor(s, cfg):
 def sample_trajectories(d, batch_size, max_len, rng, longest=False):
     """RNN-like training batch (App. C): whole trajectories (their first max_len steps), drawn in proportion to length
     (longest=True: the longest, to size the worst step). data.gather_windows LEFT-pads them to the longest; with the
-    inert pad mask this equals the official right padding (a causal model is unaffected by either)."""
+    inert pad mask this equals the official right padding (a causal model is unaffected by either;
+    AndssY/dema@e2aed7e gym/experiment.py#L254, get_batch_recurrent)."""
     lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
     ep = np.full(batch_size, lengths.argmax()) if longest else rng.choice(len(lengths), size=batch_size,
                                                                             p=lengths / lengths.sum())
@@ -772,9 +780,9 @@ def predict(model, b, cfg, training=False):
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in ("states", "actions", "rtg", "timesteps", "mask",
                                                                    "prev_action"))
     if training and cfg.rtg_shift:
-        # The official code trains on (R_{t-1}, a_{t-1}, s_t) -> a_t (with timestep t-1) over a window's last K-1
-        # steps and never on an episode's first state, while it evaluates on (R_t, a_{t-1}, s_t). Default here:
-        # (R_t, a_{t-1}, s_t) in both, over all K steps, DT's convention that the prompt belongs to the current state.
+        # departure 3: the official code trains on (R_{t-1}, a_{t-1}, s_t) -> a_t (with timestep t-1) over a window's
+        # last K-1 steps, never on an episode's first state; the default keeps DT's convention that the prompt
+        # belongs to the current state. AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L109
         states, actions, timesteps, prev = states[:, 1:], actions[:, 1:], timesteps[:, :-1], actions[:, 0]
         rtg, mask = rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
@@ -1058,9 +1066,8 @@ def s6_ablation(cfg, given):
 
 def bench(cfg):
     """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (Table 7's Atari column:
-    --bench --env breakout-expert times the paper's Atari setting); on CUDA each mode's peak memory too. Nothing is
-    written."""
+    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (Table 7's Atari
+    column); on CUDA each mode's peak memory too. Nothing is written."""
     atari = data_lib.is_atari(cfg.dataset or cfg.env)
     length = max(200, 2 * cfg.context)
     d = data_lib.synthetic_atari(length=length) if atari else data_lib.synthetic_data(obs_dim=11, act_dim=3,
@@ -1106,12 +1113,34 @@ def bench_scan(cfg):
               flush=True)
 
 
+# dt.py's sizes for --params, at hopper's shapes and Atari's 4 actions (this file imports no other model file;
+# tests/test_dema.py checks them and dt_parameters against dt.py)
+DT_ROWS = [("dt paper (H=128)", dict(n_embd=128, n_layer=3)),
+           ("dt --preset cpu", dict(n_embd=64, n_layer=2)),
+           ("dt Atari (6 x 128, 8 heads, K=30; 1000 timesteps)", dict(n_embd=128, n_layer=6, context=30, act_dim=4,
+                                                                        atari=True)),
+           ("dt Atari --preset cpu", dict(n_embd=64, n_layer=2, context=8, act_dim=4, atari=True))]
+
+
+def dt_parameters(n_embd, n_layer, obs_dim=11, act_dim=3, max_ep_len=1000, context=0, atari=False):
+    """Decision Transformer's parameter count (dt.py's DecisionTransformer, or its AtariDecisionTransformer with the
+    conv encoder and R_t tokens), in closed form. The head count does not change it."""
+    C = n_embd
+    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)  # LN x2, attn, MLP
+    if atari:   # DQN's torso and Linear(3136, C); R_t Linear(1, C); the action table; token and timestep tables
+        torso = (32 * 4 * 8 * 8 + 32) + (64 * 32 * 4 * 4 + 64) + (64 * 64 * 3 * 3 + 64) + (64 * 7 * 7 * C + C)
+        embed = torso + 2 * C + act_dim * C + 3 * context * C + max_ep_len * C
+        head = C * act_dim                                                   # Linear(C, |A|), no bias
+    else:       # the timestep table; Linear R_t, s_t, a_t -> C; the embeddings' LayerNorm
+        embed = max_ep_len * C + (C + C) + (obs_dim * C + C) + (act_dim * C + C) + 2 * C
+        head = C * act_dim + act_dim                                         # Linear(C, act_dim), then tanh
+    return embed + n_layer * block + 2 * C + head                            # + the final LayerNorm
+
+
 def param_table():
-    """--params: DeMa's parameters at the paper's settings, with Mamba's pre up-projection block (the method) and,
-    beside it, the post up-projection block (--residual post, Tables 3-4), and dt.py's. Hopper's shapes (obs 11, act 3,
-    max_ep_len 1000): Table 7's 175.5K / 500.0K and Table 17's 431.5K (the official counts include 780 parameters of
-    unused prediction heads, 11 D + 11 + D + 1 at D=64). Atari's (4 actions): Table 7's 1.7M is the official code's
-    sizes, 1,713,184 (Table 9's give 1,836,960); DT's count grows by 128 per timestep of its table (1000 here)."""
+    """--params: DeMa's parameters at the paper's settings, with the pre (the method) and post (--residual post,
+    Tables 3-4) blocks, and dt.py's. Hopper's shapes (obs 11, act 3, max_ep_len 1000): Table 7's 175.5K / 500.0K and
+    Table 17's 431.5K, less the official unused heads (departure 6). Atari's (4 actions): Table 7's 1.7M."""
     hopper, atari = (11, 3, 1000, False), (4 * 84 * 84, 4, 1000, True)
     sizes = {k: ATARI[k] for k in ("n_embd", "d_model", "d_state", "n_layer")}
     rows = [("dema E=256 D=64 N=64 (hopper-medium, Table 7)", dict(n_embd=256, d_model=64), hopper),
@@ -1130,17 +1159,8 @@ def param_table():
         n = [sum(p.numel() for p in DeMa(Config(**kw, residual=r), obs, act, max_ep_len, discrete).parameters())
              for r in ("pre", "post")]
         print(f"{label:58s} {n[0]:>12,} {n[1]:>23,}")
-    try:
-        import dt
-    except ImportError:   # this file copied alone into another project
-        return
-    for label, kw in (("dt paper (H=128)", {}),
-                      ("dt --preset cpu", ev.preset_values(dt.PRESETS, "cpu", "hopper-medium"))):
-        n = sum(p.numel() for p in dt.DecisionTransformer(dt.Config(**kw), 11, 3, 1000).parameters())
-        print(f"{label:58s} {n:>12,}")
-    for label, preset in (("dt Atari (6 x 128, 8 heads, K=30; 1000 timesteps)", ""), ("dt Atari --preset cpu", "cpu")):
-        cfg = dt.Config(**ev.preset_values(dt.PRESETS, preset, "breakout-expert"))
-        print(f"{label:58s} {sum(p.numel() for p in dt.AtariDecisionTransformer(cfg, 4, 1000).parameters()):>12,}")
+    for label, kw in DT_ROWS:
+        print(f"{label:58s} {dt_parameters(**kw):>12,}")
 
 
 def parse_flags(argv=None):

@@ -356,6 +356,28 @@ def test_parameter_counts_match_the_official_model():
     assert n_params(dema.DeMa(dema.Config(token_layout="bl3d"), 11, 3, 1000)) - base == 2 * 256 * 64
 
 
+def test_dt_parameter_formula_matches_dt_py():
+    """--params prints dt.py's counts without importing dt.py: dema.dt_parameters against the parameters of dt.py's
+    own models, at DT_ROWS (which must be dt.py's paper and cpu sizes) and at other shapes."""
+    import dt
+    settings = [("", "hopper-medium"), ("cpu", "hopper-medium"), ("", "breakout-expert"), ("cpu", "breakout-expert")]
+    assert len(dema.DT_ROWS) == len(settings)
+    for (label, kw), (preset, env) in zip(dema.DT_ROWS, settings):
+        cfg = dt.Config(**ev.preset_values(dt.PRESETS, preset, env))
+        assert (kw["n_embd"], kw["n_layer"]) == (cfg.n_embd, cfg.n_layer), label
+        if kw.get("atari"):
+            assert kw["context"] == cfg.context, label
+            model = dt.AtariDecisionTransformer(cfg, kw["act_dim"], 1000)
+        else:
+            model = dt.DecisionTransformer(cfg, 11, 3, 1000)
+        assert dema.dt_parameters(**kw) == n_params(model), label
+    for C, n_layer, obs, act, T, K in ((32, 1, 17, 6, 50, 4), (48, 4, 5, 2, 200, 7), (64, 2, 1, 18, 1, 1)):
+        cfg = dt.Config(n_embd=C, n_layer=n_layer, n_head=4, context=K)
+        assert dema.dt_parameters(C, n_layer, obs, act, T) == n_params(dt.DecisionTransformer(cfg, obs, act, T))
+        atari = n_params(dt.AtariDecisionTransformer(cfg, act, T))
+        assert dema.dt_parameters(C, n_layer, act_dim=act, max_ep_len=T, context=K, atari=True) == atari
+
+
 def test_init_follows_the_official_code():
     """apply(_init_weights) over the whole official model: every Linear bias zero but dt_proj's (softplus^-1 of
     dt in [1e-3, 1e-1]); the timestep embedding N(0, 0.02); A_log = log(1..N); D = 1."""

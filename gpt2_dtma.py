@@ -46,11 +46,9 @@ Glossary (paper symbol -> code name, shape):
     G_Markov    layer-0 gate weight of the Markov heads (Tabs. 5-6)          markov_gate_mass(...), log column g_markov
     alpha       GPT2-P's penalty weight (Eq. 9)                   Config.markov_penalty
 
-Layout: docstring -> Config -> the model (GPT-2 blocks, GPT2-DT(MA), the GPT-2 language model; only torch, math,
-dataclasses: copy it alone) -> the Markov-head quantities (pure torch) -> the paper's pieces -> train(), the loop, as
-in dt.py -> figures and analyses -> the pretrained weights (huggingface_hub finds or downloads them; a hand-written
-safetensors reader) -> --bench and main(). The run folder, checkpoint and exact resume are evaluate.py's. Outputs go
-to runs/gpt2_dtma/<env>/<variant>/seed<N>/.
+Layout: Config -> the model (copy it alone) -> the Markov-head quantities -> the paper's pieces -> train(), as in
+dt.py -> figures and analyses -> the pretrained weights -> --bench and main(). Outputs: runs/gpt2_dtma/<env>/<variant>/
+seed<N>/ (the run folder, checkpoint and exact resume are evaluate.py's).
 
 The papers publish no code. GPT2-DT names LaMo (Shi et al. 2024) as its implementation; the lines marked LaMo follow
 https://github.com/srzer/LaMo-2023/blob/3e4fcc8a7e68916882033a0cef110370c0144022/experiment-d4rl/decision_transformer/models/decision_transformer.py#L102-L199
@@ -109,9 +107,8 @@ def arg(default, help, run=False):
 @dataclass
 class Config:
     # --- the paper's settings (what is trained): App. C's optimiser and batch, GPT-2 small's blocks, the MoA gate
-    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
-                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
-                                      "is still the env's own return")
+    delayed_reward: bool = arg(False, "every reward paid at its episode's last step, in the data and in evaluation "
+                                      "(DT Table 5, DeMa Table 13); the score is still the env's own return")
     batch_size: int = arg(64, "windows per batch (App. C)")
     context: int = arg(None, "K; default: 20 on MuJoCo (Tab. 6's k=20 row is Tab. 3's), 50 on mazes (Tab. 5's k=50 "
                              "row is Tab. 4's)")
@@ -122,9 +119,8 @@ class Config:
     preset: str = arg("", "'cpu': the first GPT-2 block, batch 32, K=10, 300 steps: for a 2-core machine")
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
     init: str = arg("gpt2", "'gpt2' (the Hugging Face cache, else downloaded once), 'clip' (CLIP ViT-B/32's text "
-                            "tower, likewise: CLIP-DT of Tab. 7), a model.safetensors file or a folder holding it "
-                            "(CLIP's where its config.json says so), or 'random' (DT / DTMA: the same architecture "
-                            "without pretraining); 'gptj' is refused (6B parameters)")
+                            "tower: CLIP-DT of Tab. 7), a model.safetensors or its folder (CLIP's where its "
+                            "config.json says so), or 'random' (DT / DTMA without pretraining); 'gptj' is refused")
     n_layer: int = arg(None, "keep the first N blocks (layer 0 holds the Markov heads); default: all (12)")
     n_embd: int = arg(None, "width; default: the checkpoint's (768, also for --init random)")
     n_head: int = arg(None, "heads per layer; default: the checkpoint's (12, also for --init random)")
@@ -173,11 +169,9 @@ class Config:
                       run=True)
 
 
-# A configuration that learns something on 2 CPU cores in minutes: the first GPT-2 block only (full width 768, so the
-# pretrained weights fit; layer 0 holds the Markov heads), K=10 (Tab. 6: 77.1 on hopper-medium with k=10), a short
-# warmup, a higher lr, one evaluation at the end: ~0.8 s per step on one core, a demonstration, not a reproduction.
-# On mazes: dt.py's maze setting, K=1 without dropout, 50 episodes (the paper's K=50 is --context 50): K=1 reaches
-# the goal in 72% / 66% of episodes (seeds 0 / 1), K=10 in 24% (README's classroom model, pointmaze medium-dense).
+# 2 CPU cores, minutes: the first GPT-2 block (width 768, so the pretrained weights fit; layer 0 holds the Markov
+# heads), K=10 (Tab. 6: 77.1 on hopper-medium), a short warmup, one evaluation: a demonstration, not a reproduction.
+# Mazes: dt.py's K=1 without dropout, 50 episodes (the goal in 72% of episodes, 24% with K=10; the paper's K: 50).
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
                        eval_episodes=10, log_every=25, mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
@@ -189,11 +183,10 @@ class CausalSelfAttention(nn.Module):
         Head_i(e) = softmax((e W_i^q)(E W_i^k)^T / sqrt(d_k)) (E W_i^v)                                     (Eq. 8)
         G_i(e)    = softmax_i(W_g e): a weight per head and token, summing to 1 over the layer's N heads      (Eq. 7)
         y(e)      = sum_i G_i(e) Head_i(e)                                                                  (Eq. 6)
-    The paper leaves the gate's place, scale and init open. Chosen here as in MoH (Jin et al. 2024, which the paper
-    cites): the gate reads the heads' own input e (the LN1 output) and scales each head's output before the pretrained
-    c_proj (Eq. 6 has no output projection, but the 64-wide heads must return to the residual width); it is multiplied
-    by N and starts at zero, so the uniform start gives N * 1/N = 1 and GPT2-DTMA equals GPT2-DT exactly at step 0 (a
-    literal Eq. 6 would shrink every pretrained head to 1/N of its output)."""
+    The gate's place, scale and init are open in the paper; chosen as in MoH (Jin et al. 2024, which it cites): the
+    gate reads the heads' input e (the LN1 output) and scales each head's output before the pretrained c_proj (Eq. 6
+    has none, but the heads must return to the residual width), times N, from zero: N * 1/N = 1, so GPT2-DTMA equals
+    GPT2-DT at step 0 (a literal Eq. 6 would shrink every pretrained head to 1/N)."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, moa=False):
         super().__init__()
@@ -220,8 +213,7 @@ class CausalSelfAttention(nn.Module):
             allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if attn_mask is None else attn_mask
             aux["probs"] = F.softmax(att.masked_fill(~allowed, float("-inf")), dim=-1)   # (B, N, T, T)
             o = F.dropout(aux["probs"], p_drop, self.training) @ v          # (B, N, T, D)
-        else:  # Eq. 8; d_k = the head width (64) as in GPT-2 (Eq. 8's "dimension of the embedding layer" would
-            # change the pretrained function)
+        else:  # Eq. 8, d_k = the head width as in GPT-2 (not the paper's "dimension of the embedding layer")
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop,
                                                is_causal=attn_mask is None)   # (B, N, T, D)
         if self.moa:
@@ -317,8 +309,9 @@ class DecisionTransformer(nn.Module):
         aux: 'gates' per layer, (B,3K,N) with MoA else None; 'probs' per layer, (B,N,3K,3K) with need_probs else None.
         The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (Eq. 2)."""
         B, K, _ = states.shape
-        # srzer/LaMo-2023@3e4fcc8 experiment-d4rl/decision_transformer/models/decision_transformer.py#L159-L199, the
-        # timestep added before embed_ln as in kzl/decision-transformer@e2d82e6 gym/decision_transformer/models/decision_transformer.py#L68-L78
+        # srzer/LaMo-2023@3e4fcc8 experiment-d4rl/decision_transformer/models/decision_transformer.py#L159-L199, with
+        # the timestep added before embed_ln as in DT:
+        # kzl/decision-transformer@e2d82e6 gym/decision_transformer/models/decision_transformer.py#L68-L78
         time = self.embed_timestep(timesteps)                                   # (B, K, C)
         tokens = [self.embed_return(rtg) + time,                               # R_t
                   self.embed_state(states) + time,                             # s_t
@@ -558,11 +551,10 @@ def model_problem(cfg):
 
 
 def build_model(cfg, info):
-    """GPT2-DT(MA) with the first n_layer blocks of the pretrained GPT-2 (--init), or the same shape from scratch
-    (--init random). A new build loads the weights and records in info what a rebuild needs without them: the
-    shape and the layer-0 Markov heads (GPT-2 small: 1, 5, 10 as in Tab. 1; another checkpoint: Def. 4.1 on its
-    weights with --markov-r; --init random with more than 10 heads: the paper's 1, 5, 10 by definition, as random
-    weights have none). A rebuild (--resume, analyses) takes them from info; its weights come from the checkpoint."""
+    """GPT2-DT(MA) with the first n_layer blocks of --init, or the same shape from scratch (--init random). A new build
+    loads the weights and records in info what a rebuild (--resume, analyses) needs without them: the shape and the
+    layer-0 Markov heads (GPT-2 small: Tab. 1's 1, 5, 10; another checkpoint: Def. 4.1 with --markov-r; random: the
+    paper's 1, 5, 10 by definition where there are more than 10 heads, else none)."""
     sd = None
     if "shape" not in info:
         info["shape"] = shape_of(cfg)
@@ -798,10 +790,9 @@ def format_markov_table(tables, rs=(8.0, 20.0)):
 
 
 def markov_analysis(cfg, run=None):
-    """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for both
-    readings of A (C x C and D x D) and r = 8 and 20 (Tab. 1; [P-old] Tab. 2 gives the ratios: on GPT-2 heads 1, 5, 10
-    are Markov with 23.61 / 29.67 / 23.7; head 9 passes (ii) at r = 8 with 15.37 but fails (i)); Fig. 3's heatmaps.
-    --init clip: [P-old] Tab. 8, CLIP's text tower (8 heads of width 64, C = 512), the paper's values printed beside."""
+    """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for A read
+    as C x C and D x D and r = 8 and 20 (Tab. 1; [P-old] Tab. 2's ratios: heads 1, 5, 10 at 23.61 / 29.67 / 23.7, head
+    9 15.37 but failing (i)); Fig. 3's heatmaps. --init clip: [P-old] Tab. 8's values printed beside."""
     g = None
     if cfg.init == "random":   # the run's own random start (without a run: a random init of the default shape)
         info = run["ck"]["info"] if run else dict(obs_dim=1, act_dim=1, max_ep_len=1, goal_dim=0)

@@ -31,11 +31,6 @@ What reproduces what (flags of a training run, then analyses that read a run's c
     --importance                Fig. 2 (Hopper) and Fig. 8 (PointMaze): head importance by zeroing heads
     --text-attention, --sample  checks of the loaded GPT-2 on real text (no paper figure)
 
-Not the paper's code: GPT2-DT here is full fine-tuning of GPT-2 without LaMo's LoRA, MLP embeddings or language-model
-co-training (the paper names LaMo as its implementation, but App. F says GPT2-DT fine-tunes all parameters). The gate
-is Eq. 7's single linear layer per attention layer: 0.13% more parameters for GPT-2 small (12 x 9,228), so Sec. 5.2's
-"approximately a 3% rise in parameter count" cannot be met by Eq. 7 as written.
-
 Glossary (paper symbol -> code name, shape):
     R^_t        return-to-go (Eq. 2), times the return scale      rtg (B, K, 1)
     s_t, a_t    state (normalised), action in [-1, 1]             states (B, K, obs_dim), actions (B, K, act_dim)
@@ -51,11 +46,34 @@ Glossary (paper symbol -> code name, shape):
     G_Markov    layer-0 gate weight of the Markov heads (Tabs. 5-6)          markov_gate_mass(...), log column g_markov
     alpha       GPT2-P's penalty weight (Eq. 9)                   Config.markov_penalty
 
-Layout: docstring -> Config -> the model (GPT-2 blocks, GPT2-DT(MA), the GPT-2 language model; only torch, math,
-dataclasses: copy it alone) -> the Markov-head quantities (pure torch) -> the paper's pieces (blocks and Markov heads,
-optimiser groups, loss, policy, G_Markov) -> train(), the loop, as in dt.py -> figures and analyses -> GPT-2 and CLIP
-weight I/O and download -> --bench and main(). The run folder, checkpoint and exact resume are evaluate.py's (the run
-record). Outputs go to runs/gpt2_dtma/<env>/<variant>/seed<N>/.
+Layout: Config -> the model (copy it alone) -> the Markov-head quantities -> the paper's pieces -> train(), as in
+dt.py -> figures and analyses -> the pretrained weights -> --bench and main(). Outputs: runs/gpt2_dtma/<env>/<variant>/
+seed<N>/ (the run folder, checkpoint and exact resume are evaluate.py's).
+
+The papers publish no code. GPT2-DT names LaMo (Shi et al. 2024) as its implementation; the lines marked LaMo follow
+https://github.com/srzer/LaMo-2023/blob/3e4fcc8a7e68916882033a0cef110370c0144022/experiment-d4rl/decision_transformer/models/decision_transformer.py#L102-L199
+and the order of the timestep embedding follows DT's
+https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/gym/decision_transformer/models/decision_transformer.py#L68-L78
+
+Departures from the paper and the official code:
+ 1. Full fine-tuning of GPT-2 with linear embeddings, as App. F states for GPT2-DT; LaMo's run.sh#L43-L46 trains
+    LoRA on c_attn (the rest frozen) with MLP embeddings, and may co-train on WikiText: none of it is in the paper.
+ 2. One AdamW group at App. C's lr 1e-4 and weight decay 1e-4 (the gate without decay, which pulls it to uniform);
+    LaMo gives the pretrained weights lr 1e-5 and no decay, AdamW eps 1e-6 (utils.py#L6-L62), warmup 2500.
+ 3. The timestep embedding is added before embed_ln, as in DT; LaMo adds it after (decision_transformer.py#L174-L176).
+ 4. The MoA gate's place, scale and init are open in the paper; here, as in MoH, it reads the LN1 output and scales
+    each head before the pretrained c_proj, times N, from zero: GPT2-DTMA equals GPT2-DT at step 0 (Eq. 6 read
+    literally has no output projection and would shrink every head to 1/N). Every layer is gated.
+ 5. Eq. 7's single linear gate adds 0.13% parameters to GPT-2 small (12 x 9,228), not Sec. 5.2's "approximately 3%".
+ 6. Eq. 8's d_k is the head width, 64, as in GPT-2 (the paper: "the dimension of the embedding layer", which would
+    change the pretrained function).
+ 7. Eq. 3's sum is a mean over the real steps (the DT and LaMo code); Eq. 9's G_Markov is averaged over the real
+    tokens of the batch (the paper writes it for one input).
+ 8. Def. 4.1's threshold r defaults to [P-old]'s 20, not the paper's 8 (only 20 explains Tab. 1's head 9); A_i is
+    read both as C x C (Def. 4.1, Thm 4.3) and as D x D (Remark 4.7).
+ 9. Unstated in the paper: dropout 0.1 and gradient clip 0.25 (DT, LaMo), K 20 on MuJoCo and 50 on mazes (Tabs. 5-6's
+    rows equal Tabs. 3-4), the dataset's target returns, and GPT-2 small's shape for DT and DTMA (--init random).
+10. CLIP-DT takes CLIP's text-tower layers and final LayerNorm only; GPTJ-DT (6B parameters) is refused.
 """
 import dataclasses
 import glob
@@ -63,15 +81,18 @@ import json
 import math
 import os
 import shutil
+import socket
 import struct
 import sys
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass, field
 
+import huggingface_hub.constants
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
 import data as data_lib
 import evaluate as ev
@@ -85,15 +106,9 @@ def arg(default, help, run=False):
 
 @dataclass
 class Config:
-    # data and run (App. C: lr 1e-4, 10K warmup, weight decay 1e-4, 100K steps, batch 64, evaluation every 500 steps
-    # with 20 episodes)
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
-                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
-                                      "is still the env's own return")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    steps: int = arg(100_000, "gradient steps (App. C: 100K)", run=True)
+    # --- the paper's settings (what is trained): App. C's optimiser and batch, GPT-2 small's blocks, the MoA gate
+    delayed_reward: bool = arg(False, "every reward paid at its episode's last step, in the data and in evaluation "
+                                      "(DT Table 5, DeMa Table 13); the score is still the env's own return")
     batch_size: int = arg(64, "windows per batch (App. C)")
     context: int = arg(None, "K; default: 20 on MuJoCo (Tab. 6's k=20 row is Tab. 3's), 50 on mazes (Tab. 5's k=50 "
                              "row is Tab. 4's)")
@@ -101,26 +116,11 @@ class Config:
     weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C, Remark 4.9)")
     grad_clip: float = arg(0.25, "gradient-norm clip (the DT and LaMo code; the paper is silent)")
-    eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (App. C: 500)",
-                          run=True)
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel (App. C: 20)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss and G_Markov every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    out: str = arg("", "output folder; default runs/gpt2_dtma/<env>/<variant>/seed<N>", run=True)
-    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)",
-                       run=True)
     preset: str = arg("", "'cpu': the first GPT-2 block, batch 32, K=10, 300 steps: for a 2-core machine")
-    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
-                      run=True)
-    # model (App. C: GPT-2 small initialises the DT's transformer layers)
     init: str = arg("gpt2", "'gpt2' (the Hugging Face cache, else downloaded once), 'clip' (CLIP ViT-B/32's text "
-                            "tower, likewise: CLIP-DT of Tab. 7), a model.safetensors file or a folder holding it "
-                            "(CLIP's where its config.json says so), or 'random' (DT / DTMA: the same architecture "
-                            "without pretraining); 'gptj' is refused (6B parameters)")
+                            "tower: CLIP-DT of Tab. 7), a model.safetensors or its folder (CLIP's where its "
+                            "config.json says so), or 'random' (DT / DTMA without pretraining); 'gptj' is refused")
     n_layer: int = arg(None, "keep the first N blocks (layer 0 holds the Markov heads); default: all (12)")
     n_embd: int = arg(None, "width; default: the checkpoint's (768, also for --init random)")
     n_head: int = arg(None, "heads per layer; default: the checkpoint's (12, also for --init random)")
@@ -131,6 +131,24 @@ class Config:
                                 "GPT-2 small (GPT-2 small: heads 1, 5, 10 as in Tab. 1); --markov shows r=8 and 20 too")
     freeze_attention: bool = arg(False, "fine-tune only the embeddings and FFNs (App. F's GPT2-DT (part)): the "
                                         "pretrained attention and LayerNorms stay as loaded")
+    # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (App. C: 100K)", run=True)
+    eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (App. C: 500)",
+                          run=True)
+    eval_episodes: int = arg(20, "episodes per target return, run in parallel (App. C: 20)", run=True)
+    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets",
+                               run=True)
+    log_every: int = arg(100, "print and log the training loss and G_Markov every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/gpt2_dtma/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)",
+                       run=True)
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
+                      run=True)
     keep_ckpt_at: int = arg(0, "also keep the checkpoint of this step as ckpt_step<STEP>.pt (for "
                                "--attention-distance, Figs. 1/7); a multiple of --eval-every", run=True)
     # analyses (each reads the run's checkpoint, prints a table and writes a PNG in the run folder; none trains)
@@ -151,14 +169,9 @@ class Config:
                       run=True)
 
 
-# A configuration that learns something on 2 CPU cores in minutes: the first GPT-2 block only (at full width 768, so
-# the pretrained weights still fit; layer 0 holds the Markov heads and its MoA gate), K=10 (Tab. 6: 77.1 on
-# hopper-medium with k=10), a short warmup and a higher lr, one evaluation at the end. A 768-wide block costs ~0.8 s
-# per step at batch 32 on one core, so this is a demonstration, not a reproduction.
-# On mazes (data.is_maze): dt.py's maze setting, K=1 without dropout, 50 evaluation episodes; the paper's K=50 is
-# --context 50. Measured with the README's random-init classroom model (2 blocks of 64) on
-# replica/pointmaze/medium-dense-v0, 50 episodes: K=1 reaches the goal in 72% / 66% of episodes (seeds 0 / 1), K=10
-# in 24% (seed 0).
+# 2 CPU cores, minutes: the first GPT-2 block (width 768, so the pretrained weights fit; layer 0 holds the Markov
+# heads), K=10 (Tab. 6: 77.1 on hopper-medium), a short warmup, one evaluation: a demonstration, not a reproduction.
+# Mazes: dt.py's K=1 without dropout, 50 episodes (the goal in 72% of episodes, 24% with K=10; the paper's K: 50).
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
                        eval_episodes=10, log_every=25, mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
@@ -170,11 +183,10 @@ class CausalSelfAttention(nn.Module):
         Head_i(e) = softmax((e W_i^q)(E W_i^k)^T / sqrt(d_k)) (E W_i^v)                                     (Eq. 8)
         G_i(e)    = softmax_i(W_g e): a weight per head and token, summing to 1 over the layer's N heads      (Eq. 7)
         y(e)      = sum_i G_i(e) Head_i(e)                                                                  (Eq. 6)
-    The paper leaves the gate's place, scale and init open. Chosen here as in MoH (Jin et al. 2024, which the paper
-    cites): the gate reads the heads' own input e (the LN1 output) and scales each head's output before the pretrained
-    c_proj (Eq. 6 has no output projection, but the 64-wide heads must return to the residual width); it is multiplied
-    by N and starts at zero, so the uniform start gives N * 1/N = 1 and GPT2-DTMA equals GPT2-DT exactly at step 0 (a
-    literal Eq. 6 would shrink every pretrained head to 1/N of its output)."""
+    The gate's place, scale and init are open in the paper; chosen as in MoH (Jin et al. 2024, which it cites): the
+    gate reads the heads' input e (the LN1 output) and scales each head's output before the pretrained c_proj (Eq. 6
+    has none, but the heads must return to the residual width), times N, from zero: N * 1/N = 1, so GPT2-DTMA equals
+    GPT2-DT at step 0 (a literal Eq. 6 would shrink every pretrained head to 1/N)."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, moa=False):
         super().__init__()
@@ -201,8 +213,7 @@ class CausalSelfAttention(nn.Module):
             allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if attn_mask is None else attn_mask
             aux["probs"] = F.softmax(att.masked_fill(~allowed, float("-inf")), dim=-1)   # (B, N, T, T)
             o = F.dropout(aux["probs"], p_drop, self.training) @ v          # (B, N, T, D)
-        else:  # Eq. 8; d_k = the head width (64) as in GPT-2 (Eq. 8's "dimension of the embedding layer" would
-            # change the pretrained function)
+        else:  # Eq. 8, d_k = the head width as in GPT-2 (not the paper's "dimension of the embedding layer")
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop,
                                                is_causal=attn_mask is None)   # (B, N, T, D)
         if self.moa:
@@ -264,14 +275,14 @@ class DecisionTransformer(nn.Module):
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5, activation="gelu_new"):
         super().__init__()
         C = cfg.n_embd
-        # the paper only says GPT-2 initialises the transformer layers; the embeddings are DT's (and LaMo's): one
-        # learned embedding per timestep added to each token, in place of GPT-2's position embedding wpe (not used;
-        # nor is its token embedding wte, nor CLIP's token and position embeddings under --init clip)
+        # the paper only says GPT-2 initialises the transformer layers; the embeddings and the head are LaMo's
+        # (srzer/LaMo-2023@3e4fcc8 experiment-d4rl/decision_transformer/models/decision_transformer.py#L102-L135): a
+        # learned timestep embedding in place of GPT-2's wpe (unused, as are wte and CLIP's own embeddings)
         self.embed_timestep = nn.Embedding(max_ep_len, C)
         self.embed_return = nn.Linear(1, C)                  # a linear layer per modality
         self.embed_state = nn.Linear(obs_dim, C)
         self.embed_action = nn.Linear(act_dim, C)
-        self.embed_ln = nn.LayerNorm(C)                      # DT's order: timestep added before this LN (LaMo: after)
+        self.embed_ln = nn.LayerNorm(C)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(C, cfg.n_head, cfg.dropout, eps, cfg.moa, activation)
                                      for _ in range(cfg.n_layer)])
@@ -298,6 +309,9 @@ class DecisionTransformer(nn.Module):
         aux: 'gates' per layer, (B,3K,N) with MoA else None; 'probs' per layer, (B,N,3K,3K) with need_probs else None.
         The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (Eq. 2)."""
         B, K, _ = states.shape
+        # srzer/LaMo-2023@3e4fcc8 experiment-d4rl/decision_transformer/models/decision_transformer.py#L159-L199, with
+        # the timestep added before embed_ln as in DT:
+        # kzl/decision-transformer@e2d82e6 gym/decision_transformer/models/decision_transformer.py#L68-L78
         time = self.embed_timestep(timesteps)                                   # (B, K, C)
         tokens = [self.embed_return(rtg) + time,                               # R_t
                   self.embed_state(states) + time,                             # s_t
@@ -504,7 +518,7 @@ def model_problem(cfg):
         g = GPT2Config()                                 # GPT-2 small (the shape --init random copies)
     else:                                                # a hub name's own, else the checkpoint's config.json
         try:
-            g = local_config(cfg.init)
+            g = config_of(cfg.init, allow_download=False)
         except data_lib.DataError as e:
             return str(e)
     if (cfg.sample or cfg.text_attention) and isinstance(g, CLIPTextConfig):
@@ -537,11 +551,10 @@ def model_problem(cfg):
 
 
 def build_model(cfg, info):
-    """GPT2-DT(MA) with the first n_layer blocks of the pretrained GPT-2 (--init), or the same shape from scratch
-    (--init random). A new build loads the weights and records in info what a rebuild needs without them: the
-    shape and the layer-0 Markov heads (GPT-2 small: 1, 5, 10 as in Tab. 1; another checkpoint: Def. 4.1 on its
-    weights with --markov-r; --init random with more than 10 heads: the paper's 1, 5, 10 by definition, as random
-    weights have none). A rebuild (--resume, analyses) takes them from info; its weights come from the checkpoint."""
+    """GPT2-DT(MA) with the first n_layer blocks of --init, or the same shape from scratch (--init random). A new build
+    loads the weights and records in info what a rebuild (--resume, analyses) needs without them: the shape and the
+    layer-0 Markov heads (GPT-2 small: Tab. 1's 1, 5, 10; another checkpoint: Def. 4.1 with --markov-r; random: the
+    paper's 1, 5, 10 by definition where there are more than 10 heads, else none)."""
     sd = None
     if "shape" not in info:
         info["shape"] = shape_of(cfg)
@@ -577,7 +590,7 @@ def shape_of(cfg):
     """A new run's blocks, before any weight is read: --init's config (GPT-2 small's for 'gpt2', CLIP ViT-B/32's text
     tower for 'clip'; for 'random', GPT-2 small's with --n-embd / --n-head), the first --n-layer blocks."""
     g = (GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12) if cfg.init == "random" else
-         local_config(cfg.init))
+         config_of(cfg.init, allow_download=False))
     return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer, eps=g.layer_norm_epsilon,
                 activation=g.activation)
 
@@ -606,11 +619,11 @@ def paper_context(cfg, d):
 
 
 def loss_fn(model, batch, cfg):
-    """Eq. 3's squared error over the real steps (a mean, as in the DT code: Eq. 3's sum is only a scale) + GPT2-P's
-    alpha * G_Markov (Eq. 9), G_Markov averaged over the real tokens (the paper sums it for one input x). Under --amp
-    the linear layers and attention run in bf16; autocast keeps the LayerNorms and softmaxes (attention and gate) in
-    fp32, and the error is reduced in fp32."""
+    """Eq. 3's squared error, a mean over the real steps (Eq. 3's sum is only a scale) + GPT2-P's alpha * G_Markov
+    (Eq. 9), G_Markov averaged over the real tokens (the paper sums it for one input x). Under --amp autocast keeps the
+    LayerNorms and softmaxes in fp32, and the error is reduced in fp32."""
     pred, aux = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
+    # srzer/LaMo-2023@3e4fcc8 experiment-d4rl/decision_transformer/training/seq_trainer.py#L32-L44
     err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                       # (B, K)
     loss = (err * batch["mask"]).sum() / batch["mask"].sum()
     if cfg.markov_penalty:
@@ -672,7 +685,8 @@ def train(cfg, run, d=None):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)                       # a new run: GPT-2's blocks loaded into it
     opt = torch.optim.AdamW(param_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0))  # App. C
+    # App. C's warmup, as srzer/LaMo-2023@3e4fcc8 experiment-d4rl/experiment.py#L397-L399
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(1, cfg.warmup_steps), 1.0))
     rng = np.random.default_rng(cfg.seed)                           # draws the training windows
     probe = d.sample(cfg.batch_size, cfg.context, np.random.default_rng(cfg.seed + 20_000))   # G_Markov's windows
     probe = {k: v.to(device) for k, v in probe.items()}
@@ -687,6 +701,7 @@ def train(cfg, run, d=None):
             batch = {k: v.to(device, non_blocking=True) for k, v in d.sample(cfg.batch_size, cfg.context, rng).items()}
             with autocast:
                 loss = loss_fn(fwd, batch, cfg)
+            # srzer/LaMo-2023@3e4fcc8 experiment-d4rl/decision_transformer/training/seq_trainer.py#L53-L56
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -775,10 +790,9 @@ def format_markov_table(tables, rs=(8.0, 20.0)):
 
 
 def markov_analysis(cfg, run=None):
-    """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for both
-    readings of A (C x C and D x D) and r = 8 and 20 (Tab. 1; [P-old] Tab. 2 gives the ratios: on GPT-2 heads 1, 5, 10
-    are Markov with 23.61 / 29.67 / 23.7; head 9 passes (ii) at r = 8 with 15.37 but fails (i)); Fig. 3's heatmaps.
-    --init clip: [P-old] Tab. 8, CLIP's text tower (8 heads of width 64, C = 512), the paper's values printed beside."""
+    """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for A read
+    as C x C and D x D and r = 8 and 20 (Tab. 1; [P-old] Tab. 2's ratios: heads 1, 5, 10 at 23.61 / 29.67 / 23.7, head
+    9 15.37 but failing (i)); Fig. 3's heatmaps. --init clip: [P-old] Tab. 8's values printed beside."""
     g = None
     if cfg.init == "random":   # the run's own random start (without a run: a random init of the default shape)
         info = run["ck"]["info"] if run else dict(obs_dim=1, act_dim=1, max_ep_len=1, goal_dim=0)
@@ -1033,28 +1047,8 @@ ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attent
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# pretrained weights (GPT-2, and CLIP's text tower for CLIP-DT): a hand-written safetensors reader, the name mappings,
-# config.json, the cache and the download
-
-SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-                      "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
-                      "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1)}
-MAX_HEADER_BYTES = 100 * 1024 * 1024        # the format's own limit (safetensors rejects larger headers)
-GPT2_URL = "https://huggingface.co/openai-community/gpt2/resolve/main/model.safetensors"
-CLIP_URL = "https://huggingface.co/openai/clip-vit-base-patch32/resolve/main/model.safetensors"   # 605 MB, both towers
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# config.json: each GPT-2 field with its type and the largest value accepted, checked before anything is allocated
-GPT2_LIMITS = dict(vocab_size=1_000_000, n_positions=65_536, n_embd=12_288, n_layer=96, n_head=256)
-CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings", n_embd="hidden_size",
-                 n_layer="num_hidden_layers", n_head="num_attention_heads")   # CLIP's config.json names, same limits
-CLIP_MODEL_TYPES = ("clip", "clip_text_model")   # config.json's model_type of CLIPModel (text_config) / CLIPTextModel
-# where a hub name's model.safetensors is found: Hugging Face cache folders, then this file's cache, else downloaded
-HUB = {"gpt2": dict(repos=("models--openai-community--gpt2", "models--gpt2"), url=GPT2_URL,
-                    cache="model.safetensors", what="GPT-2 small", first="--sample hi"),
-       "clip": dict(repos=("models--openai--clip-vit-base-patch32",), url=CLIP_URL,
-                    cache=os.path.join("clip-vit-base-patch32", "model.safetensors"), what="CLIP ViT-B/32",
-                    first="--markov --init clip")}
-
+# pretrained weights (GPT-2, and CLIP's text tower for CLIP-DT): huggingface_hub finds them in its cache or downloads
+# them once; a hand-written safetensors reader and config.json parser check them; the names are mapped onto the blocks
 
 @dataclass
 class CLIPTextConfig:
@@ -1073,6 +1067,111 @@ class CLIPTextConfig:
 class CheckpointError(data_lib.DataError):
     """A GPT-2 or CLIP checkpoint that cannot be used (missing, truncated, malformed, wrong names, dtypes or shapes):
     one sentence."""
+
+
+# a hub name's repos on the Hugging Face hub: looked up in the cache under each name, downloaded from the first
+HUB = {"gpt2": dict(repos=("gpt2", "openai-community/gpt2"), what="GPT-2 small"),
+       "clip": dict(repos=("openai/clip-vit-base-patch32",), what="CLIP ViT-B/32")}   # 605 MB: both towers
+
+
+def hub_name(init):
+    """'gpt2' or 'clip' where --init names a hub checkpoint (see HUB), else None (a path, or 'random')."""
+    return "gpt2" if init in GPT2_NAMES else "clip" if init in CLIP_NAMES else None
+
+
+def find_weights(init="gpt2", allow_download=True):
+    """--init -> its model.safetensors. A hub name: the Hugging Face cache, else downloaded once into it with its
+    config.json (huggingface_hub shows the progress; offline, one sentence). A path: the file, or the folder
+    holding it."""
+    if name := hub_name(init):
+        hub = HUB[name]
+        for repo in hub["repos"]:
+            path = try_to_load_from_cache(repo, "model.safetensors")
+            if isinstance(path, str):
+                return path
+        repo = hub["repos"][0]
+        how = f"`hf download {repo} model.safetensors config.json`"
+        if not allow_download:
+            raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache; get them with {how}")
+        print(f"downloading {hub['what']} ({repo}) once into the Hugging Face cache", flush=True)
+        offline = huggingface_hub.constants.HF_HUB_OFFLINE
+        try:
+            if not offline:             # no network: fail now, not after a minute of retries
+                socket.getaddrinfo(urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT).hostname, 443)
+            hf_hub_download(repo, "config.json")
+            return hf_hub_download(repo, "model.safetensors")      # beside config.json, in the same snapshot
+        except OSError as e:            # huggingface_hub's errors (offline, HTTP) are OSErrors too
+            why = ("HF_HUB_OFFLINE is set" if offline else
+                   "no network" if isinstance(e, socket.gaierror) else type(e).__name__)
+            raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache and could not be "
+                                  f"downloaded ({why}); with a network run {how} once, or pass --init PATH to a "
+                                  f"local model.safetensors") from None
+    p = os.path.expanduser(init)
+    if os.path.isdir(p):
+        p = os.path.join(p, "model.safetensors")
+    if not os.path.isfile(p):
+        raise CheckpointError(f"no GPT-2 or CLIP checkpoint at {init} (expected model.safetensors or a folder holding "
+                              f"it, or the name 'gpt2' or 'clip')")
+    return p
+
+
+def config_of(init, allow_download=True):
+    """The config of --init's checkpoint: its config.json when there is one beside it (GPT-2's, or CLIP's if its
+    model_type says so), else the hub name's own (GPT-2 small's, CLIP ViT-B/32's text tower's; GPT-2 small's for a
+    file without one). allow_download=False (flag checks, a run's shape): a hub name not on disk yet gives its own."""
+    own = CLIPTextConfig() if hub_name(init) == "clip" else GPT2Config()
+    try:
+        cfg_path = os.path.join(os.path.dirname(find_weights(init, allow_download)), "config.json")
+    except CheckpointError:
+        if hub_name(init) and not allow_download:
+            return own
+        raise
+    return config_from_json(cfg_path) if os.path.isfile(cfg_path) else own
+
+
+def load_checkpoint(init="gpt2"):
+    """-> (config, the blocks' state dict: names h.<i>.*, ln_f.*, nn.Linear layout), checked name by name and shape by
+    shape: GPT-2's (GPT2Config, also wte and wpe), or CLIP's text tower mapped onto the same names (CLIPTextConfig)."""
+    cfg, path = config_of(init), find_weights(init)
+    if isinstance(cfg, CLIPTextConfig):
+        return cfg, clip_state_from_hf(read_safetensors(path, keep=is_clip_text_block), cfg)
+    return cfg, gpt2_state_from_hf(read_safetensors(path), cfg)
+
+
+def load_gpt2_lm(init="gpt2"):
+    """The GPT-2 language model with its pretrained weights (built on the meta device: no init work)."""
+    cfg, sd = load_checkpoint(init)
+    if not isinstance(cfg, GPT2Config):
+        raise CheckpointError(f"{init} is CLIP's text tower, which has no language-model head: GPT-2's text checks "
+                              f"need a GPT-2 checkpoint")
+    with torch.device("meta"):
+        model = GPT2(cfg)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model
+
+
+def tiktoken_gpt2():
+    try:
+        import tiktoken
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:   # offline: tiktoken fetches its BPE files once (requests / urllib errors, by version)
+        raise CheckpointError(f"tiktoken's GPT-2 encoding is not available ({type(e).__name__}: it downloads its BPE "
+                              f"files once; run with a network, or set TIKTOKEN_CACHE_DIR to a folder holding "
+                              f"them)") from None
+
+
+# reading and checking them: a hand-written safetensors reader (no pickle; every offset and shape checked against the
+# file's size first), config.json within bounds, HF's names mapped onto the blocks'
+SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+                      "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+                      "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1)}
+MAX_HEADER_BYTES = 100 * 1024 * 1024        # the format's own limit (safetensors rejects larger headers)
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# config.json: each GPT-2 field with its type and the largest value accepted, checked before anything is allocated
+GPT2_LIMITS = dict(vocab_size=1_000_000, n_positions=65_536, n_embd=12_288, n_layer=96, n_head=256)
+CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings", n_embd="hidden_size",
+                 n_layer="num_hidden_layers", n_head="num_attention_heads")   # CLIP's config.json names, same limits
+CLIP_MODEL_TYPES = ("clip", "clip_text_model")   # config.json's model_type of CLIPModel (text_config) / CLIPTextModel
 
 
 def read_safetensors(path, keep=None):
@@ -1220,17 +1319,6 @@ def clip_state_from_hf(sd, cfg):
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-def read_config_json(path):
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:   # ValueError: bad JSON, or an int of > 4300 digits
-        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 or CLIP config.json") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return hf
-
-
 def checked_config(path, hf, cls, keys, eps_key):
     """cls (GPT2Config or CLIPTextConfig) from the HF config dict hf, its defaults for what hf does not say. keys: our
     field -> hf's name. Types, ranges and sane upper bounds are checked before anything is allocated, so a hostile
@@ -1254,7 +1342,13 @@ def checked_config(path, hf, cls, keys, eps_key):
 def config_from_json(path):
     """HF config.json -> GPT2Config, or CLIPTextConfig where its model_type is CLIP's (CLIPModel's text_config, or a
     CLIPTextModel's own fields)."""
-    hf = read_config_json(path)
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:   # ValueError: bad JSON, or an int of > 4300 digits
+        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 or CLIP config.json") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
     if hf.get("model_type") not in CLIP_MODEL_TYPES:
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -1271,139 +1365,6 @@ def config_from_json(path):
         raise CheckpointError(f"{path}: intermediate_size {str(text['intermediate_size'])[:30]} is not 4 x hidden_size "
                               f"{g.n_embd}, the blocks' MLP width")
     return g
-
-
-def hub_name(init):
-    """'gpt2' or 'clip' where --init names a hub checkpoint (see HUB), else None (a path, or 'random')."""
-    return "gpt2" if init in GPT2_NAMES else "clip" if init in CLIP_NAMES else None
-
-
-def hf_cache_candidates(repos=HUB["gpt2"]["repos"]):
-    """model.safetensors files of these hub repos in the Hugging Face hub cache, newest snapshot first."""
-    roots = []
-    if os.environ.get("HF_HUB_CACHE"):
-        roots.append(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        roots.append(os.path.join(os.environ["HF_HOME"], "hub"))
-    roots.append(os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"))
-    found = []
-    for root in roots:
-        for repo in repos:
-            snaps = os.path.join(root, repo, "snapshots")
-            if os.path.isdir(snaps):
-                for s in sorted(os.listdir(snaps), key=lambda s: -os.path.getmtime(os.path.join(snaps, s))):
-                    p = os.path.join(snaps, s, "model.safetensors")
-                    if os.path.isfile(p):
-                        found.append(p)
-    return found
-
-
-def gpt2_cache_dir():
-    return os.environ.get("GPT2_DTMA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "gpt2_dtma"))
-
-
-def download(url, dest, hub=HUB["gpt2"]):
-    """Download url to dest once, with a progress line: written to dest + '.part', renamed when complete."""
-    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-    tmp = dest + ".part"
-    print(f"downloading {url} -> {dest}", flush=True)
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
-            total, done = int(r.headers.get("Content-Length") or 0), 0
-            while chunk := r.read(1 << 20):
-                f.write(chunk)
-                done += len(chunk)
-                pct = f"{100 * done / total:5.1f}%" if total else ""
-                print(f"\r  {done / 2 ** 20:8.1f} MB {pct}", end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
-        if total and done != total:
-            raise OSError(f"got {done} of {total} bytes")
-    except (OSError, ValueError) as e:                # urllib.error.URLError is an OSError
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache and could not be downloaded "
-                              f"({getattr(e, 'reason', e)}); with a network run `python gpt2_dtma.py {hub['first']}` "
-                              f"once, or pass --init PATH to a local model.safetensors") from None
-    os.replace(tmp, dest)
-    return dest
-
-
-def find_weights(init="gpt2", allow_download=True):
-    """A hub name ('gpt2', 'clip') -> the HF cache, then this file's cache, then download once. A file or folder
-    path -> its model.safetensors."""
-    if name := hub_name(init):
-        hub = HUB[name]
-        found = hf_cache_candidates(hub["repos"])
-        if found:
-            return found[0]
-        dest = os.path.join(gpt2_cache_dir(), hub["cache"])
-        if os.path.isfile(dest):
-            return dest
-        if not allow_download:
-            raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache or {gpt2_cache_dir()}")
-        return download(hub["url"], dest, hub)
-    p = os.path.expanduser(init)
-    if os.path.isdir(p):
-        p = os.path.join(p, "model.safetensors")
-    if not os.path.isfile(p):
-        raise CheckpointError(f"no GPT-2 or CLIP checkpoint at {init} (expected model.safetensors or a folder holding "
-                              f"it, or the name 'gpt2' or 'clip')")
-    return p
-
-
-def named_config(init):
-    """The config of a hub name without reading a file (GPT-2 small's, CLIP ViT-B/32's text tower's), else None."""
-    name = hub_name(init)
-    return GPT2Config() if name == "gpt2" else CLIPTextConfig() if name == "clip" else None
-
-
-def local_config(init):
-    """--init's config before any download (flag checks, a run's shape): the checkpoint's where it is on disk (as
-    load_checkpoint will read it), else the hub name's own."""
-    if hub_name(init):
-        try:
-            find_weights(init, allow_download=False)
-        except CheckpointError:                          # not on disk yet: downloaded later, without a config.json
-            return named_config(init)
-    return config_of(init, allow_download=False)
-
-
-def config_of(init, allow_download=True):
-    """The config of --init's checkpoint: its config.json when there is one beside it (GPT-2's, or CLIP's if its
-    model_type says so), else the hub name's own (GPT-2 small's for a file without one)."""
-    cfg_path = os.path.join(os.path.dirname(find_weights(init, allow_download)), "config.json")
-    return config_from_json(cfg_path) if os.path.isfile(cfg_path) else named_config(init) or GPT2Config()
-
-
-def load_checkpoint(init="gpt2"):
-    """-> (config, the blocks' state dict: names h.<i>.*, ln_f.*, nn.Linear layout), checked name by name and shape by
-    shape: GPT-2's (GPT2Config, also wte and wpe), or CLIP's text tower mapped onto the same names (CLIPTextConfig)."""
-    cfg, path = config_of(init), find_weights(init)
-    if isinstance(cfg, CLIPTextConfig):
-        return cfg, clip_state_from_hf(read_safetensors(path, keep=is_clip_text_block), cfg)
-    return cfg, gpt2_state_from_hf(read_safetensors(path), cfg)
-
-
-def load_gpt2_lm(init="gpt2"):
-    """The GPT-2 language model with its pretrained weights (built on the meta device: no init work)."""
-    cfg, sd = load_checkpoint(init)
-    if not isinstance(cfg, GPT2Config):
-        raise CheckpointError(f"{init} is CLIP's text tower, which has no language-model head: GPT-2's text checks "
-                              f"need a GPT-2 checkpoint")
-    with torch.device("meta"):
-        model = GPT2(cfg)
-    model.load_state_dict(sd, strict=True, assign=True)
-    return model
-
-
-def tiktoken_gpt2():
-    try:
-        import tiktoken
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:   # offline: tiktoken fetches its BPE files once (requests / urllib errors, by version)
-        raise CheckpointError(f"tiktoken's GPT-2 encoding is not available ({type(e).__name__}: it downloads its BPE "
-                              f"files once; run with a network, or set TIKTOKEN_CACHE_DIR to a folder holding "
-                              f"them)") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,10 +7,14 @@ import json
 import math
 import os
 import re
+import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
+import huggingface_hub
+import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
@@ -222,21 +226,52 @@ def test_truncated_real_checkpoint_and_wrong_model_are_clear_errors(tmp_path):
     assert G.load_gpt2_lm(folder).cfg.n_layer == 2
 
 
-def test_gpt2_name_finds_hf_cache_and_download_is_atomic(tmp_path, monkeypatch):
-    snap = tmp_path / "hf" / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"
-    write_hf_folder(str(snap), hf_tiny_state(2))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    assert G.find_weights("gpt2", allow_download=False) == str(snap / "model.safetensors")
-    assert G.load_gpt2_lm("gpt2").cfg.n_embd == 48
-    # download(): a file:// URL stands in for the hub; the result is complete and no .part file is left behind
-    dest = str(tmp_path / "cache" / "model.safetensors")
-    G.download("file://" + str(snap / "model.safetensors"), dest)
-    assert open(dest, "rb").read() == (snap / "model.safetensors").read_bytes()
-    assert os.listdir(tmp_path / "cache") == ["model.safetensors"]
-    with pytest.raises(G.CheckpointError, match="could not be downloaded"):
-        G.download("file://" + str(tmp_path / "missing.bin"), str(tmp_path / "c2" / "model.safetensors"))
-    assert not os.path.exists(tmp_path / "c2" / "model.safetensors.part")
+def hub_snapshot(monkeypatch, cache, repo, commit="abc123"):
+    """A Hugging Face cache at `cache` holding `repo` at `commit` (refs/main names it), made the cache huggingface_hub
+    reads (it reads HF_HUB_CACHE once, at import) -> the snapshot folder, for the files."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(commit)
+    (folder / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return folder / "snapshots" / commit
+
+
+def test_gpt2_name_finds_hf_cache_downloads_once_and_offline_is_one_sentence(tmp_path, monkeypatch):
+    for repo in ("openai-community/gpt2", "gpt2"):                 # the cache under either of the hub's names
+        snap = write_hf_folder(str(hub_snapshot(monkeypatch, tmp_path / repo, repo)), hf_tiny_state(2))
+        assert G.find_weights("gpt2", allow_download=False) == os.path.join(snap, "model.safetensors")
+        assert G.load_gpt2_lm("gpt2").cfg.n_embd == 48                # its config.json was read
+    # not cached: both files downloaded once into the cache (a stand-in for the hub), then found there
+    hub, fetched = write_hf_folder(str(tmp_path / "hub"), hf_tiny_state(2)), []
+
+    def download(repo, filename):
+        fetched.append((repo, filename))
+        dest = hub_snapshot(monkeypatch, tmp_path / "fresh", repo) / filename
+        shutil.copyfile(os.path.join(hub, filename), dest)
+        return str(dest)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)    # never the network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "fresh"))
+    monkeypatch.setattr(G, "hf_hub_download", download)
+    assert G.load_gpt2_lm("gpt2").cfg.n_embd == 48 and G.load_gpt2_lm("gpt2").cfg.n_layer == 2
+    assert fetched == [("gpt2", "config.json"), ("gpt2", "model.safetensors")]
+    # not cached and offline (huggingface_hub itself, never the network): one sentence that says what to run
+    monkeypatch.setattr(G, "hf_hub_download", huggingface_hub.hf_hub_download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(G.CheckpointError) as e:
+        G.load_gpt2_lm("gpt2")
+    msg = str(e.value)
+    assert "GPT-2 small weights are not in the Hugging Face cache and could not be downloaded" in msg, msg
+    assert "`hf download gpt2 model.safetensors config.json`" in msg and "\n" not in msg
+    assert not [f for f in (tmp_path / "empty").rglob("*") if f.is_file()]        # nothing half-written left behind
+
+    def no_network(*a, **kw):   # not offline, but no network: one sentence at once, not after huggingface_hub's retries
+        raise socket.gaierror(-2, "Name or service not known")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(G.socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(G, "hf_hub_download", lambda *a, **kw: pytest.fail("went on to the download"))
+    with pytest.raises(G.CheckpointError, match=r"could not be downloaded \(no network\); with a network run `hf"):
+        G.load_gpt2_lm("gpt2")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -889,10 +924,7 @@ def test_cli_clip_dt_from_the_hub_name_offline(tiny_hopper, tmp_path, capsys, mo
     """--init clip finds openai/clip-vit-base-patch32 in the Hugging Face cache (a tiny one planted there), trains
     CLIP-DT in a run folder named after the init, keeps CLIP's blocks and QuickGELU in the checkpoint, and --markov on
     the run shows its heads at the start and after fine-tuning. Not cached and offline: one sentence."""
-    snap = tmp_path / "hf" / "hub" / "models--openai--clip-vit-base-patch32" / "snapshots" / "abc"
-    hf = hf_tiny_clip(str(snap), full=True)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    hf = hf_tiny_clip(str(hub_snapshot(monkeypatch, tmp_path / "hf", "openai/clip-vit-base-patch32")), full=True)
     monkeypatch.chdir(tmp_path)
     args = ["--dataset", tiny_hopper, "--init", "clip", "--no-moa", "--n-layer", 1, "--batch-size", 4, "--context", 4,
             "--steps", 2, "--eval-every", 2, "--eval-episodes", 1, "--log-every", 1]
@@ -911,13 +943,12 @@ def test_cli_clip_dt_from_the_hub_name_offline(tiny_hopper, tmp_path, capsys, mo
         G.main(["--sample", "hi", "--init", "clip"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and "no language-model head" in err and "\n" not in err, err
-    # not cached, and the download fails (a file:// URL stands in for an offline hub): one sentence, no .part left
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
-    monkeypatch.setenv("GPT2_DTMA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(G.HUB["clip"], "url", "file://" + str(tmp_path / "offline.bin"))
+    # not cached, and offline (huggingface_hub itself, never the network): one sentence, nothing left half-written
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
     with pytest.raises(SystemExit) as e:
         G.main(["--markov", "--init", "clip", "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and "CLIP ViT-B/32 weights are not in the Hugging Face cache" in err, err
-    assert "--markov --init clip" in err and "\n" not in err
-    assert not any(p.name.endswith(".part") for p in (tmp_path / "cache").rglob("*"))
+    assert "`hf download openai/clip-vit-base-patch32 model.safetensors config.json`" in err and "\n" not in err
+    assert not [f for f in (tmp_path / "empty").rglob("*") if f.is_file()]

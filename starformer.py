@@ -62,8 +62,9 @@ resume are evaluate.py's (the run record). Outputs go to runs/starformer/<env>/<
 Departures from the paper and the official code (#Lnn alone: a line of atari_and_dmc/starformer.py above):
  1. Gym: lr 1e-4, decay 1e-4, clip 0.25, 10k warmup, as the official gym code (gym/experiment.py#L365); Table 6's
     6e-4 / 0.1 / 1.0 are DT's Atari values (the paper keeps DT's settings otherwise, A.3) and serve Atari here.
- 2. Gym sizes are Table 6's; the official gym code's smaller ones (gym/experiment.py#L280) are --preset code.
- 3. The Step group is (a, r, s^1..n) as the paper writes it; the code puts r last (#L112): only FC_l's rows permute.
+ 2. Gym sizes are Table 6's, which the paper does not limit to Atari; the official gym code's smaller ones
+    (gym/experiment.py#L280) are --preset code.
+ 3. The Step group is (a, r, s^1..n) as the paper writes it; the code puts r last (#L112), permuting FC_l's weights.
  4. The null action and r_0 = 0 fill an episode's first group only, as in evaluation; the official Atari code gives
     them to every training window's first group (atari_and_dmc/run_star_atari.py#L138).
  5. Group t holds r_{t-1} in training as in evaluation; the official gym code trains on r_t, the consequence of the

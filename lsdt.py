@@ -1,8 +1,10 @@
 r"""
 Long-Short Decision Transformer (LSDT): "Long-Short Decision Transformer: Bridging Global and Local Dependencies
-for Generalized Decision-Making" (anonymous ICLR submission; official code
-github.com/WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER). Decision Convformer (DC, Kim et al. 2023) is in here
-too, as the paper uses it: a conv-only special case and the source of LSDC's short-term branch.
+for Generalized Decision-Making" (anonymous ICLR submission). Official code, built on min-decision-transformer:
+https://github.com/WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER/blob/1feb77acff9b4a2ab6aa889210887f7d96918b1d/decision_transformer/LSDT.py#L137
+Decision Convformer (DC, Kim et al. 2023) is in here too, as the paper uses it: a conv-only special case and the
+source of LSDC's short-term branch. Its official code:
+https://github.com/beanie00/Decision-ConvFormer/blob/3db9b9ecf6885b1ed9c1e7a20d5dd92aa132b1ef/gym/models/decision_convformer.py#L43
 
 LSDT is dt.py's Decision Transformer with one change in every block (Sec. 3.2.1, Fig. 4): the token mixer splits the
 D channels, (1 - xi) D go to causal self-attention (long-term branch) and xi D to a causal dynamic convolution over
@@ -11,8 +13,6 @@ Module (HFM, App. B.3) and projected by W_O. xi = 0 is DT's attention, xi = 1 a 
     X[..., :D_a] -> causal multi-head attention (long-term)  --\
                                                                concat -> HFM -> W_O -> + X -> LN -> MLP ...
     X[..., D_a:] -> causal DynamicConv, k_m taps (short-term) --/
-App. B.10 (Table 8) tried two other routings: LSDT-res projects each part, X_i + Linear_i(X_i), before its branch;
-LSDT-weight feeds all D channels to both branches and joins them by a learned weighted sum (a modified HFM).
 
     python lsdt.py --env hopper-medium               # the paper's hopper-medium row: xi=1, D=256, no action tokens
     python lsdt.py --env hopper-medium --preset cpu  # small configuration for a 2-core laptop
@@ -29,7 +29,7 @@ What each flag reproduces:
     --dropkey P              Table 6 (DropKey in place of attention dropout, B.8)
     --kernel K_M             Table 7 (kernel size, B.7 / B.9)
     --no-action-tokens       D.2 (hopper-medium is trained on (R, s) tokens only)
-    --norm pre               Figure 1 as drawn (pre-LN; the official code is post-LN)
+    --norm pre               Figure 1 as drawn (pre-LN)
     --plot-mixing            Fig. 3 and 9 (attention and dynamic-kernel matrices), Fig. 11 (HFM weights)
     --plot-paths             Fig. 8 (maze paths of the run's policy over the dataset's goals, B.1)
 
@@ -42,24 +42,36 @@ Glossary (paper symbol -> code name; R_t, s_t, a_t, t, B and mask as in dt.py):
     D_a     attention-branch channels, D - D_c                                 LongShortMixer.da
     N_h     attention heads of the long-term branch; d = D_a / N_h per head    Config.n_head; hs
     k_m     causal taps of a dynamic kernel, the current token included (B.7)  Config.kernel, DynamicConv.k
-    k       the code's centred kernel, 2 k_m - 1 taps, future half masked      (not stored: the same function)
     H_c     dynamic kernels per token, D_c / 4 (4 channels share one)          DynamicConv.heads
     U       GLU(X_2 W_1), the conv branch's input                              u (B, L, D_c)
     alpha   softmax-normalised dynamic kernels, Eq. 1                          alpha (B, L, k_m, H_c)
     P       attention probabilities softmax(Q K^T / sqrt(d))                   probs (B, N_h, L, L), analysis path
     A       HFM weights softmax(Z), over channels (Eq. 4)                      HybridFusion.weights (B, L, D)
-    A_att   LSDT-weight: the attention branch's share per channel (B.10)      BranchWeighting.weights (B, L, D)
     W_O     output projection after the concat                                 LongShortMixer.c_proj
-    L_w     DC's static filter window (6 tokens)                               Config.kernel with --conv dc
     g       goal (x, y) appended to the state (goal-state conditioning, 3.3)   the last goal_dim entries of states
 
-Under --amp (bf16 autocast) the Linears and matmuls (W_1, W_w, W_2, Q K^T, P V, HFM, W_O, MLP) run in bf16 and
-autocast's own rules keep its fp32 ops; nothing in LSDT is a recurrence, and the loss is reduced in fp32.
-
 Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (the
-per-dataset table, data, schedule, loss, policy) -> train(), the loop, as in dt.py -> the mixing maps and maze paths
-(Fig. 3, 8, 9, 11) -> --bench -> main(), which lays the dataset's row under the flags. The run folder, checkpoint and
-exact resume are evaluate.py's (the run record). Outputs go to runs/lsdt/<env>/<variant>/seed<N>/.
+per-dataset table, data, schedule, loss, policy) -> train(), as in dt.py -> the mixing maps and maze paths (Fig. 3, 8,
+9, 11) -> --bench -> main(). The run record is evaluate.py's. Outputs go to runs/lsdt/<env>/<variant>/seed<N>/.
+
+Departures from the paper and the official code:
+ 1. Post-LN blocks, no final LN, as the official code (LSDT.py#L262), which produced the paper's numbers; the paper's
+    Figure 1 draws pre-LN (--norm pre).
+ 2. HFM's softmax (Eq. 4) is over channels, as the code (LSDT.py#L200) and Fig. 11; the text says "time dimension".
+ 3. DynamicConv predicts only the k_m causal taps; the code predicts 2 k_m - 1 centred taps and masks the future half
+    (LSDT.py#L88): the same function without dead weights (W_w's Xavier init scale differs with its width).
+ 4. xi = 0 is attention + W_O without HFM, the paper's "standard DT"; the code fails there (LSDT.py#L173).
+ 5. --no-action-tokens (D.2's hopper-medium) is DC's remove_act_embs; the released LSDT code has no such path.
+ 6. --dropkey drops logits to -inf, never a token's own key (Li et al. 2022); the code has DropKey only commented out,
+    adding 1e-13 to the logits (LSDT.py#L229), which drops nothing.
+ 7. Windows are data.py's: episodes in proportion to length, left-padded as evaluation feeds them, padding masked;
+    the code draws episodes uniformly and windows whole where it can (utils_o.py#L180).
+ 8. DC's filters read padding tokens as zeros, so a padded window gives what the unpadded one gives; DC's code
+    convolves over the embedded padding tokens.
+ 9. The Maze2d rows serve Minari's PointMaze with data.py's target for RTG 300: Minari's maze episodes stop at the
+    goal (returns ~1 sparse, ~20 dense), D4RL maze2d's never do.
+10. A run keeps its last checkpoint (evaluate.py report gives the last and the best evaluation); the code saves the
+    best of its 200 evaluations (scripts/train.py#L266), a choice made on the test env.
 """
 import dataclasses
 import math
@@ -83,38 +95,19 @@ def arg(default, help, run=False):
 
 @dataclass
 class Config:
-    # data and run
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    # --- the paper's settings (what is trained): data, optimisation (Table 13), the model (Table 13, official code)
     delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
                                       "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
                                       "is still the env's own return")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    steps: int = arg(100_000, "gradient steps (Table 13: 1e5; LSDT's cosine ends at --steps: resume with the same)",
-                     run=True)
     batch_size: int = arg(64, "windows per batch (Table 13: 64 locomotion, 256 mazes)")
     context: int = arg(10, "K, timesteps the model sees (Table 5)")
     lr: float = arg(1e-4, "AdamW learning rate (Table 13: 1e-4 locomotion, 2e-4 mazes)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (Tables 12, 13)")
     warmup_steps: int = arg(10_000, "linear warmup; then LSDT: cosine to 0 at --steps (Table 13); DC: constant")
     grad_clip: float = arg(0.25, "gradient-norm clip (Tables 12, 13)")
-    eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (official code: 500, "
-                                 "to keep the best checkpoint; the paper is silent)", run=True)
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel (Table 1: 20 locomotion; mazes: 100, "
-                                 "from the dataset's row)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw units; default: the paper's (Table 5), else the "
-                                     "dataset's targets", run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    out: str = arg("", "output folder; default runs/lsdt/<env>/<variant>/seed<N>", run=True)
-    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
-    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
-                      run=True)
     paper_table: bool = arg(True, "apply PAPER_TABLE's row for the dataset (K, xi, RTG, width...) under the flags")
-    # model (Table 13 and the official code)
     arch: str = arg("lsdt", "lsdt | dc (Decision Convformer) | dc_h (DC with attention in the last block)")
     n_layer: int = arg(3, "blocks")
     n_embd: int = arg(128, "token width D (256 for hopper-medium / -medium-replay)")
@@ -123,41 +116,52 @@ class Config:
     kernel: int = arg(6, "k_m, causal taps of the conv branch incl. the current token (3 for Maze2d; DC: window)")
     conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv, LSDT) | dc (DC's static filters, LSDC)")
     fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
-    routing: str = arg("split", "how a block feeds its two branches (App. B.10, Table 8): split (LSDT: X_1 | X_2, "
-                                "(1-xi) D | xi D channels) | res (LSDT-res: X_i + Linear_i(X_i) into each branch) | "
-                                "weight (LSDT-weight: all D channels into both branches, joined by a learned weighted "
-                                "sum; xi unused)")
+    routing: str = arg("split", "how a block feeds its branches (App. B.10, Table 8): split (LSDT: X_1 | X_2) | res "
+                                "(LSDT-res: X_i + Linear_i(X_i) into each) | weight (LSDT-weight: all D channels into "
+                                "both, joined by a learned weighted sum; xi unused)")
     norm: str = arg("post", "post (official code) | pre (the paper's Figure 1, and DC)")
     dropout: float = arg(0.25, "dropout after W_O and after the MLP")
     attn_dropout: float = arg(0.1, "dropout on the attention output P V (official code)")
     conv_dropout: float = arg(0.2, "dropout on the dynamic-kernel logits before the softmax (official code)")
     embd_dropout: float = arg(0.0, "dropout on the token embeddings (none in LSDT, 0.1 in DC)")
-    dropkey: float = arg(0.0, "DropKey (B.8, Table 6): drop attention logits with this probability while training, "
-                              "in place of --attn-dropout")
+    dropkey: float = arg(0.0, "DropKey (B.8, Table 6): drop attention logits with this probability, not --attn-dropout")
     action_tokens: bool = arg(True, "a_t tokens in the sequence; --no-action-tokens: (R, s) only (D.2, hopper-medium)")
     goal_state: bool = arg(True, "goal-state conditioning (Sec. 3.3): keep desired_goal in the state on goal tasks")
-    # analysis (reads the run's checkpoint, never trains)
+    # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (Table 13: 1e5; the cosine ends here: resume with the same)", run=True)
+    eval_every: int = arg(500, "evaluate and checkpoint every this many steps and at the end (official code: 500)",
+                          run=True)
+    eval_episodes: int = arg(20, "episodes per target, in parallel (Table 1: 20 locomotion, 100 mazes)", run=True)
+    target_return: float = arg(None, "return-to-go prompt in raw units; default: the paper's (Table 5), else the "
+                                     "dataset's targets", run=True)
+    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/lsdt/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    bench: bool = arg(False, "time training steps (eager vs compiled, AMP on CUDA) on synthetic data; exit", run=True)
     plot_mixing: bool = arg(False, "write mixing.png from the run's checkpoint: attention / dynamic-kernel maps and "
                                    "HFM weights of block 1 (Fig. 3, 9, 11)", run=True)
-    plot_paths: bool = arg(False, "write paths.png from the run's checkpoint: --eval-episodes maze rollouts drawn over "
-                                  "the dataset's goals (Fig. 8)", run=True)
+    plot_paths: bool = arg(False, "write paths.png from the run's checkpoint: --eval-episodes maze rollouts over the "
+                                  "dataset's goals (Fig. 8)", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
+                           "rendered offscreen (MuJoCo)", run=True)
 
 
-# A small LSDT for a 2-core CPU at dt.py's cpu-preset budget. The preset wins over the dataset's PAPER_TABLE row for
-# what sets the compute (width, depth, batch, lr, schedule); the row still sets the paper's per-dataset modelling
-# choices: K, xi, k_m, heads, action tokens and the RTG target (Config < row < --arch < --preset < flags).
-# On mazes (data.is_maze) the preset's K=1 wins over Table 5's K=20, with 50 evaluation episodes: measured on
-# replica/pointmaze/medium-dense-v0 (50 episodes, the best return as target), K=20 reaches the goal in 24% of
-# episodes (511 steps to it, seed 0), K=20 without action tokens 74% (369), K=1 92% / 76% (302 / 380, seeds 0 / 1).
-# The data's actions carry N(0, 0.5^2) noise: a history of them is a guide to copy rather than to use. --context 20
-# gives the paper's K.
+# A small LSDT for a 2-core CPU at dt.py's cpu-preset budget. The preset sets the compute (width, depth, batch, lr,
+# schedule) over the dataset's PAPER_TABLE row, which still sets K, xi, k_m, heads, action tokens and the RTG target
+# (Config < row < --arch < --preset < flags). Mazes: K=1 over Table 5's K=20 (--context 20 gives it back), with 50
+# evaluation episodes; the data's actions carry N(0, 0.5^2) noise, a history to copy rather than use
+# (replica/pointmaze/medium-dense-v0, seed 0: 92% of episodes reach the goal at K=1, 24% at K=20).
 PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000,
                        eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
 
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
+# Under --amp (bf16 autocast) the Linears and matmuls run in bf16; nothing here is a recurrence or a long sum.
 
 def conv_dims(cfg):
     """D_c per block: round(xi D) for LSDT / LSDC (Sec. 3.2.1); D for DC; DC_h: D, ..., D, 0 (attention last).
@@ -171,16 +175,17 @@ def conv_dims(cfg):
 
 
 class CausalSelfAttention(nn.Module):
-    """Long-term branch (Sec. 3.2.1): causal multi-head self-attention over the first D_a channels. Its output
-    projection is the mixer's shared W_O. The probabilities are computed explicitly for the analysis (keep=True, Fig. 3)
-    and for DropKey; otherwise torch's fused attention computes the same softmax(q k^T / sqrt(hs)) v."""
+    """Long-term branch (Sec. 3.2.1): causal multi-head self-attention over the first D_a channels; its output
+    projection is the mixer's shared W_O. P is computed explicitly for the analysis (keep=True, Fig. 3) and DropKey;
+    otherwise torch's fused attention computes the same softmax(q k^T / sqrt(hs)) v."""
 
     def __init__(self, dim, n_head, attn_dropout, dropkey):
         super().__init__()
         assert dim % n_head == 0, f"{dim} attention channels do not split into {n_head} heads"
         self.n_head, self.dropkey = n_head, dropkey
         self.c_attn = nn.Linear(dim, 3 * dim)          # W_Q || W_K || W_V (the code's three Linears, fused)
-        # official code: dropout on P V, not on P; B.8: DropKey replaces it
+        # dropout on P V, not on P (B.8: DropKey replaces it)
+        # WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L238
         self.drop = nn.Dropout(0.0 if dropkey else attn_dropout)
         self.keep = False                              # analysis: keep the last probabilities in self.probs
         self.probs = None
@@ -208,15 +213,15 @@ class CausalSelfAttention(nn.Module):
 
 
 class DynamicConv(nn.Module):
-    """Short-term branch: causal DynamicConv (Wu et al. 2019; paper Eq. 1), as the official code (ESPnet's
-    DynamicConvolution with a kernel mask) computes it:
+    """Short-term branch: causal DynamicConv (Wu et al. 2019; paper Eq. 1) as the official code computes it, ESPnet's
+    DynamicConvolution with a kernel mask:
         U = GLU(X W_1)                                  input GLU, (B, L, D_c)
         alpha[i, h, :] = softmax(dropout(U_i W_w))      one kernel of k_m taps per token i and head h
         Y[i, c] = sum_j alpha[i, h(c), j] U[i-k_m+1+j, c] + b_c,  h(c) = c // 4   (4 channels share a kernel)
         out = Y W_2
-    The code predicts a centred kernel of k = 2 k_m - 1 taps and masks the k_m - 1 future ones to -inf; predicting
-    only the k_m causal taps is the same function (B.7) with fewer dead weights. Taps that fall before the sequence or
-    on left padding are masked too and the softmax renormalises over the rest (as in the code; no zero padding)."""
+    Only the k_m causal taps are predicted (the code: k = 2 k_m - 1 centred taps, the future half masked; departure 3).
+    Taps before the sequence or on left padding are masked, the softmax renormalising over the rest (as the code).
+    WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L22"""
 
     def __init__(self, dim, k_m, conv_dropout, channels_per_kernel=4):
         super().__init__()
@@ -252,7 +257,9 @@ class DynamicConv(nn.Module):
 class DCConv(nn.Module):
     """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1): three static causal depthwise filters of
     window L_w, one per token type (R, s, a); token i takes the output of the filter of its own type. No softmax,
-    no GLU, no projection. Used as LSDC's short-term branch (paper Sec. 4.4, D.3) and as DC's mixer."""
+    no GLU, no projection. LSDC's short-term branch (paper Sec. 4.4, D.3) and DC's mixer:
+    beanie00/Decision-ConvFormer@3db9b9e gym/models/decision_convformer.py#L43
+    WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDC.py#L20"""
 
     def __init__(self, dim, window, n_types):
         super().__init__()
@@ -263,9 +270,7 @@ class DCConv(nn.Module):
 
     def forward(self, x, real):
         B, L, C = x.shape                                                  # x: (B, L, D_c); real: (B, L) bool
-        # Padding tokens enter as zeros, exactly the zeros DC pads a sequence with, so a left-padded window gives
-        # the same outputs as the shorter unpadded one (DC's code convolves over embedded padding tokens instead).
-        x = x * real[..., None]
+        x = x * real[..., None]                   # padding tokens as the zeros DC pads with (departure 8)
         win = F.pad(x, (0, 0, self.w - 1, 0)).unfold(1, self.w, 1)        # (B, L, D_c, w): x[i-w+1 .. i]
         types = torch.arange(L, device=x.device) % self.n_types           # (L,) 0 = R, 1 = s, 2 = a
         y = torch.einsum("blcw,lcw->blc", win, self.weight[types])        # (B, L, D_c)
@@ -283,9 +288,8 @@ class HybridFusion(nn.Module):
         self.weights = None
 
     def forward(self, y):
-        # y: (B, L, D) = concat(Y_att, Y_conv)
-        # Eq. 4: the text says softmax over the "time dimension"; the official code (and Fig. 11, weights per
-        # channel) take it over channels, so each token's D weights sum to 1. We follow the code.
+        # y: (B, L, D) = concat(Y_att, Y_conv). Eq. 4's softmax over channels, each token's D weights summing to 1
+        # (departure 2): WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L195
         a = self.expand(F.relu(self.reduce(y))).softmax(-1)  # (B, L, D) A = softmax(Z), Eqs. 2-4
         if self.keep:
             self.weights = a.detach()
@@ -316,9 +320,10 @@ class BranchWeighting(nn.Module):
 
 class LongShortMixer(nn.Module):
     """The Masked Long-Short block's token mixer (Sec. 3.2.1, Fig. 4), in place of DT's attention: split the channels
-    (1-xi)D | xi D, attention on the first part, causal conv on the second, concatenate, fuse (HFM), W_O, dropout.
+    (1-xi)D | xi D, attention on the first part, causal conv on the second, concatenate, fuse (HFM), W_O, dropout:
+    WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L182
     --routing (App. B.10, Table 8): res adds X_i + Linear_i(X_i) before each branch; weight gives both branches all of
-    X and joins them with BranchWeighting in place of the concatenation and HFM."""
+    X and joins them with BranchWeighting (no concat, no HFM)."""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
@@ -333,20 +338,18 @@ class LongShortMixer(nn.Module):
             self.conv = (DynamicConv(self.dc, cfg.kernel, cfg.conv_dropout) if cfg.conv == "dynamic"
                          else DCConv(self.dc, cfg.kernel, n_types))
         # App. B.10, LSDT-res: "two separate linear projections with residual connections before feeding inputs to the
-        # branches", no equations given; chosen: each projection maps its own part, X_1 + W_r1 X_1 (D_a -> D_a) and
-        # X_2 + W_r2 X_2 (D_c -> D_c), one per branch the block has
+        # branches" (no equations); chosen: X_1 + W_r1 X_1 (D_a -> D_a), X_2 + W_r2 X_2 (D_c -> D_c), per branch
         res = cfg.routing == "res"
         self.res_attn = nn.Linear(self.da, self.da) if res and self.attn is not None else None
         self.res_conv = nn.Linear(self.dc, self.dc) if res and self.conv is not None else None
-        # HFM only when both branches exist (code); xi = 0 is then exactly DT's attention + W_O. The paper does not
-        # define xi = 0 (the official code fails there: ESPnet's DynamicConv with 0 channels). LSDT-weight: its own
-        # "modified HFM" (App. B.10) in place of the concatenation and HFM
+        # HFM only when both branches exist (code), so xi = 0 is DT's attention + W_O (departure 4). LSDT-weight: its
+        # own "modified HFM" (App. B.10) in place of the concatenation and HFM
         if cfg.routing == "weight":
             self.fuse = BranchWeighting(D)
         else:
             self.fuse = HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None
-        # DC's conv mixer has no output projection and no dropout (x = x + conv(LN(x)), DC code); everything else
-        # (LSDT, LSDC, DC_h's attention) has W_O followed by dropout.
+        # DC's conv mixer has no W_O and no dropout, where LSDT, LSDC and DC_h's attention have W_O, then dropout
+        # beanie00/Decision-ConvFormer@3db9b9e gym/models/decision_convformer.py#L101
         self.c_proj = None if (cfg.arch in ("dc", "dc_h") and not self.da) else nn.Linear(D, D)
         self.resid_drop = nn.Dropout(cfg.dropout) if self.c_proj is not None else nn.Identity()
 
@@ -376,8 +379,9 @@ class LongShortMixer(nn.Module):
 
 
 class Block(nn.Module):
-    """One layer. 'post' (official code, min-decision-transformer): x = LN(x + mixer(x)); x = LN(x + MLP(x)).
-    'pre' (the paper's Figure 1, dt.py's GPT-2 block, and DC): x = x + mixer(LN(x)); x = x + MLP(LN(x))."""
+    """One layer. 'post' (official code): x = LN(x + mixer(x)); x = LN(x + MLP(x)).
+    'pre' (the paper's Figure 1, dt.py's GPT-2 block, and DC): x = x + mixer(LN(x)); x = x + MLP(LN(x)).
+    WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L262"""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
@@ -416,15 +420,17 @@ class LSDT(nn.Module):
         self.ln_f = nn.LayerNorm(D) if cfg.norm == "pre" else nn.Identity()  # no final LN in the post-LN code
         self.predict_action = nn.Sequential(nn.Linear(D, act_dim), nn.Tanh())  # actions live in [-1, 1]
         if cfg.arch == "lsdt":
-            # official LSDT code: Xavier-uniform weights and zero biases for every Linear and Embedding
+            # Xavier-uniform weights, zero biases, every Linear and Embedding
+            # WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L315
             for m in self.modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):
                     nn.init.xavier_uniform_(m.weight)
                 if isinstance(m, nn.Linear):
                     nn.init.zeros_(m.bias)
         else:
-            # DC's code: GPT-2's N(0, 0.02) with zero biases inside the blocks only (its GPT2Model's init); the
-            # embeddings, embed_ln and predict_action keep PyTorch's default init, its conv filters nn.Conv1d's
+            # DC: GPT-2's N(0, 0.02), zero biases, inside the blocks only; the embeddings, embed_ln, predict_action keep
+            # PyTorch's default, its filters nn.Conv1d's
+            # beanie00/Decision-ConvFormer@3db9b9e gym/models/decision_convformer.py#L123
             for m in self.blocks.modules():
                 if isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, mean=0.0, std=0.02)
@@ -469,22 +475,17 @@ CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm
                routing=("split", "res", "weight"))
 
 # The paper's per-dataset settings: K and RTG target (Table 5), best xi (Table 14), width (Table 13 / D.2), heads,
-# batch, lr, kernel (Table 13), action tokens (D.2: hopper-medium is trained without them). Keys are the D4RL
-# names; paper_row() maps Minari ids onto them (mujoco/hopper/medium-v0, replica/pointmaze/medium-dense-v0, ...).
-# Maze rows are the paper's Maze2d rows (D4RL maze2d-*-v1), used for Minari's PointMaze. Their RTG target (300)
-# is on the scale of D4RL maze2d's never-ending sparse episodes; Minari's maze episodes stop at the goal (returns
-# ~1 sparse, ~20 dense), so None there means "data.py's target, the dataset's median episode return".
+# batch, lr, kernel (Table 13), action tokens (D.2). Keys are D4RL names; paper_row() maps Minari ids onto them.
+# The Maze2d rows serve Minari's PointMaze with target None, data.py's (the median episode return; departure 9).
 _LOCO = dict(n_embd=128, n_head=1, batch_size=64, lr=1e-4, kernel=6, action_tokens=True)
 _MAZE = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=3, action_tokens=True, context=20,
              target_return=None, eval_episodes=100)     # Table 3 (Maze2d): 4 seeds x 100 evaluations
 # AntMaze RTG 100 is on D4RL's 0/1 scale; Minari's (maze_v4.py) pays 1 per step at the goal: returns 0..700/1000
 _ANT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True, context=10,
             target_return=100.0, eval_episodes=100)     # Table 1 (AntMaze): 4 seeds x 100 evaluations
-# Adroit (Table 9, App. C: D4RL's v0 human and cloned sets, 5 seeds x 20 evaluations; here Minari's D4RL/<task>/*-v2):
-# Table 13's Adroit column (D = 128, 2 heads, batch 256, lr 2e-4, k_m = 6, RTG scale 1 in data.py). The paper gives
-# no Adroit K, xi or RTG target (Tables 5 and 14 have no Adroit row, the official code no Adroit script), so those are
-# left out: Config's K = 10 and xi = 0.5 (the 50% the paper recommends as a "practical default"), and data.py's target,
-# the dataset's best episode return.
+# Adroit (Table 9: D4RL's v0 human and cloned sets, 5 seeds x 20 evaluations; here Minari's D4RL/<task>/*-v2):
+# Table 13's Adroit column. The paper gives no Adroit K, xi or RTG target, so Config's K = 10 and xi = 0.5 (its
+# "practical default") apply, with data.py's target (the best episode return).
 _ADROIT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True, eval_episodes=20)
 PAPER_TABLE = {
     "halfcheetah-medium":        dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
@@ -536,8 +537,9 @@ def paper_settings(cfg, given):
     kept = set(given) | set(PRESETS.get(cfg.preset, {}))
     conv = cfg.conv if "conv" in kept else layers.get("conv", cfg.conv)
     if conv == "dc" and "kernel" in row:
-        # LSDC and DC keep DC's window of 6 tokens (the official LSDC code hard-codes it) where the maze row sets
-        # LSDT's k_m = 3 (Table 13's "3, Maze2d" is DynamicConv's kernel)
+        # LSDC and DC keep DC's window of 6 tokens where the maze row sets LSDT's k_m = 3 (Table 13's "3, Maze2d" is
+        # DynamicConv's kernel); the official LSDC hard-codes 6:
+        # WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDC.py#L23
         layers = dict(layers, kernel=ARCH_DEFAULTS["dc"]["kernel"])
     changes = {k: v for k, v in layers.items() if k not in kept and getattr(cfg, k) != v}
     return dataclasses.replace(cfg, **changes), changes
@@ -557,39 +559,36 @@ def check_model(cfg, changes=()):
         set_by = ", ".join(f"--{k.replace('_', '-')} {changes[k]}" for k in names if k in changes)
         return f" ({set_by} from {settings_source(cfg)}; override with flags)" if set_by else ""
 
-    problem = next((f"unknown --{name} '{getattr(cfg, name)}'; use {', '.join(ok[:-1])} or {ok[-1]}"
-                    for name, ok in CHOICES.items() if getattr(cfg, name) not in ok), None)
-    dims = conv_dims(cfg) if problem is None else []
-    if problem is None and not 0.0 <= cfg.conv_ratio <= 1.0:
-        problem = f"--conv-ratio must lie in [0, 1], got {cfg.conv_ratio}"
-    elif problem is None and cfg.kernel < 1:
-        problem = f"--kernel must be a positive number of taps, got {cfg.kernel}"
-    elif problem is None and not 0.0 <= cfg.dropkey < 1.0:
-        problem = f"--dropkey must lie in [0, 1), got {cfg.dropkey}"
-    elif problem is None and cfg.routing != "split" and cfg.arch != "lsdt":
-        problem = (f"--routing {cfg.routing} is an LSDT variant (App. B.10, Table 8) and --arch {cfg.arch} has its own "
-                   f"mixers; use --routing {cfg.routing} with --arch lsdt")
-    elif problem is None and cfg.routing == "weight" and cfg.fusion != "hfm":
-        problem = (f"--routing weight joins its branches by its own learned weighted sum, so --fusion {cfg.fusion} "
-                   f"has nothing to join; drop --fusion, or use --routing split or res")
-    elif problem is None and cfg.dropkey and all(dc == cfg.n_embd for dc in dims) and cfg.routing != "weight":
-        problem = (f"--dropkey acts on the attention branch, which this model does not have (--arch {cfg.arch}, conv "
-                   f"ratio {cfg.conv_ratio}){why('conv_ratio')}")
-    weight = cfg.routing == "weight"                          # App. B.10: both branches on all D channels, xi unused
-    for dc in ([cfg.n_embd] if weight else sorted(set(dims))) if problem is None else []:
+    for name, ok in CHOICES.items():
+        if getattr(cfg, name) not in ok:
+            raise data_lib.DataError(f"unknown --{name} '{getattr(cfg, name)}'; use {', '.join(ok[:-1])} or {ok[-1]}")
+    dims, weight = conv_dims(cfg), cfg.routing == "weight"    # weight (App. B.10): both branches get all D channels
+    for bad, problem in (
+            (not 0.0 <= cfg.conv_ratio <= 1.0, f"--conv-ratio must lie in [0, 1], got {cfg.conv_ratio}"),
+            (cfg.kernel < 1, f"--kernel must be a positive number of taps, got {cfg.kernel}"),
+            (not 0.0 <= cfg.dropkey < 1.0, f"--dropkey must lie in [0, 1), got {cfg.dropkey}"),
+            (cfg.routing != "split" and cfg.arch != "lsdt",
+             f"--routing {cfg.routing} is an LSDT variant (App. B.10, Table 8) and --arch {cfg.arch} has its own "
+             f"mixers; use --routing {cfg.routing} with --arch lsdt"),
+            (weight and cfg.fusion != "hfm",
+             f"--routing weight joins its branches by its own learned weighted sum, so --fusion {cfg.fusion} has "
+             f"nothing to join; drop --fusion, or use --routing split or res"),
+            (cfg.dropkey and all(dc == cfg.n_embd for dc in dims) and not weight,
+             f"--dropkey acts on the attention branch, which this model does not have (--arch {cfg.arch}, conv "
+             f"ratio {cfg.conv_ratio}){why('conv_ratio')}")):
+        if bad:
+            raise data_lib.DataError(problem)
+    for dc in [cfg.n_embd] if weight else sorted(set(dims)):
         da = cfg.n_embd if weight else cfg.n_embd - dc
         share = (f"all of --n-embd {cfg.n_embd}, --routing weight" if weight else
                  f"--conv-ratio {cfg.conv_ratio} of --n-embd {cfg.n_embd}")
+        set_by = ["n_embd"] if weight else ["n_embd", "conv_ratio"]
         if da and da % cfg.n_head:
-            problem = (f"--n-head {cfg.n_head} does not divide the {da} attention channels ({share})"
-                       f"{why('n_head', 'n_embd', *[] if weight else ['conv_ratio'])}")
-        elif dc and cfg.conv == "dynamic" and dc % 4:
-            problem = (f"the dynamic-conv branch gets {dc} channels ({share}), not a multiple of 4 (4 channels share "
-                       f"each kernel, Table 13){why('n_embd', *[] if weight else ['conv_ratio'])}")
-        if problem:
-            break
-    if problem:
-        raise data_lib.DataError(problem)
+            raise data_lib.DataError(f"--n-head {cfg.n_head} does not divide the {da} attention channels ({share})"
+                                     f"{why('n_head', *set_by)}")
+        if dc and cfg.conv == "dynamic" and dc % 4:
+            raise data_lib.DataError(f"the dynamic-conv branch gets {dc} channels ({share}), not a multiple of 4 (4 "
+                                     f"channels share each kernel, Table 13){why(*set_by)}")
 
 
 def build_model(cfg, info):
@@ -601,7 +600,9 @@ def build_model(cfg, info):
 
 def lr_factor(s, cfg):
     """Multiplier of --lr at step s: linear warmup over --warmup-steps ((s + 1) / warmup, both codes), then LSDT: one
-    cosine cycle down to 0 at --steps (Table 13, official code); DC / DC_h: constant (Table 12, DC's code)."""
+    cosine cycle down to 0 at --steps (Table 13, official code); DC / DC_h: constant (Table 12, DC's code).
+    WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a scripts/train.py#L28
+    beanie00/Decision-ConvFormer@3db9b9e gym/utils.py#L101"""
     if s < cfg.warmup_steps or cfg.arch != "lsdt":
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
@@ -609,8 +610,7 @@ def lr_factor(s, cfg):
 
 
 def get_batch(d, n, cfg, rng):
-    """n of data.py's windows (episodes in proportion to length, left padding; the official code samples episodes
-    uniformly and pads on the right, which a causal model cannot tell apart); --no-goal-state drops the goal."""
+    """n of data.py's windows (departure 7); --no-goal-state drops the goal from the states."""
     b = d.sample(n, cfg.context, rng)
     if not cfg.goal_state and d.goal_dim:
         b["states"] = b["states"][..., :-d.goal_dim]
@@ -652,9 +652,9 @@ def evaluate(model, d, cfg, device):
 # training: dt.py's loop; LSDT's own are the model, the schedule (lr_factor) and the goal-state choice (get_batch)
 
 def train(cfg, run, d=None):
-    """Train LSDT (or, with --resume, continue the run) and evaluate it in the env. The run record (evaluate.Run)
-    keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
-    -> the first target's final evaluation (per-episode arrays)."""
+    """Train LSDT (or, with --resume, continue the run) and evaluate it in the env. evaluate.Run keeps the folder,
+    log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`. -> the first target's final
+    evaluation (per-episode arrays)."""
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
     ev.check_data(cfg, d)                                           # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()

@@ -1,6 +1,7 @@
 """
 StARformer (Shang & Ryoo, "StARformer: Transformer with State-Action-Reward Representations", ICLR 2022 submission;
-later ECCV 2022 "...for Visual Reinforcement Learning"; official code github.com/elicassion/StARformer).
+later ECCV 2022 "...for Visual Reinforcement Learning"). Official code (atari_and_dmc/ for Atari, gym/ for Gym):
+https://github.com/elicassion/StARformer/blob/c4a537e5eac5ff302b8447f5d7ed3bf8b99ee1f5/atari_and_dmc/starformer.py#L190
 
 Each timestep's group (a_{t-1}, r_{t-1}, s_t) goes through a Step Transformer (no mask; one token per state
 dimension, or per image patch), which makes a StAR representation g_t^l at every layer l. A causal Sequence
@@ -10,12 +11,8 @@ not on a return-to-go: by default there is no target return.
 
     python starformer.py --env hopper-expert                   # paper Table-6 sizes (3.9M parameters), 100k steps
     python starformer.py --env hopper-expert --preset code     # the official gym code's sizes (0.7M)
-    python starformer.py --env hopper-expert --no-reward-token # Table 1's imitation setting: no reward tokens
-    python starformer.py --env hopper-expert --reward-input rtg            # Table 2: return-to-go in the reward slot
     MINARI_DATASETS_PATH=<folder of local datasets> python starformer.py --dataset replica/hopper/medium-v0 --preset cpu
     python starformer.py --dataset dqn-replay/breakout/1pct-v0        # Atari: the image model, Table 6 + official code
-    python starformer.py --dataset dqn-replay/breakout/1pct-v0 --state-token none --no-reward-token  # Table 3 w/o conv
-    python starformer.py --dataset dqn-replay/breakout/1pct-v0 --connection fusion                   # Table 4 Fusion
 
 The paper's Gym numbers (Table 1) are on D4RL's expert datasets (its dataset statistics, Hopper 3511 +- 328.6, are
 hopper-expert-v2's), although its text calls the data sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert.
@@ -33,9 +30,8 @@ model: 7x7 patches of the 4x84x84 frame stack (144 tokens, official Atari code),
 action as an embedding with the extra null index |A|, logits and cross-entropy; its paper setting is Table 6 with
 the official Atari code's batch, epochs and schedule (ATARI below), and --preset cpu has a small one (ATARI_CPU).
 
-Glossary (paper symbol -> code name, shape):
+Glossary (paper symbol -> code name, shape; B and mask as in dt.py):
     T          context: the timesteps the model sees                      Config.context
-    B          batch size (windows per gradient step)                     Config.batch_size
     L          layers of the Step and of the Sequence Transformer, paired Config.n_layer
     d, D       Step ("short-term") and Sequence ("long-term") widths      Config.step_embd, Config.n_embd
     s_t        state, normalised by the dataset's mean and std            states (B, T, obs_dim) [image: (B, T, c, H, W)
@@ -48,13 +44,10 @@ Glossary (paper symbol -> code name, shape):
     z_{s_t^i}  state token of dimension/patch i, FC(s_t^i) + e_i^spatial  embed_patch(...) + e_spatial (B, T, n_state, d)
     z_{a_{t-1}}, z_{r_{t-1}}  action token FC(a), reward token Tanh(FC(r))  embed_action, embed_reward (B, T, 1, d)
     Z_t^l      group t's Step Transformer tokens after layer l (Z^0: input) Z (B, T, n, d)
-    e^spatial  learned spatial embedding, shared over t                   e_spatial (n_state, d)
     e^temporal learned temporal embedding, shared by g^l (all l) and h^0  e_temporal (T, D)
     g_t^l      StAR representation FC([Z_t^l]) + e_t^temporal            g (B, T, D)
     h_t^l      integrated state token; h_t^0 = FC(s_t) or Conv(s_t) + e_t h (B, T, D)
-    Y_in^l     {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}                  y (B, 2T, D)
     phi        prediction head, a_t = phi(h_t^L)                          predict_action
-    mask       1 = a real step, 0 = left padding before an episode's start mask (B, T)
 
 One layer l at one timestep t:
     Step Transformer   (no mask)   over Z_t^{l-1} = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n_state}} -> Z_t^l  Sec. 3.2.2
@@ -65,6 +58,35 @@ One layer l at one timestep t:
 Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (data,
 schedule, loss, policy) -> train(), the loop, as in dt.py -> --bench -> main(). The run folder, checkpoint and exact
 resume are evaluate.py's (the run record). Outputs go to runs/starformer/<env>/<variant>/seed<N>/.
+
+Departures from the paper and the official code (#Lnn alone: a line of atari_and_dmc/starformer.py above):
+ 1. Gym: lr 1e-4, decay 1e-4, clip 0.25, 10k warmup, as the official gym code (gym/experiment.py#L365); Table 6's
+    6e-4 / 0.1 / 1.0 are DT's Atari values (the paper keeps DT's settings otherwise, A.3) and serve Atari here.
+ 2. Gym sizes are Table 6's, which the paper does not limit to Atari; the official gym code's smaller ones
+    (gym/experiment.py#L280) are --preset code.
+ 3. The Step group is (a, r, s^1..n) as the paper writes it; the code puts r last (#L112), permuting FC_l's weights.
+ 4. The null action and r_0 = 0 fill an episode's first group only, as in evaluation; the official Atari code gives
+    them to every training window's first group (atari_and_dmc/run_star_atari.py#L138).
+ 5. Group t holds r_{t-1} in training as in evaluation; the official gym code trains on r_t, the consequence of the
+    target a_t (gym/experiment.py#L184), and evaluates on r_{t-1}.
+ 6. e^temporal counts from a window's first real step and padding is masked out of the Sequence attention, so a
+    left-padded window gives what the unpadded one gives; the code indexes e^temporal by window slot (#L115), and
+    the gym code ignores the attention_mask it is given (gym/models/starformer.py#L345).
+ 7. The causal mask leaves out the code's loop mask[i, i-1] = 1 (#L153): besides no-ops it only sets mask[0, -1], in
+    a g row that is dropped.
+ 8. g^l = LN(FC(LN(Z_t^l))) + e_t with the code's LayerNorms (#L173), where the paper writes FC alone: cheap, and
+    they steady a 9,344 -> 192 projection at Atari sizes.
+ 9. h^0 = FC(s_t) is one Linear, as the gym code (gym/models/starformer.py#L156); the paper says "multiple
+    fully-connected layers" (--state-mlp).
+10. --connection fusion keeps g^l's e_t (Sec. 3.2.2); the code's 'fusion' adds e_t through h^0 only (#L175), so
+    there the variant changes more than the connection.
+11. --connection stack keeps h^0, which Fig. 4's caption names, and the LayerNorm before FC, so Table 4 changes the
+    connection alone; the code's 'stack' drops both (#L303).
+12. Weights are N(0, 0.02), biases 0, in every Linear, Conv2d and Embedding (minGPT's rule); the code draws Linear
+    weights from trunc_normal_(std=0.02) cut at +-2 (the same) and keeps PyTorch's defaults for Conv2d and the Atari
+    action Embedding, N(0, 1) (#L277).
+13. Atari training rewards are the replay's, clipped to [-1, 1]; the official Atari code clamps them to [0, 1]
+    (atari_and_dmc/run_star_atari.py#L390), which drops Pong's -1.
 """
 import math
 from dataclasses import dataclass, field
@@ -86,37 +108,21 @@ def arg(default, help, run=False):
 
 @dataclass
 class Config:
-    # data and run (dt.py's flags)
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    # --- the paper's settings (what is trained): data, optimisation, the model (Table 6), the variants (Tables 1-4)
     delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
                                       "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
                                       "is still the env's own return")
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    steps: int = arg(100_000, "gradient steps (official gym code: 10 iterations x 10k)", run=True)
     batch_size: int = arg(64, "windows per batch")
     context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1: 20 for Gym, 30 for Atari)")
-    # DT-Gym optimisation, as the official gym code: Table 6's lr 6e-4, decay 0.1 and clip 1.0 are exactly DT's
-    # *Atari* values, and the paper keeps DT's settings otherwise (A.3)
+    # Gym: DT-Gym optimisation, as the official gym code (departure 1); Atari: ATARI below
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
     lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (official Atari code; as dt.py; resume with the same --steps)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official gym "
-                                  "code: every 10k-step epoch)", run=True)
-    eval_episodes: int = arg(100, "episodes per evaluation, run in parallel (official gym code: 100)", run=True)
-    target_return: float = arg(None, "--reward-input rtg only: return-to-go prompt in raw return units; default: the dataset's targets", run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    out: str = arg("", "output folder; default runs/starformer/<env>/<variant>/seed<N>", run=True)
-    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     preset: str = arg("", "'cpu': the small configuration for a 2-core machine; 'code': the official gym code's sizes")
-    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
-    # model: Table 6 (Step = "short-term", Sequence = "long-term"; the table labels both "long-term", and the
-    # official code confirms 8 heads / 192 for Sequence, 4 heads / 64 for Step)
+    # Table 6 (it labels both Transformers "long-term"; the code: Sequence 8 heads / 192, Step 4 heads / 64)
     n_layer: int = arg(6, "L, layers of the Step and of the Sequence Transformer (paired layer by layer)")
     n_embd: int = arg(192, "D, Sequence Transformer width")
     n_head: int = arg(8, "Sequence Transformer heads")
@@ -126,14 +132,12 @@ class Config:
     state_mlp: bool = arg(False, "h^0 = 2-layer MLP(s_t) (Sec. 3.3.1: 'multiple FC layers') instead of one Linear (code)")
     reward_scale: float = arg(1.0, "the reward slot gets Tanh(FC(reward_scale * r)); 1 = raw rewards, as the code")
     patch_size: int = arg(7, "image states: p x p patches (7 on 4x84x84 -> 144 tokens, official Atari code)")
-    # the paper's settings (Table 1 imitation, Table 2 reward -> return-to-go)
     reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: groups (a_{t-1}, s_t), Table 1's imitation setting")
     prev_action: bool = arg(True, "a_{t-1} in each group (the method); --no-prev-action: every group gets the null "
                                   "action an episode starts with (--preset cpu on mazes, whose noisy actions make "
                                   "a_{t-1} a guide to copy rather than to use)")
     reward_input: str = arg("reward", "what fills the reward slot of group t: 'reward' r_{t-1} (the method) or "
                                       "'rtg' the return-to-go R_t (Table 2; evaluated with --target-return)")
-    # the ablations of Sec. 5.4 (Tables 3 and 4)
     state_token: str = arg("conv", "Table 3, the integrated state token h^0 of the Sequence Transformer: 'conv' "
                                    "Conv(s_t) on images, FC(s_t) on vectors (the method); 'none' no h^0, g^l summed "
                                    "into one stream ('w/o conv'); 'patch' a second, unshared patch embedding "
@@ -141,55 +145,59 @@ class Config:
     connection: str = arg("layerwise", "Table 4, Step -> Sequence: 'layerwise' g^l interleaved with h^{l-1} in "
                                        "Sequence layer l (the method); 'fusion' g^l summed into h^{l-1}; 'stack' only "
                                        "the last Step layer's g^L, into the first Sequence layer")
-    # analysis (reads the run's checkpoint, never trains)
+    # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    steps: int = arg(100_000, "gradient steps (official gym code: 10 iterations x 10k)", run=True)
+    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official gym "
+                                  "code: every 10k-step epoch)", run=True)
+    eval_episodes: int = arg(100, "episodes per evaluation, run in parallel (official gym code: 100)", run=True)
+    target_return: float = arg(None, "--reward-input rtg only: return-to-go prompt in raw return units; default: the "
+                                     "dataset's targets", run=True)
+    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+    out: str = arg("", "output folder; default runs/starformer/<env>/<variant>/seed<N>", run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
+    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
+    bench: bool = arg(False, "time training steps (eager vs compiled, AMP on CUDA) on synthetic data; exit", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
                            "rendered offscreen (MuJoCo; Atari in colour; reads the checkpoint, never trains)", run=True)
-    # Atari
     greedy: bool = arg(False, "Atari: act with the most likely action instead of a draw from the softmax (the official "
                               "code draws). Greedy play can stall: a policy that never presses FIRE after a lost life "
                               "waits out the 108k-frame limit (27k steps)", run=True)
 
 
-# Atari (data.is_atari): Table 6 (L=6, D=192 / 8 heads, d=64 / 4 heads, dropout 0.1 are Config's defaults; lr 6e-4,
-# betas (0.9, 0.95), clip 1.0, weight decay 0.1) with T=30 (Sec. 5.1), laid under the flags as the paper's setting
-# (the preset ""). Where the paper is silent ("see Chen et al. (2021)"), the official Atari code (run.sh,
-# run_star_atari.py): batch 64, 10 epochs over 500k steps of 1% DQN-replay (499,970 windows / 64 = 7,813 steps an
-# epoch) with 10 evaluation episodes after each, the 0.1 decay on Linear/Conv weights only (optim_groups), warmup
-# over 512 x 20 tokens (10,240 / (64 x 30) = 5.3 -> 6 steps), then a cosine that ends at a tenth after the 10
-# epochs (the code's final_tokens); the code clamps max(0.1, cos), lr_factor lifts it, 0.1 + 0.9 cos, as dt.py.
+# Atari (data.is_atari), laid under the flags as the paper's setting (the preset ""): Table 6 (lr 6e-4, betas (0.9,
+# 0.95), clip 1.0, weight decay 0.1; its sizes are Config's) with T=30 (Sec. 5.1). Where the paper is silent, the
+# official Atari code: batch 64, 10 epochs over 500k steps of 1% DQN-replay (7,813 steps each) with 10 evaluation
+# episodes after each, decay on Linear/Conv weights only, warmup over 512 x 20 tokens (6 steps of 64 x 30), then a
+# cosine to a tenth at the end (the code clamps max(0.1, cos); lr_factor lifts it, 0.1 + 0.9 cos, as dt.py).
+# elicassion/StARformer@c4a537e atari_and_dmc/run_star_atari.py#L415
 ATARI = dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0, warmup_steps=6, lr_decay=True,
              steps=78_130, eval_every=7_813, eval_episodes=10)
-# The classroom Atari model (--preset cpu on Atari: replica/breakout/mixed-v0, 2 cores, 10 evaluation episodes). On
-# CPU the Step Transformer over 146 tokens costs beside DQN's torso (which dt.py's preset pays too), so: one Step
-# head of 16 (SDPA's CPU kernel pays per head: 2 heads of 8 took 85 ms a layer where 1 of 16 took 28, forward +
-# backward at B x K = 256), no dropout (its masks, and the non-flash attention they force, doubled a step), K=6 (K=8
-# cost 1.7x dt.py's preset a step; K=6 1.2-1.4x), 3600 steps (~280 ms each on one core, 17-20 minutes with its three
-# evaluations). Return-to-go in the reward slot (Table 2's variant, not the method's r_{t-1}): this data mixes a
-# controller with random play at an episode-wide rate, and r_{t-1} cannot ask for the good episodes, a return can
-# (seed 0 with r_{t-1}: 13.9 / 14.4 at 1200 / 1800 steps, below the data's median 20; with R_t: see the README).
+# The classroom Atari model (--preset cpu on replica/breakout/mixed-v0, 2 cores, ~20 minutes): one Step head of 16
+# (SDPA's CPU kernel pays per head), no dropout (its masks doubled a step), K=6. Return-to-go in the reward slot
+# (Table 2's variant): this data mixes a controller with random play episode by episode, and r_{t-1} cannot ask for
+# the good episodes where a return can (r_{t-1} stayed below the data's median return).
 ATARI_CPU = dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6, batch_size=32, lr=6e-4,
                  warmup_steps=100, steps=3600, eval_every=1200, eval_episodes=10, dropout=0.0, reward_input="rtg")
 PRESETS = {
     "": dict(atari=ATARI),
-    # Small StARformer for a 2-core CPU, at the budget of dt.py's cpu preset (same steps, batch, context, lr, warmup):
-    # 2 paired layers, D=64, d=16, T=10. No dropout: on CPU the Bernoulli masks cost ~27% of a step here, and
-    # 6000 x 64 windows do not overfit a 300k-step dataset. Cosine decay so the reported last checkpoint is settled.
+    # A small StARformer for a 2-core CPU at dt.py's cpu-preset budget: no dropout (its masks cost ~27% of a step),
+    # cosine decay so the last checkpoint is settled. Mazes: no a_{t-1} (the data's actions carry N(0, 0.5^2)
+    # noise, and every group holds a_{t-1} at any K: medium-dense, seed 0: 2% reach the goal with it, 92% without)
     "cpu": dict(n_layer=2, n_embd=64, n_head=1, step_embd=16, step_head=2, context=10, batch_size=64, lr=1e-3,
                 warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10, dropout=0.0,
-                # mazes (data.is_maze): no a_{t-1} (--no-prev-action) and 50 evaluation episodes. The data's actions
-                # carry N(0, 0.5^2) noise, and every group holds a_{t-1} at any K, so dt.py's K=1 does not help:
-                # replica/pointmaze/medium-dense-v0, seed 0, 50 episodes: 2% reach the goal at K=10 and at K=1 with
-                # a_{t-1}, 92% (292 steps to it) at K=10 without it
-                mazes=dict(prev_action=False, eval_episodes=50),
-                atari=ATARI_CPU),
-    # The official code's gym sizes (gym/experiment.py: embed_dim 128, n_layer 3, n_head 1, local_D 16 / 4 heads).
+                mazes=dict(prev_action=False, eval_episodes=50), atari=ATARI_CPU),
+    # The official code's gym sizes (embed_dim 128, n_layer 3, n_head 1, local_D 16 / 4 heads):
+    # elicassion/StARformer@c4a537e gym/experiment.py#L280
     "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
 }
 
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
-# Under --amp (bf16 autocast) the matrix products (Linear, attention, convolutions) run in bf16; nothing here needs
-# fp32 (no recurrence or long sum), and the loss is reduced in fp32 outside the model.
+# Under --amp (bf16 autocast) the matrix products run in bf16; nothing here is a recurrence or a long sum.
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention (Sec. 2.1), causal only through the mask it is given: the Step Transformer gives
@@ -214,7 +222,8 @@ class SelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer layer, Sec. 2.1: Z' = MSA(LN(X)) + X ; Z = MLP(LN(Z')) + Z' (GELU, Table 6; 4x, code)."""
+    """Pre-LN transformer layer, Sec. 2.1: Z' = MSA(LN(X)) + X ; Z = MLP(LN(Z')) + Z' (GELU, Table 6; 4x, code).
+    elicassion/StARformer@c4a537e atari_and_dmc/starformer.py#L117"""
 
     def __init__(self, width, n_head, dropout):
         super().__init__()
@@ -231,15 +240,14 @@ class Block(nn.Module):
 
 class StepSeqLayer(nn.Module):
     """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a). project=False: a Step layer
-    whose output reaches no Sequence layer (--connection stack, all but the last)."""
+    whose output reaches no Sequence layer (--connection stack, all but the last).
+    elicassion/StARformer@c4a537e atari_and_dmc/starformer.py#L138"""
 
     def __init__(self, n_tok, d, D, step_head, seq_head, dropout, project=True):
         super().__init__()
         self.step = Block(d, step_head, dropout)                    # F_step^l: full attention inside a group
         if project:
-            # The LayerNorms around FC are the official code's; the paper writes FC alone (cheap, and they steady a
-            # 9,344 -> 192 projection at Atari sizes)
-            self.ln_tok = nn.LayerNorm(d)
+            self.ln_tok = nn.LayerNorm(d)                           # the LayerNorms around FC: departure 8
             self.fc = nn.Linear(n_tok * d, D)                       # FC_l, one per layer: R^{n d} -> R^D
             self.ln_g = nn.LayerNorm(D)
         self.seq = Block(D, seq_head, dropout)                      # F_sequence^l: causal over the sequence
@@ -256,16 +264,15 @@ class StepSeqLayer(nn.Module):
         Z = self.step_layer(Z)
         g = self.star(Z, e_temp)                                              # (B,T,D)
         if not interleave:      # Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): h^l = F_seq^l(h^{l-1} + g^l)
-            # g^l keeps its e_t (Sec. 3.2.2) where the code's 'fusion' adds e_t through h^0 only: the variant then
-            # differs from the method in how g meets h alone, which is what Table 4 compares
-            return Z, self.seq(h + g, seq_mask)                               # seq_mask (B,1,T,T)
+            return Z, self.seq(h + g, seq_mask)       # g^l keeps its e_t (departure 10); seq_mask (B,1,T,T)
         y = torch.stack([g, h], dim=2).reshape(g.shape[0], -1, g.shape[2])    # Eq. (2): g_1,h_1,g_2,h_2,... (B,2T,D)
         y = self.seq(y, seq_mask)                                             # Sec. 3.3.2: Y_out^l = F_seq^l(Y_in^l)
         return Z, y[:, 1::2]                    # Sec. 3.3.2: h_t^l = y_out;2t^l, the g slots are dropped (B,T,D)
 
 
 class NatureCNN(nn.Module):
-    """Mnih et al. (2015) encoder for integrated image-state tokens h^0 (Sec. 3.3.1; the code ends in Tanh)."""
+    """Mnih et al. (2015) encoder for integrated image-state tokens h^0 (Sec. 3.3.1; the code ends in Tanh).
+    elicassion/StARformer@c4a537e atari_and_dmc/starformer.py#L91"""
 
     def __init__(self, image_shape, D):
         super().__init__()
@@ -282,7 +289,8 @@ class NatureCNN(nn.Module):
 
 class PatchState(nn.Module):
     """Table 3 "conv -> ViT": h^0 from a second patch embedding, not shared with the Step Transformer's (Sec. 5.4);
-    as the official code's 'vit': each patch FC to d, the n_state tokens flattened, FC to D, Tanh."""
+    as the official code's 'vit': each patch FC to d, the n_state tokens flattened, FC to D, Tanh.
+    elicassion/StARformer@c4a537e atari_and_dmc/starformer.py#L83"""
 
     def __init__(self, patch_dim, n_state, d, D):
         super().__init__()
@@ -297,17 +305,13 @@ NULL_ACTION = -10.0   # Gym null action a_0 in every dimension, following DT (A.
 
 
 def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_action=NULL_ACTION):
-    """
-    The (a_{t-1}, r_{t-1}) of every group of a window (Sec. 2.2: group t is (a_{t-1}, r_{t-1}, s_t)), from data.py's
+    """The (a_{t-1}, r_{t-1}) of every group of a window (Sec. 2.2: group t is (a_{t-1}, r_{t-1}, s_t)), from data.py's
     window: actions (B,T,A) [discrete: (B,T) long], rewards (B,T,1) are the window's own a_t, r_t; prev_action (B,A)
     [(B,)], prev_reward (B,1) the step before the window. At an episode's first step (timesteps == 0) the group gets
     the null action and r_0 = 0 (fn. 1, A.2): -10 per dimension, or the extra index |A| for discrete actions (data.py
-    gives 0 there, which on Atari is NOOP, a real action). Left padding only ever precedes an episode's first step
-    (data.py, evaluate.py), so the first real step after padding gets the null action, never a padded slot. Elsewhere
-    a group holds the real a_{t-1}, in training as in evaluation (the official Atari code gives the null action to
-    the first group of every training window, and the real a_{t-1} there once an evaluation window slides).
-    -> prev_a (B,T,A) [(B,T) long], prev_r (B,T,1).
-    """
+    gives 0 there, which on Atari is NOOP, a real action). Left padding only ever precedes an episode's first step,
+    so the first real step after it gets the null action; elsewhere a group holds the real a_{t-1} (departure 4).
+    -> prev_a (B,T,A) [(B,T) long], prev_r (B,T,1)."""
     prev_a = torch.cat([prev_action.unsqueeze(1), actions[:, :-1]], dim=1)   # a_{t-1}: (B,T,A) [(B,T)]
     prev_r = torch.cat([prev_reward.unsqueeze(1), rewards[:, :-1]], dim=1)   # r_{t-1}: (B,T,1)
     start = timesteps == 0                                                   # (B,T) an episode's first step
@@ -318,9 +322,8 @@ def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_acti
 
 def sequence_mask(real, n):
     """(B,T) real-step mask, n Sequence tokens per step (2: g_t, h_t interleaved; 1: one stream) -> (B,1,nT,nT):
-    causal (Sec. 3.3.2: no token attends to a later timestep) and no padded key; every token may see itself so that
-    no softmax row is empty. The official code's extra loop `mask[i, i-1] = 1` is left out: besides no-ops it only
-    sets mask[0, -1], a g row that is dropped."""
+    causal (Sec. 3.3.2: no token attends to a later timestep) and no padded key (departures 6, 7); every token may
+    see itself so that no softmax row is empty."""
     key_ok = real.repeat_interleave(n, dim=1)                               # (B,nT)
     causal = torch.ones(key_ok.shape[1], key_ok.shape[1], dtype=torch.bool, device=real.device).tril()
     eye = torch.eye(key_ok.shape[1], dtype=torch.bool, device=real.device)
@@ -364,7 +367,7 @@ class StARformer(nn.Module):
         elif self.state_token == "conv" and self.image:
             self.embed_state = NatureCNN(obs_shape, D)
         elif self.state_token == "conv":
-            # the paper says "multiple fully-connected layers", the official gym code uses one (the default)
+            # one Linear, as the gym code; --state-mlp: the paper's "multiple fully-connected layers" (departure 9)
             self.embed_state = (nn.Sequential(nn.Linear(obs_shape, D), nn.GELU(), nn.Linear(D, D))
                                 if cfg.state_mlp else nn.Linear(obs_shape, D))
         if self.reward_token:                                                 # absent in imitation (Table 1)
@@ -385,7 +388,7 @@ class StARformer(nn.Module):
         self.apply(self._init_weights)
 
     @staticmethod
-    def _init_weights(m):                        # minGPT / official code: N(0, 0.02) weights, zero biases
+    def _init_weights(m):                        # minGPT's N(0, 0.02) weights, zero biases (departure 12)
         if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
@@ -410,11 +413,10 @@ class StARformer(nn.Module):
             states = states.float() / 255.0                                    # uint8 frames -> [0, 1] (as the code)
         real = mask > 0                                                        # (B,T)
         # Temporal position counted from the first real step, so a left-padded window gives exactly what the
-        # unpadded window gives (the paper's tau starts at s_1; the code indexes by window slot and never pads Atari)
+        # unpadded window gives (the paper's tau starts at s_1; departure 6)
         pos = (real.long().cumsum(1) - 1).clamp(min=0)                         # (B,T)
         e_temp = self.e_temporal[pos]                                          # (B,T,D)
-        # Sec. 3.2.1: Z_t^0 = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n}} (the paper's order; the code puts r last,
-        # which only permutes FC_l's weights)
+        # Sec. 3.2.1: Z_t^0 = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n}} (the paper's order; departure 3)
         prev_a, prev_r = step_inputs(actions, rewards, timesteps, prev_action, prev_reward, self.null_action)
         if not self.prev_action:   # --no-prev-action: every group holds the null action of an episode's first step
             prev_a = torch.full_like(prev_a, self.null_action)
@@ -440,9 +442,7 @@ class StARformer(nn.Module):
         seq_mask = sequence_mask(real, 2 if interleave else 1)                 # (B,1,2T,2T) or (B,1,T,T)
         if self.connection == "stack":
             # Table 4 "Stack" (Fig. 4b): all L Step layers first, then g^L enters the first Sequence layer only,
-            # beside h^0, and L Sequence layers keep all 2T tokens. The official code's 'stack' also drops h^0 (and
-            # the token LayerNorm before FC): we keep h^0, which Fig. 4's caption names, so that Table 4 changes the
-            # connection alone and not Table 3's state token too (the code's: --connection stack --state-token none)
+            # beside h^0 (departure 11), and L Sequence layers keep all 2T tokens
             for block in self.blocks:
                 Z = block.step_layer(Z)
             y = self.blocks[-1].star(Z, e_temp)                                # g^L (B,T,D)
@@ -457,7 +457,8 @@ class StARformer(nn.Module):
         return self.predict_action(self.ln_f(h))                               # Sec. 3.3.3: a_t = phi(h_t^L) (B,T,act)
 
     def optim_groups(self, weight_decay):
-        """Decay Linear/Conv weights only (minGPT / official code); not biases, LayerNorms, embeddings."""
+        """Decay Linear/Conv weights only (minGPT / official code); not biases, LayerNorms, embeddings.
+        elicassion/StARformer@c4a537e atari_and_dmc/starformer.py#L231"""
         decay = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
         params = list(self.parameters())
         return [{"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
@@ -523,7 +524,8 @@ def build_model(cfg, info):
 
 
 def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup, then constant, or with --lr-decay a cosine down to 0.1."""
+    """Multiplier of --lr at step s: linear warmup, then constant, or with --lr-decay a cosine down to 0.1.
+    elicassion/StARformer@c4a537e atari_and_dmc/run_star_atari.py#L156, gym/experiment.py#L309"""
     if s < cfg.warmup_steps or not cfg.lr_decay:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
@@ -532,8 +534,7 @@ def lr_factor(s, cfg):
 
 def predict(model, b):
     """A data.py / evaluate.py batch -> the predicted a_t at every position (B, K, act). Training and evaluation
-    both come through here, so group t holds (a_{t-1}, r_{t-1}, s_t) in both (the official gym code trains on r_t,
-    the consequence of the target a_t, and evaluates on r_{t-1})."""
+    both come through here, so group t holds (a_{t-1}, r_{t-1}, s_t) in both (departure 5)."""
     return model(b["states"], b["actions"], b["rewards"], b["rtg"], b["timesteps"], b["mask"], b["prev_action"],
                  b["prev_reward"])
 
@@ -551,8 +552,8 @@ def loss_fn(model, batch, cfg):
 def policy(model):
     """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step (on
     Atari its logits; evaluate draws the action from their softmax, as the official code, or takes the argmax with
-    --greedy). The current step's reward in the batch is 0 (unknown) and is never read: group t holds r_{t-1}
-    (Sec. 3.4)."""
+    --greedy). Group t holds r_{t-1} (Sec. 3.4): the current step's reward in the batch (0, unknown) is never read.
+    elicassion/StARformer@c4a537e atari_and_dmc/run_star_atari.py#L62"""
     def act(batch, live):
         return predict(model, batch)[:, -1]
     return act

@@ -1,27 +1,20 @@
 """
 Rollouts and the run record: the only code besides data.py that the model files share.
 
-Rollouts. Batched episodes in the dataset's own gymnasium env -> returns, lengths, normalised scores (and, for
-goal-reaching mazes, success rate and steps to the goal).
-
     res = evaluate(act, d, episodes=10, target_return=3600, seed=0, context=20)
 
-`act(batch, live)` is model-agnostic: `batch` holds, for the envs that are still running, the last `context` steps
-ending at the current step t, in exactly the format of data.OfflineData.sample (states normalised, left padding,
-rtg scaled, prev_action/prev_reward with the same null values). The current step's action and reward are not known
-yet and are 0. `live` is the array of env indices the rows belong to (timesteps[:, -1] == 0 marks a fresh episode,
-where a recurrent model resets its state). It returns (len(live), act_dim) actions.
+evaluate() runs the episodes in parallel in the dataset's own gymnasium env -> per-episode returns, lengths,
+normalised scores (and, for goal-reaching mazes, success and steps to the goal). `act(batch, live)` is model-agnostic:
+`batch` holds, for the envs that are still running, the last `context` steps ending at the current step t, in exactly
+the format of data.OfflineData.sample (states normalised, left padding, rtg scaled, prev_action/prev_reward with the
+same null values). The current step's action and reward are not known yet and are 0. `live` is the array of env
+indices the rows belong to (timesteps[:, -1] == 0 marks a fresh episode, where a recurrent model resets its state).
+It returns (len(live), act_dim) actions.
 
-The N episodes run in parallel: N plain envs stepped in a list (gymnasium's vector envs auto-reset, which would
-start a new episode in a finished slot), one batched act() call per step, each env stopping at its own
-termination or truncation. `evaluate_sequential` is the one-episode-at-a-time reference the tests compare against.
-
-The run record. What a model file's main() and train() call to read and check flags, name and open the run folder,
-log, checkpoint, resume exactly and stop cleanly on Ctrl-C (Run, StopSignal and small functions, below the
-rollouts). The model file drives; nothing here calls back into it.
-
-Command line:
-    python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure (end of this file)
+Then, in this order: the --gif episode; the run record, which a model file's main() and train() call (flags and
+checks, the run folder and its lock, Run, StopSignal, the curve, --bench; the model file drives, nothing here calls
+back into it); `report`; the command line:
+    python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure
 """
 import argparse
 import contextlib
@@ -48,19 +41,15 @@ import data as data_lib
 from data import DataError, FlagParser, is_maze, resolve
 
 
-def _as_numpy(a):
-    return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
-
-
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0,
              greedy=False):
-    """Run `episodes` episodes in parallel (env i reset with seed + i) with return-to-go target `target_return`
-    (None for a model that takes no return target: the rtg column is then 0)
-    (raw units). Returns dict of per-episode arrays: returns, lengths, normalized; goal tasks add success,
-    steps_to_goal (first step with info['success'], the horizon when never reached) and positions (a list of
-    (length + 1, 2) arrays: the agent's x, y after reset and after each step, for drawing paths); seconds: the wall
-    time it took; with render_every > 0, frames: episode 0 rendered after reset and every render_every steps (and
-    at its end, at most GIF_FRAMES), as (step, return so far, RGB array) tuples.
+    """Run `episodes` episodes in parallel (env i reset with seed + i), each to its own termination or truncation,
+    with the return-to-go prompt `target_return` (raw units; None for a model that takes none: the rtg column is
+    then 0). -> dict of per-episode arrays: returns, lengths, normalized; goal tasks add success, steps_to_goal (first
+    step with info['success'], the horizon when never reached) and positions (a list of (length + 1, 2) arrays: the
+    agent's x, y after reset and after each step, for drawing paths); seconds: the wall time it took; with
+    render_every > 0, frames: episode 0 rendered after reset and every render_every steps (and at its end, at most
+    GIF_FRAMES), as (step, return so far, RGB array) tuples.
 
     Discrete actions (Atari): act() returns (L, n_actions) logits and the action is drawn from their softmax, as DT's
     Atari code does (env i's draws from its own generator, seeded seed + i), or with greedy=True their argmax. An
@@ -75,33 +64,16 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             s, a, t = s + [new_s], a + [action], t + [t[-1] + 1]              # append the new state
             R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]                       # the rolling context of the last K steps
     """
-    n, H, K = episodes, d.horizon, context
-    # Each env keeps the last W steps in a ring (data.gather_windows(..., ring=W)): the K of the window, the step
-    # before it (its previous action) and the frames an Atari state stacks, so 27k-step Atari episodes cost no more
-    # memory than 1k-step MuJoCo ones.
-    W = K + 1 + (data_lib.FRAME_STACK - 1 if d.family == "atari" else 0)
-    hist = dict(actions=np.zeros((n, W), np.int64) if d.discrete else np.zeros((n, W, d.act_dim), np.float32),
-                rewards=np.zeros((n, W), np.float32), rtg=np.zeros((n, W), np.float32),
-                timesteps=np.zeros((n, W), np.int64))
-    hist |= dict(frames=np.zeros((n, W, *d.obs_shape[1:]), np.uint8)) if d.family == "atari" else dict(
-        states=np.zeros((n, W, d.obs_dim), np.float32))
-    key = "frames" if d.family == "atari" else "states"
-    # The same memory seen as one flat array of n * W rows, env i's ring being rows i*W .. i*W + W-1. These are
-    # views: writes to hist show here.
-    flat = {k: v.reshape(n * W, *v.shape[2:]) for k, v in hist.items()}       # (n * W, ...)
-
-    def new_step(i, t, obs, rtg):
-        """Step t of env i begins: s_t, R_t and t in its row, the row's a_t and r_t not known yet (0)."""
-        hist[key][i, t % W], hist["rtg"][i, t % W] = d.observe(obs), rtg
-        hist["timesteps"][i, t % W] = min(t, d.max_ep_len - 1)                # beyond the data's longest: its last
-        hist["actions"][i, t % W], hist["rewards"][i, t % W] = 0, 0.0
-
+    n, H = episodes, d.horizon
+    # a plain list of envs: gymnasium's vector envs auto-reset, which would start a new episode in a finished slot
     envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
     samplers = [np.random.default_rng(seed + i) for i in range(n)]            # env i's action draws (discrete)
+    contexts = Contexts(d, n, context)
+    R = np.full(n, (target_return or 0.0) * d.return_scale, np.float32)       # (n,) R_0, the prompt (None: 0), scaled
     positions = [[] for _ in range(n)]
     for i, env in enumerate(envs):
         obs, _ = env.reset(seed=seed + i)
-        new_step(i, 0, obs, (target_return or 0.0) * d.return_scale)           # s_0 and R_0, the prompt (None: 0)
+        contexts.start(i, obs, R[i])                                          # s_0 and R_0
         positions[i] += [_position(obs)] if d.goal_reaching else []
     frames = [(0, 0.0, envs[0].render())] if render_every else []
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
@@ -112,8 +84,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         live = np.flatnonzero(~done)                                            # (L,) envs still running
         if len(live) == 0:
             break
-        # the rolling context: steps t-K+1 .. t of each live env (its ring from row live*W on)
-        batch = data_lib.gather_windows(flat, live * W, live * W + t, K, ring=W)  # (L, K, ...) tensors
+        batch = contexts.window(live, t)                                        # (L, K, ...) steps t-K+1 .. t
         with torch.no_grad():  # one batched call: action = DecisionTransformer(R, s, a, t)[-1] for every live env
             out = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))   # (L, act_dim) or logits
         if not np.isfinite(out).all():   # a NaN action would turn the env's state and every later return to NaN
@@ -128,8 +99,8 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             done[i] = terminated or truncated
             if d.delayed_reward:   # the model sees the rewards as its data had them: all of them at the last step
                 r = returns[i] if done[i] else 0.0
-            hist["actions"][i, t % W], hist["rewards"][i, t % W] = actions[j], r
-            new_step(i, t + 1, obs, hist["rtg"][i, t % W] - r * d.return_scale)  # RTG_{t+1} = RTG_t - r_t (DT Sec. 3)
+            R[i] -= r * d.return_scale                                        # R_{t+1} = R_t - r_t (DT Sec. 3)
+            contexts.append(i, t, actions[j], r, obs, R[i])                   # a_t, r_t; then s_{t+1}, R_{t+1}
             positions[i] += [_position(obs)] if d.goal_reaching else []
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
@@ -147,7 +118,46 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         dict(frames=frames) if render_every else {})
 
 
-GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
+class Contexts:
+    """The rolling contexts of n envs, kept where data.gather_windows reads them. Each env keeps its last W steps in a
+    ring: the K of the window, the step before it (its a_{t-1}, r_{t-1}) and, on Atari, the frames a state stacks, so
+    27k-step Atari episodes cost no more memory than 1k-step MuJoCo ones. Step t of env i is row i*W + t % W of
+    self.flat, and hist[k][i, t % W] is the same memory."""
+
+    def __init__(self, d, n, K):
+        self.d, self.K = d, K
+        self.W = W = K + 1 + (data_lib.FRAME_STACK - 1 if d.family == "atari" else 0)
+        self.key = "frames" if d.family == "atari" else "states"
+        self.hist = dict(actions=np.zeros((n, W), np.int64) if d.discrete else np.zeros((n, W, d.act_dim), np.float32),
+                         rewards=np.zeros((n, W), np.float32), rtg=np.zeros((n, W), np.float32),
+                         timesteps=np.zeros((n, W), np.int64))
+        self.hist[self.key] = (np.zeros((n, W, *d.obs_shape[1:]), np.uint8) if d.family == "atari" else
+                               np.zeros((n, W, d.obs_dim), np.float32))
+        self.flat = {k: v.reshape(n * W, *v.shape[2:]) for k, v in self.hist.items()}   # (n * W, ...) views of hist
+
+    def start(self, i, obs, rtg):
+        """Env i was reset: its step 0 begins."""
+        self._begin(i, 0, obs, rtg)
+
+    def window(self, live, t):
+        """Steps t-K+1 .. t of each live env (left padding before its step 0) -> dict of (L, K, ...) tensors."""
+        return data_lib.gather_windows(self.flat, live * self.W, live * self.W + t, self.K, ring=self.W)
+
+    def append(self, i, t, action, reward, obs, rtg):
+        """Step t of env i ended with a_t and r_t; step t + 1 begins with s_{t+1} = obs and R_{t+1} = rtg."""
+        self.hist["actions"][i, t % self.W], self.hist["rewards"][i, t % self.W] = action, reward
+        self._begin(i, t + 1, obs, rtg)
+
+    def _begin(self, i, t, obs, rtg):
+        """Step t of env i begins: s_t, R_t and t in its row; a_t and r_t are not known yet (0)."""
+        h, row = self.hist, t % self.W
+        h[self.key][i, row], h["rtg"][i, row] = self.d.observe(obs), rtg
+        h["timesteps"][i, row] = min(t, self.d.max_ep_len - 1)                # beyond the data's longest: its last
+        h["actions"][i, row], h["rewards"][i, row] = 0, 0.0
+
+
+def _as_numpy(a):
+    return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
 
 
 def choose(logits, rng, greedy):
@@ -157,76 +167,6 @@ def choose(logits, rng, greedy):
         return int(np.argmax(logits))
     p = np.exp(logits.astype(np.float64) - logits.max())
     return int(min(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right"), len(p) - 1))
-
-
-def pick_gl():
-    """An offscreen OpenGL backend for MuJoCo, where the user set none: MUJOCO_GL is left as it is when set, else the
-    first of egl, osmesa (and glfw where there is a display) that makes a context, tried in a child process, since a
-    failing backend can take the process with it. One sentence where none works."""
-    if os.environ.get("MUJOCO_GL"):
-        return os.environ["MUJOCO_GL"]
-    display = sys.platform != "linux" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
-    for backend in (["glfw"] if display else []) + ["egl", "osmesa"]:
-        probe = "import mujoco; c = mujoco.GLContext(8, 8); c.make_current(); c.free()"
-        if subprocess.run([sys.executable, "-c", probe], env=os.environ | {"MUJOCO_GL": backend},
-                          capture_output=True, timeout=120).returncode == 0:
-            os.environ["MUJOCO_GL"] = backend
-            return backend
-    raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
-                    "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
-
-
-def episode_gif(act, d, target_return, seed, context, device, out, title, max_frames=150, greedy=False):
-    """--gif: one evaluation episode rendered into <out>/episode.gif, the title, step and return so far drawn on each
-    frame; a line says what was written. MuJoCo: at most max_frames + 2 frames of 240 x 240 (every
-    ceil(horizon / max_frames) steps, at the env's own speed). Atari: the game's colour screen (not the 84 x 84
-    input), every second step, at most GIF_FRAMES. -> evaluate()'s result for the episode."""
-    from PIL import Image, ImageDraw, ImageFont
-    atari, path = d.family == "atari", os.path.join(out, "episode.gif")
-    backend, every = (None, 2) if atari else (pick_gl(), -(-d.max_ep_len // max_frames))
-    try:
-        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every,
-                       greedy=greedy)
-    except Exception as e:   # the GL errors differ by backend and library (mujoco.FatalError, AttributeError, ...)
-        if isinstance(e, DataError) or atari:
-            raise
-        raise DataError(f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset MUJOCO_GL to "
-                        f"let the script find a backend, or set it to egl or osmesa with that library installed "
-                        f"(Debian's libegl1 or libosmesa6)") from None
-    font = ImageFont.load_default(size=13)
-    images = []
-    for step, ret, rgb in res["frames"]:
-        img = Image.fromarray(rgb)
-        lines = wrap_text(f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
-                          (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
-        if atari:   # 210 x 160 -> 420 x 320, pixels kept sharp, below a band for the words (the game's score shows)
-            game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
-            img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
-            img.paste(game, (0, img.height - game.height))
-        ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white", stroke_width=2, stroke_fill="black")
-        images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
-    if atari:
-        dt = data_lib.atari_frame_skip(d.env_spec) / 60   # seconds of play per env step
-    else:
-        env = d.make_env()
-        dt = getattr(env.unwrapped, "dt", 0.01)   # seconds of simulated time per env step
-        env.close()
-    images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
-                   duration=max(20, int(round(every * dt * 100)) * 10))
-    cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
-    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, {os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
-    return res
-
-
-def wrap_text(text, font, width):
-    """text in lines that fit `width` pixels in `font`, broken at spaces and underscores (variant names)."""
-    lines, line = [], ""
-    for word in re.split(r"(?<=[ _])", text):
-        if line and font.getlength(line + word) > width:
-            lines.append(line.rstrip())
-            line = ""
-        line += word
-    return lines + [line.rstrip()]
 
 
 def _position(obs):
@@ -239,6 +179,15 @@ def _result(d, returns, lengths, success, steps_to_goal, positions):
     if d.goal_reaching:
         res.update(success=success, steps_to_goal=steps_to_goal, positions=[np.array(p) for p in positions])
     return res
+
+
+def summarize(res):
+    """One line: mean +- std of the normalised score and return (and maze success / steps to the goal)."""
+    s = (f"normalized_score={res['normalized'].mean():.1f}±{res['normalized'].std():.1f} "
+         f"return={res['returns'].mean():.1f}±{res['returns'].std():.1f} length={res['lengths'].mean():.0f}")
+    if "success" in res:
+        s += f" success={100 * res['success'].mean():.0f}% steps_to_goal={res['steps_to_goal'].mean():.0f}"
+    return s
 
 
 def evaluate_sequential(act, d, episodes, target_return, seed, context, device="cpu", greedy=False):
@@ -300,13 +249,81 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, device="
     return _result(d, returns, lengths, success, steps_to_goal, positions)
 
 
-def summarize(res):
-    """One line: mean +- std of the normalised score and return (and maze success / steps to the goal)."""
-    s = (f"normalized_score={res['normalized'].mean():.1f}±{res['normalized'].std():.1f} "
-         f"return={res['returns'].mean():.1f}±{res['returns'].std():.1f} length={res['lengths'].mean():.0f}")
-    if "success" in res:
-        s += f" success={100 * res['success'].mean():.0f}% steps_to_goal={res['steps_to_goal'].mean():.0f}"
-    return s
+# ================================================================================================================
+# The --gif episode: a model file's main() calls episode_gif after training or on a finished run (--gif).
+
+GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
+
+
+def episode_gif(act, d, target_return, seed, context, device, out, title, max_frames=150, greedy=False):
+    """--gif: one evaluation episode rendered into <out>/episode.gif, the title, step and return so far drawn on each
+    frame; a line says what was written. MuJoCo: at most max_frames + 2 frames of 240 x 240 (every
+    ceil(horizon / max_frames) steps, at the env's own speed). Atari: the game's colour screen (not the 84 x 84
+    input), every second step, at most GIF_FRAMES. -> evaluate()'s result for the episode."""
+    from PIL import Image, ImageDraw, ImageFont
+    atari, path = d.family == "atari", os.path.join(out, "episode.gif")
+    backend, every = (None, 2) if atari else (pick_gl(), -(-d.max_ep_len // max_frames))
+    try:
+        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every,
+                       greedy=greedy)
+    except Exception as e:   # the GL errors differ by backend and library (mujoco.FatalError, AttributeError, ...)
+        if isinstance(e, DataError) or atari:
+            raise
+        raise DataError(f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset MUJOCO_GL to "
+                        f"let the script find a backend, or set it to egl or osmesa with that library installed "
+                        f"(Debian's libegl1 or libosmesa6)") from None
+    font = ImageFont.load_default(size=13)
+    images = []
+    for step, ret, rgb in res["frames"]:
+        img = Image.fromarray(rgb)
+        lines = wrap_text(f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
+                          (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
+        if atari:   # 210 x 160 -> 420 x 320, pixels kept sharp, below a band for the words (the game's score shows)
+            game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
+            img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
+            img.paste(game, (0, img.height - game.height))
+        ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white", stroke_width=2, stroke_fill="black")
+        images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
+    if atari:
+        dt = data_lib.atari_frame_skip(d.env_spec) / 60   # seconds of play per env step
+    else:
+        env = d.make_env()
+        dt = getattr(env.unwrapped, "dt", 0.01)   # seconds of simulated time per env step
+        env.close()
+    images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
+                   duration=max(20, int(round(every * dt * 100)) * 10))
+    cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
+    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, {os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
+    return res
+
+
+def wrap_text(text, font, width):
+    """text in lines that fit `width` pixels in `font`, broken at spaces and underscores (variant names)."""
+    lines, line = [], ""
+    for word in re.split(r"(?<=[ _])", text):
+        if line and font.getlength(line + word) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += word
+    return lines + [line.rstrip()]
+
+
+def pick_gl():
+    """An offscreen OpenGL backend for MuJoCo, where the user set none: MUJOCO_GL is left as it is when set, else the
+    first of egl, osmesa (and glfw where there is a display) that makes a context, tried in a child process, since a
+    failing backend can take the process with it. One sentence where none works."""
+    if os.environ.get("MUJOCO_GL"):
+        return os.environ["MUJOCO_GL"]
+    display = sys.platform != "linux" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    for backend in (["glfw"] if display else []) + ["egl", "osmesa"]:
+        probe = "import mujoco; c = mujoco.GLContext(8, 8); c.make_current(); c.free()"
+        if subprocess.run([sys.executable, "-c", probe], env=os.environ | {"MUJOCO_GL": backend},
+                          capture_output=True, timeout=120).returncode == 0:
+            os.environ["MUJOCO_GL"] = backend
+            return backend
+    raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
+                    "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
+
 
 
 # ================================================================================================================

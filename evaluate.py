@@ -40,6 +40,9 @@ import torch.nn as nn
 import data as data_lib
 from data import DataError, FlagParser, is_maze, resolve
 
+# ================================================================================================================
+# Rollouts: evaluate(), which a model file's train() calls at every --eval-every and its analyses on a finished run;
+# the rolling contexts it keeps; the one-episode-at-a-time reference that the tests compare it with.
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0,
              greedy=False):
@@ -119,21 +122,19 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
 
 
 class Contexts:
-    """The rolling contexts of n envs, kept where data.gather_windows reads them. Each env keeps its last W steps in a
+    """The rolling contexts of n envs, kept as data.gather_windows reads them. Each env keeps its last W steps in a
     ring: the K of the window, the step before it (its a_{t-1}, r_{t-1}) and, on Atari, the frames a state stacks, so
-    27k-step Atari episodes cost no more memory than 1k-step MuJoCo ones. Step t of env i is row i*W + t % W of
-    self.flat, and hist[k][i, t % W] is the same memory."""
+    27k-step Atari episodes cost no more memory than 1k-step MuJoCo ones. Step t of env i is row i*W + t % W."""
 
     def __init__(self, d, n, K):
-        self.d, self.K = d, K
-        self.W = W = K + 1 + (data_lib.FRAME_STACK - 1 if d.family == "atari" else 0)
-        self.key = "frames" if d.family == "atari" else "states"
-        self.hist = dict(actions=np.zeros((n, W), np.int64) if d.discrete else np.zeros((n, W, d.act_dim), np.float32),
-                         rewards=np.zeros((n, W), np.float32), rtg=np.zeros((n, W), np.float32),
-                         timesteps=np.zeros((n, W), np.int64))
-        self.hist[self.key] = (np.zeros((n, W, *d.obs_shape[1:]), np.uint8) if d.family == "atari" else
-                               np.zeros((n, W, d.obs_dim), np.float32))
-        self.flat = {k: v.reshape(n * W, *v.shape[2:]) for k, v in self.hist.items()}   # (n * W, ...) views of hist
+        atari = d.family == "atari"
+        self.d, self.K, self.W = d, K, K + 1 + (data_lib.FRAME_STACK - 1 if atari else 0)
+        rows, self.key = n * self.W, "frames" if atari else "states"
+        self.flat = dict(actions=np.zeros(rows, np.int64) if d.discrete else np.zeros((rows, d.act_dim), np.float32),
+                         rewards=np.zeros(rows, np.float32), rtg=np.zeros(rows, np.float32),
+                         timesteps=np.zeros(rows, np.int64))
+        self.flat[self.key] = (np.zeros((rows, *d.obs_shape[1:]), np.uint8) if atari else
+                               np.zeros((rows, d.obs_dim), np.float32))
 
     def start(self, i, obs, rtg):
         """Env i was reset: its step 0 begins."""
@@ -145,15 +146,16 @@ class Contexts:
 
     def append(self, i, t, action, reward, obs, rtg):
         """Step t of env i ended with a_t and r_t; step t + 1 begins with s_{t+1} = obs and R_{t+1} = rtg."""
-        self.hist["actions"][i, t % self.W], self.hist["rewards"][i, t % self.W] = action, reward
+        row = i * self.W + t % self.W
+        self.flat["actions"][row], self.flat["rewards"][row] = action, reward
         self._begin(i, t + 1, obs, rtg)
 
     def _begin(self, i, t, obs, rtg):
         """Step t of env i begins: s_t, R_t and t in its row; a_t and r_t are not known yet (0)."""
-        h, row = self.hist, t % self.W
-        h[self.key][i, row], h["rtg"][i, row] = self.d.observe(obs), rtg
-        h["timesteps"][i, row] = min(t, self.d.max_ep_len - 1)                # beyond the data's longest: its last
-        h["actions"][i, row], h["rewards"][i, row] = 0, 0.0
+        f, row = self.flat, i * self.W + t % self.W
+        f[self.key][row], f["rtg"][row] = self.d.observe(obs), rtg
+        f["timesteps"][row] = min(t, self.d.max_ep_len - 1)                   # beyond the data's longest: its last
+        f["actions"][row], f["rewards"][row] = 0, 0.0
 
 
 def _as_numpy(a):
@@ -192,7 +194,7 @@ def summarize(res):
 
 def evaluate_sequential(act, d, episodes, target_return, seed, context, device="cpu", greedy=False):
     """Reference: the same protocol, one episode at a time, windows built from plain Python lists (independent of
-    data.gather_windows and its ring; Atari states stacked here from the frame list). Slow; kept for the test that
+    data.gather_windows and Contexts' ring; Atari states stacked here from the frame list). Slow; kept for the test that
     the batched path gives the same episodes."""
     n, H, K = episodes, d.horizon, context
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
@@ -200,33 +202,31 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, device="
     atari = d.family == "atari"
     zero_a = 0 if d.discrete else np.zeros(d.act_dim, np.float32)
     zero_s = np.zeros(d.obs_shape, np.uint8) if atari else np.zeros(d.obs_dim, np.float32)
+    dtypes = dict(timesteps=torch.int64, states=torch.uint8 if atari else torch.float32,
+                  actions=torch.int64 if d.discrete else torch.float32)
+    dtypes["prev_action"] = dtypes["actions"]
     positions = []
     for i in range(n):
         env, rng = d.make_env(), np.random.default_rng(seed + i)
         obs, _ = env.reset(seed=seed + i)
         S, A, R, G = [d.observe(obs)], [], [], [(target_return or 0.0) * d.return_scale]
         positions.append([_position(obs)])
+
+        def state(u):   # an Atari state: frames u-3 .. u, those before the episode's first frame 0
+            return np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)]) if atari else S[u]
         for t in range(H):
             lo = max(0, t + 1 - K)                  # window = steps lo..t, padded on the left to K
             pad = K - (t + 1 - lo)
-            A_win = A[lo:t] + [zero_a]              # a_t unknown -> 0
-            R_win = R[lo:t] + [0.0]
-            # an Atari state: frames u-3 .. u, those before the episode's first frame 0
-            state = (lambda u: np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)])
-                     ) if atari else (lambda u: S[u])
             batch = dict(
                 states=[zero_s] * pad + [state(u) for u in range(lo, t + 1)],
-                actions=[zero_a] * pad + A_win,
-                rewards=[[0.0]] * pad + [[r] for r in R_win],
+                actions=[zero_a] * pad + A[lo:t] + [zero_a],              # a_t unknown -> 0
+                rewards=[[0.0]] * pad + [[r] for r in R[lo:t] + [0.0]],
                 rtg=[[0.0]] * pad + [[g] for g in G[lo:t + 1]],
                 timesteps=[0] * pad + [min(u, d.max_ep_len - 1) for u in range(lo, t + 1)],
                 mask=[0.0] * pad + [1.0] * (t + 1 - lo),
                 prev_action=A[lo - 1] if lo > 0 else zero_a,
                 prev_reward=[R[lo - 1] if lo > 0 else 0.0],
             )
-            dtypes = dict(timesteps=torch.int64, states=torch.uint8 if atari else torch.float32,
-                          actions=torch.int64 if d.discrete else torch.float32)
-            dtypes["prev_action"] = dtypes["actions"]
             batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32), device=device)
                      for k, v in batch.items()}
             with torch.no_grad():
@@ -250,7 +250,7 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, device="
 
 
 # ================================================================================================================
-# The --gif episode: a model file's main() calls episode_gif after training or on a finished run (--gif).
+# The --gif episode, which a model file's main() makes with --gif (after training, or from a finished run).
 
 GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
 
@@ -327,8 +327,9 @@ def pick_gl():
 
 
 # ================================================================================================================
-# The run record. A model file's main() reads its flags (parse_flags, check_flags) and opens a Run; its train() checks
-# the data and one step's memory (check_data, check_memory), then calls run.start / run.log / run.save / run.finish.
+# The run record, which the model files call: main() reads the flags (parse_flags, check_flags) and opens a Run (or,
+# with --bench, bench_modes' Bench records), inside one_sentence_errors(); train() checks the data and one step's memory
+# (check_data, check_memory), then calls run.start / run.log / run.save / run.finish.
 
 RUN_FILES = ("config.json", "log.csv", "ckpt.pt")      # a folder holding one of these holds a run
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
@@ -336,6 +337,7 @@ CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "
 EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "normalized_score_std", "success_rate",
                "steps_to_goal", "wall_time"]
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
+PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
 
 
 def parse_flags(Config, presets, argv, prog, description):
@@ -813,9 +815,6 @@ class Run:
         return res
 
 
-PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
-
-
 def duration(seconds):
     """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
     for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
@@ -829,12 +828,18 @@ def score(x):
     return f"{x:.2f}" if math.isfinite(x) else ""
 
 
-def plot_curve(rows, path, hundred, title):
-    """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
-    has no reference returns), plus, on goal-reaching data, the success rate and the steps to the goal."""
+def pyplot():
+    """matplotlib.pyplot, drawing into files (no window)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_curve(rows, path, hundred, title):
+    """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
+    has no reference returns), plus, on goal-reaching data, the success rate and the steps to the goal."""
+    plt = pyplot()
     evals = [r for r in rows if r["eval_return"] != ""]
     scored = any(r["normalized_score"] != "" for r in evals)
     panels = [("loss", "training loss", "mean over the log interval"),
@@ -947,10 +952,11 @@ def one_sentence_errors():
 
 
 # ================================================================================================================
-# report: python evaluate.py report [RUNS_DIR] -> one table over seeds (printed and RUNS_DIR/report.md) and one figure
-# (RUNS_DIR/report.png). A run folder is any folder under RUNS_DIR with config.json (every Config field plus script,
-# variant, dataset_id) and log.csv (training rows, and evaluation rows with target and normalized_score filled), as the
-# model files write them. Runs are grouped by (dataset_id, script, variant), whatever the folder names say.
+# report, which main() below runs (python evaluate.py report [RUNS_DIR]): one table over seeds (printed and
+# RUNS_DIR/report.md) and one figure (RUNS_DIR/report.png). A run folder is any folder under RUNS_DIR with config.json
+# (every Config field plus script, variant, dataset_id) and log.csv (training rows, and evaluation rows with target and
+# normalized_score filled), as the model files write them. Runs are grouped by (dataset_id, script, variant), whatever
+# the folder names say.
 
 def find_runs(runs_dir):
     """Every folder under runs_dir (itself included) holding a run's file (config.json, log.csv, ckpt.pt), sorted;
@@ -1000,16 +1006,13 @@ def read_run(folder):
     for line, r in enumerate(rows[1:], start=2):
         if len(r) != len(header):
             continue  # a half-written last line (a killed process): skipped
-        row = dict(zip(header, r))
-        try:
-            parsed.append(dict(step=int(row["step"]), target=row["target"],
-                               normalized_score=_number(row["normalized_score"]),
-                               eval_return=_number(row.get("eval_return", "")),
-                               success_rate=_number(row["success_rate"]), steps_to_goal=_number(row["steps_to_goal"])))
-        except ValueError:
-            bad = next(f"{k} '{row[k]}'" for k in ("step", "normalized_score", "eval_return", "success_rate",
-                                                   "steps_to_goal") if not _parses(row.get(k, ""), k == "step"))
-            return run | dict(status=f"unreadable (log.csv line {line}: {bad} is not a finite number)")
+        row, cells = dict(zip(header, r)), {}
+        for k in ("step", "normalized_score", "eval_return", "success_rate", "steps_to_goal"):
+            try:
+                cells[k] = int(row[k]) if k == "step" else _number(row.get(k, ""))
+            except ValueError:
+                return run | dict(status=f"unreadable (log.csv line {line}: {k} '{row[k]}' is not a finite number)")
+        parsed.append(cells | dict(target=row["target"]))
     # an evaluation row has a return; its normalised score is empty where the data has no reference returns
     evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
     if not evals:
@@ -1019,14 +1022,6 @@ def read_run(folder):
         step = checkpoint_step(folder) or max(r["step"] for r in parsed)   # a stopped run saves between log lines
         run["status"] = f"in progress at step {step} of {run['steps']}"
     return run
-
-
-def _parses(v, integer=False):
-    try:
-        int(v) if integer else _number(v)
-        return True
-    except ValueError:
-        return False
 
 
 def _last(run):
@@ -1110,9 +1105,7 @@ def report(runs_dir="runs"):
 
 def plot_report(groups, path):
     """One subplot per dataset: each group's normalised score vs step, mean over seeds, band = min..max over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     datasets = sorted({key[0] for key in groups})
     cols = min(3, len(datasets))
     rows = -(-len(datasets) // cols)
@@ -1140,8 +1133,8 @@ def plot_report(groups, path):
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# command line
+# ================================================================================================================
+# The command line: python evaluate.py report [RUNS_DIR]
 
 def main(argv=None):
     p = FlagParser(prog="evaluate.py", description="Evaluation helpers for the model files; from the command line: "

@@ -325,7 +325,6 @@ def pick_gl():
                     "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
 
 
-
 # ================================================================================================================
 # The run record, which the model files call: main() reads the flags (parse_flags, check_flags) and opens a Run (or,
 # with --bench, bench_modes' Bench records), inside one_sentence_errors(); train() checks the data and one step's memory
@@ -338,6 +337,7 @@ EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "
                "steps_to_goal", "wall_time"]
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
 PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
+FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
 
 
 def parse_flags(Config, presets, argv, prog, description):
@@ -363,9 +363,6 @@ def parse_flags(Config, presets, argv, prog, description):
     if values.get("dataset"):
         values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
     return Config(**values), set(values)
-
-
-FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
 
 
 def family_setting(presets, preset, dataset):
@@ -459,7 +456,6 @@ def gb(n):
     """Bytes in words: MB, GB or TB."""
     e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
     return f"{n / 2 ** e:.3g} {unit}"
-
 
 
 def check_memory(model, loss, template, batch_size, device):
@@ -893,7 +889,8 @@ class Bench:
 
     def log(self, step, loss, lr, **extra):
         if step in (1, 3, 3 + self.n):
-            torch.cuda.synchronize() if torch.device(self.cfg.device).type == "cuda" else None
+            if self.cuda:
+                torch.cuda.synchronize()
             self.times[step] = time.time()
         if step == 3 + self.n:
             ms = 1e3 * (self.times[step] - self.times[3]) / self.n

@@ -1,27 +1,20 @@
 """
 Rollouts and the run record: the only code besides data.py that the model files share.
 
-Rollouts. Batched episodes in the dataset's own gymnasium env -> returns, lengths, normalised scores (and, for
-goal-reaching mazes, success rate and steps to the goal).
-
     res = evaluate(act, d, episodes=10, target_return=3600, seed=0, context=20)
 
-`act(batch, live)` is model-agnostic: `batch` holds, for the envs that are still running, the last `context` steps
-ending at the current step t, in exactly the format of data.OfflineData.sample (states normalised, left padding,
-rtg scaled, prev_action/prev_reward with the same null values). The current step's action and reward are not known
-yet and are 0. `live` is the array of env indices the rows belong to (timesteps[:, -1] == 0 marks a fresh episode,
-where a recurrent model resets its state). It returns (len(live), act_dim) actions.
+evaluate() runs the episodes in parallel in the dataset's own gymnasium env -> per-episode returns, lengths,
+normalised scores (and, for goal-reaching mazes, success and steps to the goal). `act(batch, live)` is model-agnostic:
+`batch` holds, for the envs that are still running, the last `context` steps ending at the current step t, in exactly
+the format of data.OfflineData.sample (states normalised, left padding, rtg scaled, prev_action/prev_reward with the
+same null values). The current step's action and reward are not known yet and are 0. `live` is the array of env
+indices the rows belong to (timesteps[:, -1] == 0 marks a fresh episode, where a recurrent model resets its state).
+It returns (len(live), act_dim) actions.
 
-The N episodes run in parallel: N plain envs stepped in a list (gymnasium's vector envs auto-reset, which would
-start a new episode in a finished slot), one batched act() call per step, each env stopping at its own
-termination or truncation. `evaluate_sequential` is the one-episode-at-a-time reference the tests compare against.
-
-The run record. What a model file's main() and train() call to read and check flags, name and open the run folder,
-log, checkpoint, resume exactly and stop cleanly on Ctrl-C (Run, StopSignal and small functions, below the
-rollouts). The model file drives; nothing here calls back into it.
-
-Command line:
-    python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure (end of this file)
+Then, in this order: the --gif episode; the run record, which a model file's main() and train() call (flags and
+checks, the run folder and its lock, Run, StopSignal, the curve, --bench; the model file drives, nothing here calls
+back into it); `report`; the command line:
+    python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure
 """
 import argparse
 import contextlib
@@ -47,20 +40,19 @@ import torch.nn as nn
 import data as data_lib
 from data import DataError, FlagParser, is_maze, resolve
 
-
-def _as_numpy(a):
-    return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
-
+# ================================================================================================================
+# Rollouts: evaluate(), which a model file's train() calls at every --eval-every and its analyses on a finished run;
+# the rolling contexts it keeps; the one-episode-at-a-time reference that the tests compare it with.
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0,
              greedy=False):
-    """Run `episodes` episodes in parallel (env i reset with seed + i) with return-to-go target `target_return`
-    (None for a model that takes no return target: the rtg column is then 0)
-    (raw units). Returns dict of per-episode arrays: returns, lengths, normalized; goal tasks add success,
-    steps_to_goal (first step with info['success'], the horizon when never reached) and positions (a list of
-    (length + 1, 2) arrays: the agent's x, y after reset and after each step, for drawing paths); seconds: the wall
-    time it took; with render_every > 0, frames: episode 0 rendered after reset and every render_every steps (and
-    at its end, at most GIF_FRAMES), as (step, return so far, RGB array) tuples.
+    """Run `episodes` episodes in parallel (env i reset with seed + i), each to its own termination or truncation,
+    with the return-to-go prompt `target_return` (raw units; None for a model that takes none: the rtg column is
+    then 0). -> dict of per-episode arrays: returns, lengths, normalized; goal tasks add success, steps_to_goal (first
+    step with info['success'], the horizon when never reached) and positions (a list of (length + 1, 2) arrays: the
+    agent's x, y after reset and after each step, for drawing paths); seconds: the wall time it took; with
+    render_every > 0, frames: episode 0 rendered after reset and every render_every steps (and at its end, at most
+    GIF_FRAMES), as (step, return so far, RGB array) tuples.
 
     Discrete actions (Atari): act() returns (L, n_actions) logits and the action is drawn from their softmax, as DT's
     Atari code does (env i's draws from its own generator, seeded seed + i), or with greedy=True their argmax. An
@@ -75,33 +67,16 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             s, a, t = s + [new_s], a + [action], t + [t[-1] + 1]              # append the new state
             R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]                       # the rolling context of the last K steps
     """
-    n, H, K = episodes, d.horizon, context
-    # Each env keeps the last W steps in a ring (data.gather_windows(..., ring=W)): the K of the window, the step
-    # before it (its previous action) and the frames an Atari state stacks, so 27k-step Atari episodes cost no more
-    # memory than 1k-step MuJoCo ones.
-    W = K + 1 + (data_lib.FRAME_STACK - 1 if d.family == "atari" else 0)
-    hist = dict(actions=np.zeros((n, W), np.int64) if d.discrete else np.zeros((n, W, d.act_dim), np.float32),
-                rewards=np.zeros((n, W), np.float32), rtg=np.zeros((n, W), np.float32),
-                timesteps=np.zeros((n, W), np.int64))
-    hist |= dict(frames=np.zeros((n, W, *d.obs_shape[1:]), np.uint8)) if d.family == "atari" else dict(
-        states=np.zeros((n, W, d.obs_dim), np.float32))
-    key = "frames" if d.family == "atari" else "states"
-    # The same memory seen as one flat array of n * W rows, env i's ring being rows i*W .. i*W + W-1. These are
-    # views: writes to hist show here.
-    flat = {k: v.reshape(n * W, *v.shape[2:]) for k, v in hist.items()}       # (n * W, ...)
-
-    def new_step(i, t, obs, rtg):
-        """Step t of env i begins: s_t, R_t and t in its row, the row's a_t and r_t not known yet (0)."""
-        hist[key][i, t % W], hist["rtg"][i, t % W] = d.observe(obs), rtg
-        hist["timesteps"][i, t % W] = min(t, d.max_ep_len - 1)                # beyond the data's longest: its last
-        hist["actions"][i, t % W], hist["rewards"][i, t % W] = 0, 0.0
-
+    n, H = episodes, d.horizon
+    # a plain list of envs: gymnasium's vector envs auto-reset, which would start a new episode in a finished slot
     envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
     samplers = [np.random.default_rng(seed + i) for i in range(n)]            # env i's action draws (discrete)
+    contexts = Contexts(d, n, context)
+    R = np.full(n, (target_return or 0.0) * d.return_scale, np.float32)       # (n,) R_0, the prompt (None: 0), scaled
     positions = [[] for _ in range(n)]
     for i, env in enumerate(envs):
         obs, _ = env.reset(seed=seed + i)
-        new_step(i, 0, obs, (target_return or 0.0) * d.return_scale)           # s_0 and R_0, the prompt (None: 0)
+        contexts.start(i, obs, R[i])                                          # s_0 and R_0
         positions[i] += [_position(obs)] if d.goal_reaching else []
     frames = [(0, 0.0, envs[0].render())] if render_every else []
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
@@ -112,8 +87,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         live = np.flatnonzero(~done)                                            # (L,) envs still running
         if len(live) == 0:
             break
-        # the rolling context: steps t-K+1 .. t of each live env (its ring from row live*W on)
-        batch = data_lib.gather_windows(flat, live * W, live * W + t, K, ring=W)  # (L, K, ...) tensors
+        batch = contexts.window(live, t)                                        # (L, K, ...) steps t-K+1 .. t
         with torch.no_grad():  # one batched call: action = DecisionTransformer(R, s, a, t)[-1] for every live env
             out = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))   # (L, act_dim) or logits
         if not np.isfinite(out).all():   # a NaN action would turn the env's state and every later return to NaN
@@ -128,8 +102,8 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             done[i] = terminated or truncated
             if d.delayed_reward:   # the model sees the rewards as its data had them: all of them at the last step
                 r = returns[i] if done[i] else 0.0
-            hist["actions"][i, t % W], hist["rewards"][i, t % W] = actions[j], r
-            new_step(i, t + 1, obs, hist["rtg"][i, t % W] - r * d.return_scale)  # RTG_{t+1} = RTG_t - r_t (DT Sec. 3)
+            R[i] -= r * d.return_scale                                        # R_{t+1} = R_t - r_t (DT Sec. 3)
+            contexts.append(i, t, actions[j], r, obs, R[i])                   # a_t, r_t; then s_{t+1}, R_{t+1}
             positions[i] += [_position(obs)] if d.goal_reaching else []
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
@@ -147,7 +121,45 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         dict(frames=frames) if render_every else {})
 
 
-GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
+class Contexts:
+    """The rolling contexts of n envs, kept as data.gather_windows reads them. Each env keeps its last W steps in a
+    ring: the K of the window, the step before it (its a_{t-1}, r_{t-1}) and, on Atari, the frames a state stacks, so
+    27k-step Atari episodes cost no more memory than 1k-step MuJoCo ones. Step t of env i is row i*W + t % W."""
+
+    def __init__(self, d, n, K):
+        atari = d.family == "atari"
+        self.d, self.K, self.W = d, K, K + 1 + (data_lib.FRAME_STACK - 1 if atari else 0)
+        rows, self.key = n * self.W, "frames" if atari else "states"
+        self.flat = dict(actions=np.zeros(rows, np.int64) if d.discrete else np.zeros((rows, d.act_dim), np.float32),
+                         rewards=np.zeros(rows, np.float32), rtg=np.zeros(rows, np.float32),
+                         timesteps=np.zeros(rows, np.int64))
+        self.flat[self.key] = (np.zeros((rows, *d.obs_shape[1:]), np.uint8) if atari else
+                               np.zeros((rows, d.obs_dim), np.float32))
+
+    def start(self, i, obs, rtg):
+        """Env i was reset: its step 0 begins."""
+        self._begin(i, 0, obs, rtg)
+
+    def window(self, live, t):
+        """Steps t-K+1 .. t of each live env (left padding before its step 0) -> dict of (L, K, ...) tensors."""
+        return data_lib.gather_windows(self.flat, live * self.W, live * self.W + t, self.K, ring=self.W)
+
+    def append(self, i, t, action, reward, obs, rtg):
+        """Step t of env i ended with a_t and r_t; step t + 1 begins with s_{t+1} = obs and R_{t+1} = rtg."""
+        row = i * self.W + t % self.W
+        self.flat["actions"][row], self.flat["rewards"][row] = action, reward
+        self._begin(i, t + 1, obs, rtg)
+
+    def _begin(self, i, t, obs, rtg):
+        """Step t of env i begins: s_t, R_t and t in its row; a_t and r_t are not known yet (0)."""
+        f, row = self.flat, i * self.W + t % self.W
+        f[self.key][row], f["rtg"][row] = self.d.observe(obs), rtg
+        f["timesteps"][row] = min(t, self.d.max_ep_len - 1)                   # beyond the data's longest: its last
+        f["actions"][row], f["rewards"][row] = 0, 0.0
+
+
+def _as_numpy(a):
+    return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
 
 
 def choose(logits, rng, greedy):
@@ -159,21 +171,88 @@ def choose(logits, rng, greedy):
     return int(min(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right"), len(p) - 1))
 
 
-def pick_gl():
-    """An offscreen OpenGL backend for MuJoCo, where the user set none: MUJOCO_GL is left as it is when set, else the
-    first of egl, osmesa (and glfw where there is a display) that makes a context, tried in a child process, since a
-    failing backend can take the process with it. One sentence where none works."""
-    if os.environ.get("MUJOCO_GL"):
-        return os.environ["MUJOCO_GL"]
-    display = sys.platform != "linux" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
-    for backend in (["glfw"] if display else []) + ["egl", "osmesa"]:
-        probe = "import mujoco; c = mujoco.GLContext(8, 8); c.make_current(); c.free()"
-        if subprocess.run([sys.executable, "-c", probe], env=os.environ | {"MUJOCO_GL": backend},
-                          capture_output=True, timeout=120).returncode == 0:
-            os.environ["MUJOCO_GL"] = backend
-            return backend
-    raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
-                    "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
+def _position(obs):
+    """The agent's x, y: achieved_goal of a maze's dict observation, else the first two entries (PointMaze layout)."""
+    return np.asarray(obs["achieved_goal"] if isinstance(obs, dict) else obs, dtype=np.float64)[:2]
+
+
+def _result(d, returns, lengths, success, steps_to_goal, positions):
+    res = dict(returns=returns, lengths=lengths, normalized=d.normalize_score(returns))
+    if d.goal_reaching:
+        res.update(success=success, steps_to_goal=steps_to_goal, positions=[np.array(p) for p in positions])
+    return res
+
+
+def summarize(res):
+    """One line: mean +- std of the normalised score and return (and maze success / steps to the goal)."""
+    s = (f"normalized_score={res['normalized'].mean():.1f}±{res['normalized'].std():.1f} "
+         f"return={res['returns'].mean():.1f}±{res['returns'].std():.1f} length={res['lengths'].mean():.0f}")
+    if "success" in res:
+        s += f" success={100 * res['success'].mean():.0f}% steps_to_goal={res['steps_to_goal'].mean():.0f}"
+    return s
+
+
+def evaluate_sequential(act, d, episodes, target_return, seed, context, device="cpu", greedy=False):
+    """Reference: the same protocol, one episode at a time, windows built from plain Python lists (independent of
+    data.gather_windows and Contexts' ring; Atari states stacked here from the frame list). Slow; kept for the test that
+    the batched path gives the same episodes."""
+    n, H, K = episodes, d.horizon, context
+    returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
+    success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
+    atari = d.family == "atari"
+    zero_a = 0 if d.discrete else np.zeros(d.act_dim, np.float32)
+    zero_s = np.zeros(d.obs_shape, np.uint8) if atari else np.zeros(d.obs_dim, np.float32)
+    dtypes = dict(timesteps=torch.int64, states=torch.uint8 if atari else torch.float32,
+                  actions=torch.int64 if d.discrete else torch.float32)
+    dtypes["prev_action"] = dtypes["actions"]
+    positions = []
+    for i in range(n):
+        env, rng = d.make_env(), np.random.default_rng(seed + i)
+        obs, _ = env.reset(seed=seed + i)
+        S, A, R, G = [d.observe(obs)], [], [], [(target_return or 0.0) * d.return_scale]
+        positions.append([_position(obs)])
+
+        def state(u):   # an Atari state: frames u-3 .. u, those before the episode's first frame 0
+            return np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)]) if atari else S[u]
+        for t in range(H):
+            lo = max(0, t + 1 - K)                  # window = steps lo..t, padded on the left to K
+            pad = K - (t + 1 - lo)
+            batch = dict(
+                states=[zero_s] * pad + [state(u) for u in range(lo, t + 1)],
+                actions=[zero_a] * pad + A[lo:t] + [zero_a],              # a_t unknown -> 0
+                rewards=[[0.0]] * pad + [[r] for r in R[lo:t] + [0.0]],
+                rtg=[[0.0]] * pad + [[g] for g in G[lo:t + 1]],
+                timesteps=[0] * pad + [min(u, d.max_ep_len - 1) for u in range(lo, t + 1)],
+                mask=[0.0] * pad + [1.0] * (t + 1 - lo),
+                prev_action=A[lo - 1] if lo > 0 else zero_a,
+                prev_reward=[R[lo - 1] if lo > 0 else 0.0],
+            )
+            batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32), device=device)
+                     for k, v in batch.items()}
+            with torch.no_grad():
+                out = _as_numpy(act(batch, np.array([i])))[0]
+            a = choose(out, rng, greedy) if d.discrete else np.clip(out, env.action_space.low, env.action_space.high)
+            obs, r, terminated, truncated, info = env.step(a)
+            returns[i] += r
+            r = (returns[i] if terminated or truncated else 0.0) if d.delayed_reward else r
+            A.append(a if d.discrete else a.astype(np.float32))
+            R.append(float(np.float32(r)))
+            G.append(np.float32(G[-1] - r * d.return_scale))
+            S.append(d.observe(obs))
+            positions[i].append(_position(obs))
+            lengths[i] = t + 1
+            if info.get("success", False) and not success[i]:
+                success[i], steps_to_goal[i] = True, t + 1
+            if terminated or truncated:
+                break
+        env.close()
+    return _result(d, returns, lengths, success, steps_to_goal, positions)
+
+
+# ================================================================================================================
+# The --gif episode, which a model file's main() makes with --gif (after training, or from a finished run).
+
+GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
 
 
 def episode_gif(act, d, target_return, seed, context, device, out, title, max_frames=150, greedy=False):
@@ -229,89 +308,27 @@ def wrap_text(text, font, width):
     return lines + [line.rstrip()]
 
 
-def _position(obs):
-    """The agent's x, y: achieved_goal of a maze's dict observation, else the first two entries (PointMaze layout)."""
-    return np.asarray(obs["achieved_goal"] if isinstance(obs, dict) else obs, dtype=np.float64)[:2]
-
-
-def _result(d, returns, lengths, success, steps_to_goal, positions):
-    res = dict(returns=returns, lengths=lengths, normalized=d.normalize_score(returns))
-    if d.goal_reaching:
-        res.update(success=success, steps_to_goal=steps_to_goal, positions=[np.array(p) for p in positions])
-    return res
-
-
-def evaluate_sequential(act, d, episodes, target_return, seed, context, device="cpu", greedy=False):
-    """Reference: the same protocol, one episode at a time, windows built from plain Python lists (independent of
-    data.gather_windows and its ring; Atari states stacked here from the frame list). Slow; kept for the test that
-    the batched path gives the same episodes."""
-    n, H, K = episodes, d.horizon, context
-    returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
-    success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
-    atari = d.family == "atari"
-    zero_a = 0 if d.discrete else np.zeros(d.act_dim, np.float32)
-    zero_s = np.zeros(d.obs_shape, np.uint8) if atari else np.zeros(d.obs_dim, np.float32)
-    positions = []
-    for i in range(n):
-        env, rng = d.make_env(), np.random.default_rng(seed + i)
-        obs, _ = env.reset(seed=seed + i)
-        S, A, R, G = [d.observe(obs)], [], [], [(target_return or 0.0) * d.return_scale]
-        positions.append([_position(obs)])
-        for t in range(H):
-            lo = max(0, t + 1 - K)                  # window = steps lo..t, padded on the left to K
-            pad = K - (t + 1 - lo)
-            A_win = A[lo:t] + [zero_a]              # a_t unknown -> 0
-            R_win = R[lo:t] + [0.0]
-            # an Atari state: frames u-3 .. u, those before the episode's first frame 0
-            state = (lambda u: np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)])
-                     ) if atari else (lambda u: S[u])
-            batch = dict(
-                states=[zero_s] * pad + [state(u) for u in range(lo, t + 1)],
-                actions=[zero_a] * pad + A_win,
-                rewards=[[0.0]] * pad + [[r] for r in R_win],
-                rtg=[[0.0]] * pad + [[g] for g in G[lo:t + 1]],
-                timesteps=[0] * pad + [min(u, d.max_ep_len - 1) for u in range(lo, t + 1)],
-                mask=[0.0] * pad + [1.0] * (t + 1 - lo),
-                prev_action=A[lo - 1] if lo > 0 else zero_a,
-                prev_reward=[R[lo - 1] if lo > 0 else 0.0],
-            )
-            dtypes = dict(timesteps=torch.int64, states=torch.uint8 if atari else torch.float32,
-                          actions=torch.int64 if d.discrete else torch.float32)
-            dtypes["prev_action"] = dtypes["actions"]
-            batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32), device=device)
-                     for k, v in batch.items()}
-            with torch.no_grad():
-                out = _as_numpy(act(batch, np.array([i])))[0]
-            a = choose(out, rng, greedy) if d.discrete else np.clip(out, env.action_space.low, env.action_space.high)
-            obs, r, terminated, truncated, info = env.step(a)
-            returns[i] += r
-            r = (returns[i] if terminated or truncated else 0.0) if d.delayed_reward else r
-            A.append(a if d.discrete else a.astype(np.float32))
-            R.append(float(np.float32(r)))
-            G.append(np.float32(G[-1] - r * d.return_scale))
-            S.append(d.observe(obs))
-            positions[i].append(_position(obs))
-            lengths[i] = t + 1
-            if info.get("success", False) and not success[i]:
-                success[i], steps_to_goal[i] = True, t + 1
-            if terminated or truncated:
-                break
-        env.close()
-    return _result(d, returns, lengths, success, steps_to_goal, positions)
-
-
-def summarize(res):
-    """One line: mean +- std of the normalised score and return (and maze success / steps to the goal)."""
-    s = (f"normalized_score={res['normalized'].mean():.1f}±{res['normalized'].std():.1f} "
-         f"return={res['returns'].mean():.1f}±{res['returns'].std():.1f} length={res['lengths'].mean():.0f}")
-    if "success" in res:
-        s += f" success={100 * res['success'].mean():.0f}% steps_to_goal={res['steps_to_goal'].mean():.0f}"
-    return s
+def pick_gl():
+    """An offscreen OpenGL backend for MuJoCo, where the user set none: MUJOCO_GL is left as it is when set, else the
+    first of egl, osmesa (and glfw where there is a display) that makes a context, tried in a child process, since a
+    failing backend can take the process with it. One sentence where none works."""
+    if os.environ.get("MUJOCO_GL"):
+        return os.environ["MUJOCO_GL"]
+    display = sys.platform != "linux" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    for backend in (["glfw"] if display else []) + ["egl", "osmesa"]:
+        probe = "import mujoco; c = mujoco.GLContext(8, 8); c.make_current(); c.free()"
+        if subprocess.run([sys.executable, "-c", probe], env=os.environ | {"MUJOCO_GL": backend},
+                          capture_output=True, timeout=120).returncode == 0:
+            os.environ["MUJOCO_GL"] = backend
+            return backend
+    raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
+                    "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
 
 
 # ================================================================================================================
-# The run record. A model file's main() reads its flags (parse_flags, check_flags) and opens a Run; its train() checks
-# the data and one step's memory (check_data, check_memory), then calls run.start / run.log / run.save / run.finish.
+# The run record, which the model files call: main() reads the flags (parse_flags, check_flags) and opens a Run (or,
+# with --bench, bench_modes' Bench records), inside one_sentence_errors(); train() checks the data and one step's memory
+# (check_data, check_memory), then calls run.start / run.log / run.save / run.finish.
 
 RUN_FILES = ("config.json", "log.csv", "ckpt.pt")      # a folder holding one of these holds a run
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
@@ -319,6 +336,8 @@ CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "
 EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "normalized_score_std", "success_rate",
                "steps_to_goal", "wall_time"]
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
+PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
+FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
 
 
 def parse_flags(Config, presets, argv, prog, description):
@@ -344,9 +363,6 @@ def parse_flags(Config, presets, argv, prog, description):
     if values.get("dataset"):
         values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
     return Config(**values), set(values)
-
-
-FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
 
 
 def family_setting(presets, preset, dataset):
@@ -440,7 +456,6 @@ def gb(n):
     """Bytes in words: MB, GB or TB."""
     e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
     return f"{n / 2 ** e:.3g} {unit}"
-
 
 
 def check_memory(model, loss, template, batch_size, device):
@@ -796,9 +811,6 @@ class Run:
         return res
 
 
-PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
-
-
 def duration(seconds):
     """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
     for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
@@ -812,12 +824,18 @@ def score(x):
     return f"{x:.2f}" if math.isfinite(x) else ""
 
 
-def plot_curve(rows, path, hundred, title):
-    """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
-    has no reference returns), plus, on goal-reaching data, the success rate and the steps to the goal."""
+def pyplot():
+    """matplotlib.pyplot, drawing into files (no window)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_curve(rows, path, hundred, title):
+    """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
+    has no reference returns), plus, on goal-reaching data, the success rate and the steps to the goal."""
+    plt = pyplot()
     evals = [r for r in rows if r["eval_return"] != ""]
     scored = any(r["normalized_score"] != "" for r in evals)
     panels = [("loss", "training loss", "mean over the log interval"),
@@ -871,7 +889,8 @@ class Bench:
 
     def log(self, step, loss, lr, **extra):
         if step in (1, 3, 3 + self.n):
-            torch.cuda.synchronize() if torch.device(self.cfg.device).type == "cuda" else None
+            if self.cuda:
+                torch.cuda.synchronize()
             self.times[step] = time.time()
         if step == 3 + self.n:
             ms = 1e3 * (self.times[step] - self.times[3]) / self.n
@@ -930,10 +949,11 @@ def one_sentence_errors():
 
 
 # ================================================================================================================
-# report: python evaluate.py report [RUNS_DIR] -> one table over seeds (printed and RUNS_DIR/report.md) and one figure
-# (RUNS_DIR/report.png). A run folder is any folder under RUNS_DIR with config.json (every Config field plus script,
-# variant, dataset_id) and log.csv (training rows, and evaluation rows with target and normalized_score filled), as the
-# model files write them. Runs are grouped by (dataset_id, script, variant), whatever the folder names say.
+# report, which main() below runs (python evaluate.py report [RUNS_DIR]): one table over seeds (printed and
+# RUNS_DIR/report.md) and one figure (RUNS_DIR/report.png). A run folder is any folder under RUNS_DIR with config.json
+# (every Config field plus script, variant, dataset_id) and log.csv (training rows, and evaluation rows with target and
+# normalized_score filled), as the model files write them. Runs are grouped by (dataset_id, script, variant), whatever
+# the folder names say.
 
 def find_runs(runs_dir):
     """Every folder under runs_dir (itself included) holding a run's file (config.json, log.csv, ckpt.pt), sorted;
@@ -983,16 +1003,13 @@ def read_run(folder):
     for line, r in enumerate(rows[1:], start=2):
         if len(r) != len(header):
             continue  # a half-written last line (a killed process): skipped
-        row = dict(zip(header, r))
-        try:
-            parsed.append(dict(step=int(row["step"]), target=row["target"],
-                               normalized_score=_number(row["normalized_score"]),
-                               eval_return=_number(row.get("eval_return", "")),
-                               success_rate=_number(row["success_rate"]), steps_to_goal=_number(row["steps_to_goal"])))
-        except ValueError:
-            bad = next(f"{k} '{row[k]}'" for k in ("step", "normalized_score", "eval_return", "success_rate",
-                                                   "steps_to_goal") if not _parses(row.get(k, ""), k == "step"))
-            return run | dict(status=f"unreadable (log.csv line {line}: {bad} is not a finite number)")
+        row, cells = dict(zip(header, r)), {}
+        for k in ("step", "normalized_score", "eval_return", "success_rate", "steps_to_goal"):
+            try:
+                cells[k] = int(row[k]) if k == "step" else _number(row.get(k, ""))
+            except ValueError:
+                return run | dict(status=f"unreadable (log.csv line {line}: {k} '{row[k]}' is not a finite number)")
+        parsed.append(cells | dict(target=row["target"]))
     # an evaluation row has a return; its normalised score is empty where the data has no reference returns
     evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
     if not evals:
@@ -1002,14 +1019,6 @@ def read_run(folder):
         step = checkpoint_step(folder) or max(r["step"] for r in parsed)   # a stopped run saves between log lines
         run["status"] = f"in progress at step {step} of {run['steps']}"
     return run
-
-
-def _parses(v, integer=False):
-    try:
-        int(v) if integer else _number(v)
-        return True
-    except ValueError:
-        return False
 
 
 def _last(run):
@@ -1093,9 +1102,7 @@ def report(runs_dir="runs"):
 
 def plot_report(groups, path):
     """One subplot per dataset: each group's normalised score vs step, mean over seeds, band = min..max over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     datasets = sorted({key[0] for key in groups})
     cols = min(3, len(datasets))
     rows = -(-len(datasets) // cols)
@@ -1123,8 +1130,8 @@ def plot_report(groups, path):
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# command line
+# ================================================================================================================
+# The command line: python evaluate.py report [RUNS_DIR]
 
 def main(argv=None):
     p = FlagParser(prog="evaluate.py", description="Evaluation helpers for the model files; from the command line: "

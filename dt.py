@@ -7,7 +7,7 @@ GPT-2-style transformer reads the last K steps (3K tokens) and predicts a_t from
 At test time the model is prompted with a target return, and R_{t+1} = R_t - r_t after each step (paper Sec. 3).
 
     python dt.py --env hopper-medium                  # paper configuration: 100k steps, 128-d, 3 layers, K=20
-    python dt.py --env hopper-medium --preset cpu     # small configuration for a 2-core laptop, ~10 minutes
+    python dt.py --env hopper-medium --preset cpu     # small configuration for a 2-core laptop, ~3 minutes
     python dt.py --env hopper-medium --no-return-token                # behaviour cloning (the paper's BC row)
     python dt.py --env hopper-medium --no-return-token --top-fraction 0.1     # %BC: BC on the best 10%
     MINARI_DATASETS_PATH=<folder of local datasets> python dt.py --dataset replica/hopper/medium-v0 --preset cpu
@@ -105,19 +105,18 @@ class Config:
     out: str = arg("", "output folder; default runs/dt/<env>/<variant>/seed<N>", run=True)
     resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
+    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
+                      run=True)
     bench_eval: bool = arg(False, "time batched vs sequential evaluation (10 episodes) of the run's checkpoint", run=True)
     gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint (MuJoCo; Atari in colour)",
                     run=True)
 
 
-# --preset cpu: a small DT that learns hopper-medium on 2 CPU cores in minutes: a higher lr, cosine-decayed so that the
-# reported last checkpoint is a settled one (at a constant 1e-3 one seed in three fell from 40 to 13 at the end).
-# Mazes: K=1 and no dropout, 50 episodes. The data's noisy actions are a history to copy rather than use, and dropout
-# blurs the position and goal the action depends on (medium-dense, seed 0: K=10 reaches the goal in 28% of episodes,
-# K=1 without dropout in 90%). Atari's paper setting (the preset "") is kzl's atari/run_dt_atari.py#L79-L87: 5 epochs
-# of 1% DQN-replay (500k steps / 128 = 3906 steps each), an evaluation after each; its warmup of 512 x 20 tokens is 3
-# steps here. Classroom Atari: DQN's torso is ~90% of a step on CPU; 128 wide, 3 layers bought nothing for 1.15x a step.
+# --preset cpu learns hopper-medium on 2 CPU cores in minutes; its lr decays so that the last checkpoint is settled.
+# Mazes: K=1, no dropout (the data's noisy actions are a history to copy, and dropout blurs the position and goal the
+# action depends on: medium-dense, seed 0, goal reached K=10 28%, K=1 without dropout 90%), 50 episodes. Atari's paper
+# setting (preset "") is kzl's atari/run_dt_atari.py#L79-L87: 5 epochs of 1% DQN-replay (3906 steps of 128 each), an
+# evaluation after each, warmup 512 x 20 tokens (3 steps). Classroom Atari: 128 wide, 3 layers bought nothing.
 ATARI_CPU = dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4, warmup_steps=100, steps=5000,
                  eval_every=1000, eval_episodes=10, dropout=0.1)
 ATARI = dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4, beta2=0.95, weight_decay=0.1,
@@ -158,7 +157,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        # kzl's gym GPT-2 is configured with ReLU (gym/experiment.py#L218, #L295), its atari/ minGPT keeps GELU (model_atari.py#L109)
+        # kzl's gym GPT-2 has ReLU (gym/experiment.py#L218, #L295), its atari/ minGPT GELU (mingpt/model_atari.py#L109)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU() if gelu else nn.ReLU(),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
 
@@ -245,10 +244,9 @@ class PatchEncoder(nn.Module):
 
 
 class AtariDecisionTransformer(nn.Module):
-    """DT on Atari (Sec. 5.1; kzl atari/mingpt/model_atari.py#L126-L157): the same token sequence (R_t, s_t, a_t), with
-    the state read by DQN's conv torso, the action an embedding, logits over the game's actions out of the s_t token
-    (cross-entropy), and time as one learned embedding of the window's first timestep added to every token plus one
-    learned embedding per token position (where the gym model adds one per timestep). minGPT blocks (GELU)."""
+    """DT on Atari (Sec. 5.1; kzl atari/mingpt/model_atari.py#L126-L157): the tokens (R_t, s_t, a_t) with s_t read by
+    DQN's conv torso, a_t an embedding, logits for a_t from the s_t token; time is a learned embedding of the window's
+    first timestep plus one per token position (the gym model adds one per timestep); minGPT's GELU blocks."""
 
     def __init__(self, cfg, n_actions, max_ep_len):
         super().__init__()
@@ -345,8 +343,7 @@ def loss_fn(model, batch, cfg):
 
 
 def policy(model):
-    """Alg. 1's action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step
-    (on Atari its logits; evaluate draws the action from their softmax, or takes the argmax with --greedy)."""
+    """Alg. 1's action: the live envs' contexts -> the current step's action (Atari: logits, sampled by evaluate)."""
     def act(batch, live):
         return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[:, -1]
     return act
@@ -372,9 +369,8 @@ def evaluate(model, d, cfg, device):
 # training
 
 def train(cfg, run, d=None):
-    """Train the model of Sec. 3 (or, with --resume, continue the run) and evaluate it with Alg. 1. The run record
-    (evaluate.Run) keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
-    -> the first target's final evaluation (per-episode arrays)."""
+    """Train the model of Sec. 3 (--resume: continue the run) and evaluate it with Alg. 1 -> the first target's final
+    evaluation. evaluate.Run keeps the folder, log and checkpoint (--bench passes its timer and synthetic data)."""
     d = load_dataset(cfg) if d is None else d
     ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()
@@ -445,9 +441,8 @@ def bench_eval(cfg, given):
 
 
 def bench(cfg):
-    """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (DeMa's Table 7 compares
-    DT and DeMa there: --bench --env breakout-expert); nothing is written."""
+    """--bench: train()'s steps timed, eager against compiled (and bf16 on CUDA), on synthetic data of hopper's shape,
+    or Atari's for an Atari --env (DeMa's Table 7: --bench --env breakout-expert); nothing is written."""
     length = max(200, 2 * cfg.context)
     d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env) else
          data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))

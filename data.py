@@ -4,11 +4,9 @@ Minari datasets -> episodes -> training windows: the only data code the model fi
     d = load_data("hopper-medium")            # short name, or any Minari id ("replica/hopper/medium-v0")
     batch = d.sample(64, 20, rng)              # dict of torch tensors, shapes below
 
-The top of the file is what the model files and evaluate.py use, in the order a training step meets it: names and
-tables, load_data -> OfflineData (episodes, state stats, eval env, reference scores, targets) -> returns_to_go ->
-gather_windows -> stack_frames (evaluate.py builds its contexts with the last two), then the Atari env helpers and
---bench's synthetic data. Below the "Dataset tools" fence: the converters, mix, atomic writes and the command line.
-Where this follows DT's official code, the line names it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
+The top of the file is what the model files and evaluate.py use, in the order a training step meets it; below the
+"Dataset tools" fence: the converters, mix, atomic writes and the command line. Lines that follow DT's official code
+name it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
 https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/gym/experiment.py#L103).
 
 What a window holds (B windows of K steps, left-padded, the last position is always a real step):
@@ -79,8 +77,7 @@ SHORT_NAMES.update({f"{g}-expert": f"atari/{g}/expert-v0" for g in ATARI_GAMES})
 # D4RL's reference returns (d4rl/infos.py), used when a dataset carries none (Minari's mujoco/* sets, Minari#323)
 D4RL_REF_SCORES = {"Hopper": (-20.272305, 3234.3), "HalfCheetah": (-280.178953, 12135.0),
                    "Walker2d": (1.629008, 4592.3), "Ant": (-325.6, 3879.7)}
-# D4RL's Adroit reference returns (d4rl/infos.py), likewise; apart from D4RL_REF_SCORES, whose keys name the
-# locomotion robots (make_env's tracking camera, convert-d4rl)
+# D4RL's Adroit reference returns (d4rl/infos.py), likewise (D4RL_REF_SCORES' keys name the locomotion robots only)
 ADROIT_REF_SCORES = {"AdroitHandPen": (-96.262264, 3076.8331), "AdroitHandHammer": (-274.856578, 12794.1),
                      "AdroitHandDoor": (-56.512833, 2880.5697), "AdroitHandRelocate": (-6.425911, 4233.8773)}
 # Decision Transformer's evaluation targets, raw return units: kzl/decision-transformer@e2d82e6 gym/experiment.py#L41
@@ -122,8 +119,7 @@ def resolve(name):
 
 
 def is_maze(name):
-    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name (short or Minari id) before any
-    data is read."""
+    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name before any data is read."""
     return "maze" in name.lower()
 
 
@@ -298,15 +294,11 @@ class OfflineData:
         (the eval env applies the frame transform itself)."""
         if self.family == "atari":
             return np.asarray(obs, dtype=np.uint8)
-        return self.normalize_states(self.flatten_obs(obs))
+        return self.normalize_states(flatten_obs(obs, self.obs_keys))
 
     def normalize_score(self, returns):
         """D4RL-style normalised score: 100 * (R - ref_min) / (ref_max - ref_min)."""
         return 100.0 * (np.asarray(returns, dtype=np.float64) - self.ref_min) / (self.ref_max - self.ref_min)
-
-    def flatten_obs(self, obs):
-        """An env's (or the dataset's) observation -> this data's flat state layout."""
-        return flatten_obs(obs, self.obs_keys)
 
     def make_env(self, render=False):
         """The dataset's own evaluation env (Minari's eval_env_spec, else env_spec); render=True: one that renders
@@ -732,7 +724,7 @@ def convert_d4rl(path, dataset_id, env_id=None):
                                      actions=a["actions"][s:e].astype(np.float32), rewards=a["rewards"][s:e].tolist(),
                                      terminations=term.tolist(), truncations=trunc.tolist(), infos={}))
     ref = D4RL_REF_SCORES.get(env_id.split("-")[0], (None, None))
-    command = _command("convert-d4rl", os.path.abspath(path), dataset_id, *(["--env", env_arg] if env_arg else []))
+    command = ["convert-d4rl", os.path.abspath(path), dataset_id, *(["--env", env_arg] if env_arg else [])]
     folder = _write_dataset(dataset_id, buffers, command, env=env_id, ref_min_score=ref[0], ref_max_score=ref[1],
                             algorithm_name="D4RL (converted by data.py convert-d4rl)",
                             description=f"converted from {path}")
@@ -763,42 +755,40 @@ DQN_REPLAY_MAX_ROWS = 10_000_000  # rows a checkpoint may declare (Dopamine's ho
 DQN_BLANK_ROWS = 3                # Dopamine's blank transitions before an episode (frame stack 4, minus 1)
 
 
+@contextlib.contextmanager
 def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
-    """The gzipped np.save array at `path`, its header read by numpy's own np.lib.format -> (the gzip file at its first
-    data byte, dtype, number of rows). One sentence if it is no gzip or no np.save array, or not rows of `row_shape`
-    (uint8 frames) with a dtype of one of `kinds` (numpy's kind letters); scalar: one number, shape () or (1,). Nothing
-    is allocated before the header passes, and nothing is unpickled (an object dtype is refused)."""
+    """The gzipped np.save array at `path` -> (the gzip file at its first data byte, dtype, number of rows). Its header
+    (read by np.lib.format) must declare rows of `row_shape` (uint8 frames) with a dtype of one of `kinds` (numpy's
+    kind letters), or one number (scalar); else one sentence, before anything is allocated or unpickled."""
     import gzip
     import zlib
     try:
         f = gzip.open(path, "rb")
     except OSError as e:
         raise DataError(f"{path} cannot be opened ({e.strerror or e})") from None
-    try:
-        version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0)):
-            raise ValueError(f"np.save format {version}")
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(f)
-    except (OSError, EOFError, zlib.error, ValueError) as e:  # (gzip's BadGzipFile is an OSError)
-        f.close()
-        what = ("not a gzip file, or a damaged one" if isinstance(e, OSError) else "truncated" if
-                isinstance(e, EOFError) else "damaged" if isinstance(e, zlib.error) else
-                "not an array np.save wrote, or damaged")
-        raise DataError(f"{path} cannot be read ({what}); DQN-replay's {os.path.basename(path).split('_ckpt')[0]} "
-                        f"files are gzipped np.save arrays") from None
-    want = f"(n, {', '.join(map(str, row_shape))})" if row_shape else "()" if scalar else "(n,)"
-    shape_ok = shape in ((), (1,)) if scalar else len(shape) == 1 + len(row_shape) and shape[1:] == tuple(row_shape)
-    if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (row_shape and dtype != np.uint8)
-            or (fortran_order and len(shape) > 1)):
-        f.close()
-        raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay has {want} "
-                        f"{'uint8 frames' if row_shape else 'numbers'}")
-    if shape and shape[0] > DQN_REPLAY_MAX_ROWS:
-        f.close()
-        raise DataError(f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this reader "
-                        f"accepts (DQN-replay buffers hold 1M)")
-    return f, dtype, int(shape[0]) if shape else 1
+    with f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"np.save format {version}")
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = header(f)
+        except (OSError, EOFError, zlib.error, ValueError) as e:  # (gzip's BadGzipFile is an OSError)
+            what = ("not a gzip file, or a damaged one" if isinstance(e, OSError) else "truncated" if
+                    isinstance(e, EOFError) else "damaged" if isinstance(e, zlib.error) else
+                    "not an array np.save wrote, or damaged")
+            raise DataError(f"{path} cannot be read ({what}); DQN-replay's {os.path.basename(path).split('_ckpt')[0]} "
+                            f"files are gzipped np.save arrays") from None
+        want = f"(n, {', '.join(map(str, row_shape))})" if row_shape else "()" if scalar else "(n,)"
+        shape_ok = shape in ((), (1,)) if scalar else len(shape) == 1 + len(row_shape) and shape[1:] == row_shape
+        if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (row_shape and dtype != np.uint8)
+                or (fortran_order and len(shape) > 1)):
+            raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay has {want} "
+                            f"{'uint8 frames' if row_shape else 'numbers'}")
+        if shape and shape[0] > DQN_REPLAY_MAX_ROWS:
+            raise DataError(f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this reader "
+                            f"accepts (DQN-replay buffers hold 1M)")
+        yield f, dtype, int(shape[0]) if shape else 1
 
 
 def _npy_fill(f, out, path, last=True):
@@ -822,8 +812,7 @@ def _npy_fill(f, out, path, last=True):
 
 def _npy_read(path, kinds, scalar=False):
     """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB), or one number (scalar)."""
-    f, dtype, n = _npy_open(path, (), kinds, scalar)
-    with f:
+    with _npy_open(path, (), kinds, scalar) as (f, dtype, n):
         if n * dtype.itemsize > 1032 * os.path.getsize(path):  # deflate expands a byte into 1032 at most
             raise DataError(f"{path} is truncated or damaged (its header declares {n:,} rows, more than its "
                             f"{os.path.getsize(path):,} bytes can hold); download it again")
@@ -851,8 +840,8 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
         if not os.path.isfile(p):
             raise DataError(f"buffer {number} in {folder} has no {os.path.basename(p)} (a buffer needs its "
                             f"observation, action, reward and terminal files); download it again")
-    f, _, n = _npy_open(paths["observation"], (84, 84), "u")
-    f.close()
+    with _npy_open(paths["observation"], (84, 84), "u") as (_, _, n):
+        pass                                                              # (its header only: n rows)
     act, rew, term = (_npy_read(paths[k], kinds) for k, kinds in (("action", "iu"), ("reward", "fiu"),
                                                                    ("terminal", "biu")))
     lengths = {"observation": n, "action": len(act), "reward": len(rew), "terminal": len(term)}
@@ -862,7 +851,8 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     if not np.isin(term, (0, 1)).all() or not np.isfinite(rew).all():
         raise DataError(f"buffer {number} in {folder} has terminal flags other than 0 and 1 or rewards that are NaN "
                         f"or infinite, so it cannot be used")
-    cursor = _dqn_replay_cursor(folder, number, n)
+    count = os.path.join(folder, f"add_count_ckpt.{number}.gz")          # places the oldest row: add_count % n
+    cursor = int(_npy_read(count, "iu", scalar=True)[0]) % n if os.path.isfile(count) else 0
     order = (np.arange(n) + cursor) % n                                   # (n,) stream position -> file row
     act, rew, term = act[order], rew[order], term[order].astype(bool)
     ends = np.flatnonzero(term)                                           # stream positions of episodes' last steps
@@ -908,21 +898,12 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     return out
 
 
-def _dqn_replay_cursor(folder, number, n):
-    """The file row of buffer `number`'s oldest transition: add_count % n from add_count_ckpt.N.gz, or 0 without it."""
-    path = os.path.join(folder, f"add_count_ckpt.{number}.gz")
-    if not os.path.isfile(path):
-        return 0
-    return int(_npy_read(path, "iu", scalar=True)[0]) % n
-
-
 def _dqn_replay_frames(path, dest, frames):
-    """Read the observation file's rows in order, no further than the last one kept, and copy row r to
-    frames[dest[r]] where dest[r] >= 0 (4096 rows, 29 MB, at a time)."""
-    f, _, n = _npy_open(path, (84, 84), "u")
+    """Copy the observation file's row r to frames[dest[r]] where dest[r] >= 0, reading 4096 rows (29 MB) at a time
+    and no further than the last row kept."""
     last = int(np.flatnonzero(dest >= 0)[-1]) + 1
     chunk = np.empty((min(4096, last), 84, 84), np.uint8)
-    with f:
+    with _npy_open(path, (84, 84), "u") as (f, _, n):
         for r0 in range(0, last, 4096):
             r1 = min(r0 + 4096, last)
             rows = _npy_fill(f, chunk[:r1 - r0], path, last=r1 == n)
@@ -932,13 +913,12 @@ def _dqn_replay_frames(path, dest, frames):
 
 def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes from its last `buffers`
-    checkpoints (default all), `steps` steps spread over them: each buffer in turn gives whole episodes up to an equal
-    share of the steps still wanted, the episode that reaches it kept whole. (kzl/decision-transformer@e2d82e6
-    atari/create_dataset.py#L33 draws 10 episodes at a time from random buffers of its range, so its 500k steps come
-    from all of them, not from the earliest, near-random play.) Pieces of episodes cut by a buffer's edge are dropped
-    (their timesteps or returns-to-go would be wrong), and Dopamine's blank rows. An episode's T + 1 observations end
-    with its last frame repeated (the replay keeps no frame after a terminal). Frames stored lossless; env and eval
-    env atari_env_spec(game); reference scores ATARI_GAMER_SCORES. Never overwrites. -> the number of episodes."""
+    checkpoints (default all), `steps` steps spread over them, each buffer in turn giving whole episodes up to an equal
+    share of the steps still wanted. (kzl/decision-transformer@e2d82e6 atari/create_dataset.py#L33 draws 10 episodes
+    at a time from random buffers of its range, so its 500k steps come from all of them, not from the earliest,
+    near-random play.) Pieces of episodes cut by a buffer's edge are dropped (their timesteps or returns-to-go would be
+    wrong), and Dopamine's blank rows. Frames stored lossless; env and eval env atari_env_spec(game). Never
+    overwrites. -> the number of episodes."""
     from collections import Counter
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
@@ -978,13 +958,12 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     if total < steps:
         print(f"{which} of {folder} hold {total:,} steps in whole episodes, fewer than --steps {steps:,}: all of "
               f"them are used")
-    ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(),
-                                terminations=[False] * (len(act) - 1) + [True], truncations=[False] * len(act),
-                                infos={})
+    ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(), infos={},
+                                terminations=[False] * (len(act) - 1) + [True], truncations=[False] * len(act))
                   for i, (obs, act, rew) in enumerate(episodes)]
     ref = ATARI_GAMER_SCORES.get(spec.name, (None, None))
-    command = _command("convert-dqn-replay", os.path.abspath(folder), game, dataset_id,
-                       *(["--buffers", buffers] if buffers else []), "--steps", steps)
+    command = ["convert-dqn-replay", os.path.abspath(folder), game, dataset_id,
+               *(["--buffers", buffers] if buffers else []), "--steps", steps]
     out = _write_dataset(dataset_id, ep_buffers, command, env=spec, eval_env=spec, observation_space=frame_space,
                          action_space=gym.spaces.Discrete(n_actions), ref_min_score=ref[0], ref_max_score=ref[1],
                          algorithm_name="DQN (Dopamine), DQN-replay dataset (converted by data.py convert-dqn-replay)",
@@ -1000,9 +979,9 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
 
 def mix(sources, dataset_id):
     """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL's medium-expert:
-    all of medium, then all of expert). The sources must share the env (max_episode_steps may differ: the larger is
-    kept) and the spaces; the eval env and reference returns are carried over, the sources listed in the metadata
-    (`combined_datasets`, minari.combine_datasets' key). Episode infos are not copied. -> the number of episodes."""
+    all of medium, then all of expert). The sources must share the env (the larger max_episode_steps is kept) and the
+    spaces; the eval env and reference returns are carried over, the sources listed in the metadata under
+    minari.combine_datasets' key `combined_datasets`. Episode infos are not copied. -> the number of episodes."""
     from minari.data_collector import EpisodeBuffer
     ids = [resolve(s) for s in sources]
     if len(ids) < 2:
@@ -1031,7 +1010,7 @@ def mix(sources, dataset_id):
                              terminations=list(ep.terminations), truncations=list(ep.truncations), infos={})
                for n, ep in enumerate(ep for _, _, episodes in loaded for ep in episodes)]
     folder = _write_dataset(
-        dataset_id, buffers, _command("mix", *sources, dataset_id), {"combined_datasets": ids}, env=spec,
+        dataset_id, buffers, ["mix", *sources, dataset_id], {"combined_datasets": ids}, env=spec,
         eval_env=getattr(first_ds, "_eval_env_spec", None), observation_space=first_ds.observation_space,
         action_space=first_ds.action_space, ref_min_score=first_meta.get("ref_min_score"),
         ref_max_score=first_meta.get("ref_max_score"), algorithm_name="data.py mix",
@@ -1050,10 +1029,14 @@ def mix(sources, dataset_id):
 # where Minari looks. The writing process holds a lock on the hidden folder; the next dataset command removes any such
 # folder whose lock no live process holds.
 
+PARTIAL_PREFIX = ".data.py-partial-"
+
+
 def _new_dataset_folder(dataset_id):
-    """The folder a new local dataset `dataset_id` gets; one sentence if the id is malformed or already taken, or
-    if the datasets folder cannot be written (checked before any data is read)."""
+    """-> (the folder of the new local dataset `dataset_id`, the datasets folder); one sentence if the id is malformed
+    or taken, or the datasets folder cannot be written (checked before any data is read)."""
     from minari.dataset.minari_dataset import parse_dataset_id
+    from minari.storage.datasets_root_dir import get_dataset_path
     try:
         namespace = parse_dataset_id(dataset_id)[0]
     except (ValueError, TypeError):  # TypeError: minari's parser on an id without -vN
@@ -1061,23 +1044,14 @@ def _new_dataset_folder(dataset_id):
     if namespace is None:  # load_data reads an id without a namespace as a short name
         raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
     try:
-        folder = dataset_folder(dataset_id)  # (makes the datasets folder if it is missing)
+        folder, root = dataset_folder(dataset_id), str(get_dataset_path())  # (makes the datasets folder if missing)
     except OSError as e:
         raise _unwritable(os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets"), e) from None
     if os.path.exists(folder):
         raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is overwritten)")
-    root = _datasets_root()
     if not os.access(root, os.W_OK):
         raise _unwritable(root, PermissionError("not writable"))
-    return folder
-
-
-PARTIAL_PREFIX = ".data.py-partial-"
-
-
-def _datasets_root():
-    from minari.storage.datasets_root_dir import get_dataset_path
-    return str(get_dataset_path())
+    return folder, root
 
 
 def _unwritable(root, e):
@@ -1086,45 +1060,36 @@ def _unwritable(root, e):
 
 
 def _clean_partial(root):
-    """Remove the partial datasets interrupted commands left in `root` (one printed line each); a folder a live
-    command is writing (its lock held) is left alone."""
+    """Remove the partial datasets interrupted commands left in `root` (one printed line each), but not a folder whose
+    lock a live command holds."""
     import fcntl
     for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
+        path, lock = os.path.join(root, name), os.path.join(root, name, "lock")
         if not name.startswith(PARTIAL_PREFIX) or not os.path.isdir(path):
             continue
-        try:
-            fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
-        except FileNotFoundError:  # made a moment ago by a live command (the lock comes next), or killed right then
-            if time.time() - os.path.getmtime(path) < 60:
+        if not os.path.exists(lock) and time.time() - os.path.getmtime(path) < 60:
+            continue  # made a moment ago by a live command, whose lock comes next
+        with open(lock, "a") as f:  # (made here where a command was killed before it made its own)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live command is writing it
                 continue
-            fd = None
-        try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             print(f"removing {path}: a partial dataset left by an interrupted data.py command")
             shutil.rmtree(path, ignore_errors=True)
-        except BlockingIOError:  # a live command is writing it
-            pass
-        finally:
-            if fd is not None:
-                os.close(fd)
 
 
 def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
-    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing: written into a hidden
-    folder beside the datasets (MINARI_DATASETS_PATH points there meanwhile), then renamed into place with its
-    namespace made at the destination. `command` (how the dataset was made) and extra_metadata go into its metadata.
-    -> its folder."""
+    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing, with its command line
+    (`python data.py` + the words of `command`) and extra_metadata in its metadata. -> its folder."""
     import fcntl
+    import shlex
     import tempfile
+    from unittest import mock
     import minari
     from minari.dataset.minari_dataset import parse_dataset_id
-    from minari.namespace import create_namespace, list_local_namespaces
-    folder = _new_dataset_folder(dataset_id)
-    root = _datasets_root()
+    from minari.namespace import create_namespace
+    folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
-    saved = os.environ.get("MINARI_DATASETS_PATH")
     for _ in range(3):
         try:
             tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
@@ -1141,39 +1106,24 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
         raise DataError(f"other data.py commands kept removing this one's working folder in {root}; run it again")
     try:
         with lock:
-            os.environ["MINARI_DATASETS_PATH"] = os.path.join(tmp, "datasets")
-            try:
+            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):  # (restored after)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ...
                     ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
+                command = shlex.join(["python", "data.py", *map(str, command)])
                 ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
                 written = dataset_folder(dataset_id)
-            finally:
-                if saved is None:
-                    os.environ.pop("MINARI_DATASETS_PATH", None)
-                else:
-                    os.environ["MINARI_DATASETS_PATH"] = saved
-            namespace = parse_dataset_id(dataset_id)[0]
-            if namespace not in list_local_namespaces():
-                with contextlib.suppress(ValueError):  # (made by another command meanwhile)
-                    create_namespace(namespace)
+            with contextlib.suppress(ValueError):  # (there already, or made by another command meanwhile)
+                create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             try:
-                os.rename(written, folder)  # atomic; refused where another command wrote this id meanwhile
+                os.rename(written, folder)  # atomic
             except OSError:
-                if os.path.exists(folder):
-                    raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing "
-                                    f"is overwritten)") from None
+                _new_dataset_folder(dataset_id)  # "already exists" where another command wrote this id meanwhile
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def _command(*words):
-    """The command line that makes a dataset, as recorded in its metadata (data_py_command) and shown by damaged()."""
-    import shlex
-    return shlex.join(["python", "data.py", *map(str, words)])
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -1195,8 +1145,7 @@ def info(name):
 
 
 class Stopped(BaseException):
-    """SIGTERM, raised where the program is (as Ctrl-C raises KeyboardInterrupt), so that a dataset being written is
-    undone the same way."""
+    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt: a dataset write is undone alike."""
 
 
 def _stop(signum, frame):
@@ -1209,16 +1158,8 @@ def _positive(text):
     return int(text)
 
 
-def _unknown_command(word, commands):
-    """The one sentence for `python data.py WORD` where WORD is neither a command nor a dataset name."""
-    import difflib
-    near = difflib.get_close_matches(word, [*commands, *SHORT_NAMES], n=1)
-    return (f"unknown command '{word}'; the commands are {', '.join(commands)}"
-            + (f" (did you mean {near[0]}?)" if near else " (or name a dataset: a short name such as hopper-medium, "
-               "or a Minari id such as mujoco/hopper/medium-v0)"))
-
-
 def main(argv=None):
+    import difflib
     import signal
     import threading
     p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert a D4RL "
@@ -1248,8 +1189,11 @@ def main(argv=None):
     p_mix.add_argument("dataset_id", help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
-        if "/" not in argv[0] and argv[0] not in SHORT_NAMES:
-            print(f"error: {_unknown_command(argv[0], list(sub.choices))}", file=sys.stderr)
+        if "/" not in argv[0] and argv[0] not in SHORT_NAMES:  # neither a command nor a dataset name
+            near = difflib.get_close_matches(argv[0], [*sub.choices, *SHORT_NAMES], n=1)
+            print(f"error: unknown command '{argv[0]}'; the commands are {', '.join(sub.choices)}"
+                  + (f" (did you mean {near[0]}?)" if near else " (or name a dataset: a short name such as "
+                     "hopper-medium, or a Minari id such as mujoco/hopper/medium-v0)"), file=sys.stderr)
             raise SystemExit(1)
         argv = ["info", *argv]  # python data.py NAME: short for info NAME
     args = p.parse_args(argv)

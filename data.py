@@ -25,9 +25,8 @@ Atari (image states, discrete actions; family 'atari') differs in two entries an
     states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step, stacked when the batch is drawn (memory
                 holds one 84x84 frame per step); frames before the episode's first are 0 (stack_frames)
     actions     (B, K) int64 action index (0 where padded); prev_action (B,) int64
-A state is divided by 255 inside the model. Atari data is Minari's atari/<game>/expert-v0 (raw RGB frames, made
-84x84 grayscale at load by the transform its eval env gets: atari_frame_wrappers) or DQN-replay's 84x84 frames
-(convert-dqn-replay, the replica Breakout set).
+A state is divided by 255 inside the model. Atari data: Minari's atari/<game>/expert-v0 (RGB screens, made 84x84
+grayscale at load by atari_frame_wrappers, as in its eval env) or DQN-replay's 84x84 frames (convert-dqn-replay).
 
 Minari stores T+1 observations for T actions: s_t is paired with a_t, r_t for t < T and the final observation s_T
 is dropped. Dict observations (mazes) are flattened to one vector (flatten_obs). Data with a NaN or infinite
@@ -59,7 +58,8 @@ import torch
 # names and tables: short names -> Minari ids, reference returns, the papers' return-to-go targets
 
 _LOCOMOTION = ["halfcheetah", "hopper", "walker2d", "ant"]
-SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION for level in ("simple", "medium", "expert")}
+SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION
+               for level in ("simple", "medium", "expert")}
 SHORT_NAMES.update({f"pointmaze-{m}": f"D4RL/pointmaze/{m}-v2" for m in
                     ("umaze", "umaze-dense", "medium", "medium-dense", "large", "large-dense")})
 SHORT_NAMES.update({f"antmaze-{m}": f"D4RL/antmaze/{m}-v1" for m in
@@ -96,8 +96,7 @@ FRAME_STACK = 4  # an Atari state is the last 4 frames (DQN, and every paper her
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's own is the usage
-    block and exit 2). data.py, evaluate.py and the model files use it."""
+    """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's: usage, exit 2)."""
 
     def error(self, message):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
@@ -124,8 +123,7 @@ def is_maze(name):
 
 
 def is_atari(name):
-    """Atari data, told before the episodes are read: Minari's atari/* ids (and their short names), or a local
-    dataset whose recorded env is ale-py's. False for a name that means nothing."""
+    """Atari data (an atari/* id, or a local dataset whose env is ale-py's), told before it is read; else False."""
     try:
         dataset_id = resolve(name)
         if dataset_id.startswith("atari/"):
@@ -150,8 +148,7 @@ def obs_keys_for(spec):
 
 
 def flatten_obs(obs, keys=MAZE_KEYS):
-    """Dict observations -> the `keys` entries concatenated in that order, for one observation or with a leading
-    time axis; plain arrays pass through."""
+    """Dict observations -> the `keys` entries concatenated (with or without a time axis); arrays pass through."""
     if isinstance(obs, dict):
         return np.concatenate([np.asarray(obs[k]) for k in keys], axis=-1)
     return np.asarray(obs)
@@ -181,15 +178,14 @@ def load_data(name, download=True, delayed_reward=False):
     env_key = spec.id.split("/")[-1].split("-")[0]  # 'Hopper-v5' -> 'Hopper', 'ALE/Breakout-v5' -> 'Breakout'
     if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:
         ref_min, ref_max, ref_source = float(meta["ref_min_score"]), float(meta["ref_max_score"]), "dataset metadata"
-    elif env_key in D4RL_REF_SCORES:
-        (ref_min, ref_max), ref_source = D4RL_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
-    elif env_key in ADROIT_REF_SCORES:
-        (ref_min, ref_max), ref_source = ADROIT_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
+    elif env_key in D4RL_REF_SCORES | ADROIT_REF_SCORES:
+        ref_min, ref_max = (D4RL_REF_SCORES | ADROIT_REF_SCORES)[env_key]
+        ref_source = f"D4RL reference returns for {env_key}"
     elif family == "atari" and env_key in ATARI_GAMER_SCORES:
         (ref_min, ref_max), ref_source = ATARI_GAMER_SCORES[env_key], f"random and gamer returns for {env_key}"
     else:
         ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
-    goal_dim = int(np.prod(space["desired_goal"].shape)) if hasattr(space, "spaces") and "desired_goal" in space.spaces else 0
+    goal_dim = int(np.prod(space["desired_goal"].shape)) if "desired_goal" in getattr(space, "spaces", {}) else 0
     returns = np.array([e["rewards"].sum() for e in episodes])
     # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, target the best episode return.
     # PointMaze: Minari ends an episode at the goal and pays a dense reward on every step before, so the best return
@@ -205,13 +201,15 @@ def load_data(name, download=True, delayed_reward=False):
     # Atari: the timestep embedding covers the data's longest episode (kzl/decision-transformer@e2d82e6
     # atari/run_dt_atari.py#L80; evaluation clamps to it), while an evaluation episode may run to 27k steps.
     max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
+    horizon = 0                         # evaluation steps at most (0: max_ep_len); Atari: ALE's frame limit (108k in
+    if family == "atari":               # the papers) over the frames one step takes
+        horizon = int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
     if delayed_reward:
         episodes = [e | dict(rewards=delay_rewards(e["rewards"])) for e in episodes]
     return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
                        ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
-                       max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim, obs_keys=keys,
-                       horizon=atari_horizon(spec) if family == "atari" else 0, n_actions=n_actions, raw_frames=raw,
-                       delayed_reward=delayed_reward)
+                       max_ep_len=max_len, goal_dim=goal_dim, obs_keys=keys, horizon=horizon, n_actions=n_actions,
+                       raw_frames=raw, delayed_reward=delayed_reward)
 
 
 @dataclass
@@ -231,7 +229,6 @@ class OfflineData:
     n_actions: int = 0          # discrete actions (Atari's Discrete space), 0 for continuous actions
     raw_frames: bool = False    # Atari frames stored as 210x160 RGB (Minari's atari/*): atari_frame_wrappers applied
     delayed_reward: bool = False  # rewards moved to each episode's last step (delay_rewards), in evaluation too
-    goal_reaching: bool = False
     goal_dim: int = 0           # the last goal_dim state entries are desired_goal (dict observations), else 0
     obs_keys: tuple = MAZE_KEYS  # how flatten_obs orders dict observations (obs_keys_for(env_spec))
     state_mean: np.ndarray = field(default=None, repr=False)  # computed from the episodes unless given (keep_top)
@@ -240,6 +237,7 @@ class OfflineData:
     def __post_init__(self):
         eps = self.episodes
         self.discrete = self.n_actions > 0
+        self.goal_reaching = self.family == "maze"
         lengths = np.array([len(e["actions"]) for e in eps])
         self.ep_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])            # (n_episodes,)
         self.step_ep_start = np.repeat(self.ep_start, lengths)                     # (N,) first row of its episode
@@ -255,7 +253,7 @@ class OfflineData:
                 raise DataError(f"dataset '{self.dataset_id}' has action indices outside its Discrete("
                                 f"{self.n_actions}) space, so it cannot be used")
             _check_finite(f"dataset '{self.dataset_id}'", dict(rewards=rewards), self.ep_start)
-            self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)  # frames: / 255 in the model
+            self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)  # (/ 255 in the model)
             states = dict(frames=frames)
         else:
             obs = np.concatenate([e["observations"] for e in eps]).astype(np.float64)  # (N, obs_dim)
@@ -355,9 +353,8 @@ def returns_to_go(rewards):
 
 
 def delay_rewards(rewards):
-    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): every reward of an episode moved to its last
-    step, r'_t = 0 for t < T-1 and r'_{T-1} = sum_t r_t, so every return-to-go R_t equals the episode's return and
-    only the episode's end says how it went. Evaluation delays the env's rewards the same way (evaluate.evaluate)."""
+    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): r'_t = 0 for t < T-1, r'_{T-1} = sum_t r_t,
+    so every return-to-go R_t is the episode's return. Evaluation delays the env's rewards alike (evaluate.evaluate)."""
     out = np.zeros_like(rewards)
     out[-1] = np.sum(rewards, dtype=np.float64)
     return out
@@ -410,12 +407,23 @@ def stack_frames(frames, start, rows, at=lambda r: r):
 # reading a Minari dataset (what load_data calls)
 
 def _open_minari(dataset_id, download):
-    """-> (MinariDataset, its metadata, its episodes), with what a user can hit turned into one sentence: not there,
-    not downloadable, or there but damaged."""
+    """-> (MinariDataset, its metadata, its episodes), downloaded first where it is not here and download=True; one
+    sentence where it is not there, not downloadable, or there but damaged."""
     import minari
-    folder = dataset_folder(dataset_id)
-    if not os.path.exists(os.path.join(folder, "data")):  # minari's own test for "the dataset is here"
-        _download(dataset_id, download)
+    where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
+    if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):  # minari's own test for "it is here"
+        if not download:
+            raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari download "
+                            f"{dataset_id}` or set MINARI_DATASETS_PATH to a folder that holds it")
+        print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
+        try:
+            if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
+                socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not after a minute of retries
+            minari.load_dataset(dataset_id, download=True)
+        except Exception as e:  # network errors come from several libraries (httpx, huggingface_hub, socket)
+            raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
+                            f"({'no network' if isinstance(e, OSError) else type(e).__name__}); with a network run "
+                            f"`minari download {dataset_id}`, or copy it there and set MINARI_DATASETS_PATH") from None
     try:
         ds = minari.load_dataset(dataset_id)
         return ds, ds.storage.metadata, list(ds.iterate_episodes())
@@ -423,23 +431,6 @@ def _open_minari(dataset_id, download):
         detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
-
-
-def _download(dataset_id, download):
-    import minari
-    where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
-    if not download:
-        raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari download {dataset_id}` "
-                        f"or set MINARI_DATASETS_PATH to a folder that holds it")
-    print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
-    try:
-        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
-            socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not after a minute of retries
-        minari.load_dataset(dataset_id, download=True)
-    except Exception as e:  # network errors come from several libraries (httpx, huggingface_hub, socket)
-        raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
-                        f"({'no network' if isinstance(e, OSError) else type(e).__name__}); with a network run "
-                        f"`minari download {dataset_id}`, or copy it there and set MINARI_DATASETS_PATH") from None
 
 
 def damaged(dataset_id, detail):
@@ -518,23 +509,20 @@ def _atari_spaces(dataset_id, obs_space, action_space, spec):
     shape = tuple(getattr(obs_space, "shape", ()) or ())
     if shape == (84, 84):
         return int(action_space.n), False, lambda f: f
-    if len(shape) == 3 and shape[2] == 3:
-        return int(action_space.n), True, raw_frame_transform(spec)
+    if len(shape) == 3 and shape[2] == 3:  # RGB screens, made 84x84 by the eval env's own two wrappers
+        resize = atari_frame_wrappers(make_atari_env(spec))
+        resize.close()
+
+        def frames(rgb):  # (T, 210, 160, 3) -> (T, 84, 84) uint8
+            return np.stack([resize.observation(resize.env.observation(f)) for f in rgb]).astype(np.uint8)
+        return int(action_space.n), True, frames
     raise DataError(f"dataset '{dataset_id}' has Atari observations of shape {shape}; the models read 84x84 grayscale "
                     f"frames (DQN-replay's) or RGB screens (Minari's atari/*, made 84x84 at load)")
 
 
-def raw_frame_transform(spec):
-    """(T, 210, 160, 3) RGB frames -> (T, 84, 84) uint8, by the wrappers of atari_frame_wrappers on this spec's env."""
-    env = atari_frame_wrappers(make_atari_env(spec))
-    gray, resize = env.env, env
-    env.close()
-    return lambda rgb: np.stack([resize.observation(gray.observation(f)) for f in rgb]).astype(np.uint8)
-
-
 def atari_frame_wrappers(env):
     """Raw 210x160 RGB screens (Minari's atari/*) -> the papers' 84x84 grayscale, by gymnasium's own wrappers (OpenCV's
-    INTER_AREA): on the eval env, and on each dataset frame (raw_frame_transform), so both see the same pixels."""
+    INTER_AREA): on the eval env, and on each dataset frame at load (_atari_spaces), so both see the same pixels."""
     from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
     return ResizeObservation(GrayscaleObservation(env), (84, 84))
 
@@ -574,18 +562,12 @@ def atari_frame_skip(spec):
     return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
 
 
-def atari_horizon(spec):
-    """Evaluation steps at most: ALE's frame limit (108k in the papers) over the frames one step takes."""
-    return int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
-
-
 def _ale():
-    """gymnasium with ale-py's ALE/* envs registered and ALE's start-up banner off; one sentence where ale-py or
-    OpenCV (AtariPreprocessing resizes with it) is missing. -> the gymnasium module."""
+    """-> gymnasium with ale-py's ALE/* envs registered, its banner off; one sentence if ale-py or OpenCV is missing."""
     import gymnasium as gym
     try:
         import ale_py
-        import cv2  # noqa: F401
+        import cv2  # noqa: F401  (AtariPreprocessing resizes with OpenCV)
     except ImportError as e:
         raise DataError(f"Atari needs ale-py and OpenCV ({e.name} is missing): pip install ale-py "
                         f"opencv-python-headless") from None
@@ -819,22 +801,9 @@ def _npy_read(path, kinds, scalar=False):
         return _npy_fill(f, np.empty(n, dtype), path)
 
 
-def _dqn_replay_buffers(folder):
-    """The checkpoint numbers N in a replay_logs folder (those with any $store$_*_ckpt.N.gz file), ascending."""
-    if not os.path.isdir(folder):
-        raise DataError(f"{folder} is not a folder; pass a DQN-replay <Game>/<run>/replay_logs folder")
-    found = (re.fullmatch(r"\$store\$_(\w+)_ckpt\.(\d+)\.gz", f) for f in os.listdir(folder))
-    numbers = sorted({int(m[2]) for m in found if m and m[1] in DQN_REPLAY_FIELDS})
-    if not numbers:
-        raise DataError(f"{folder} holds no DQN-replay buffers ($store$_observation_ckpt.N.gz and the action, reward "
-                        f"and terminal files); pass a <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
-    return numbers
-
-
 def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     """Buffer `number`'s whole episodes, in order, until `budget` steps (the episode that reaches it is kept whole)
-    -> list of (frames (T+1, 84, 84) uint8, actions (T,) int64, rewards (T,) float32). counts (a dict) gathers what
-    was dropped. Only the frames kept are read from the observation file, which is read no further than they are."""
+    -> list of (frames (T+1, 84, 84) uint8, actions (T,) int64, rewards (T,) float32); counts: what is dropped."""
     paths = {k: os.path.join(folder, f"$store$_{k}_ckpt.{number}.gz") for k in DQN_REPLAY_FIELDS}
     for p in paths.values():
         if not os.path.isfile(p):
@@ -885,7 +854,14 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     dest = np.full(n, -1, np.int64)                                       # file row -> row of `frames`, -1: not kept
     for (s, e, _), b in zip(episodes, base):
         dest[order[s:e]] = b + np.arange(e - s)
-    _dqn_replay_frames(paths["observation"], dest, frames)
+    last = int(np.flatnonzero(dest >= 0)[-1]) + 1                        # read no further than the last row kept,
+    chunk = np.empty((min(4096, last), 84, 84), np.uint8)                 # 4096 rows (29 MB) at a time
+    with _npy_open(paths["observation"], (84, 84), "u") as (f, _, _):
+        for r0 in range(0, last, 4096):
+            r1 = min(r0 + 4096, last)
+            rows = _npy_fill(f, chunk[:r1 - r0], paths["observation"], last=r1 == n)
+            keep = dest[r0:r1] >= 0
+            frames[dest[r0:r1][keep]] = rows[keep]
     out = []
     for (s, e, maybe), b in zip(episodes, base):
         frames[b + e - s] = frames[b + e - s - 1]
@@ -898,27 +874,12 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     return out
 
 
-def _dqn_replay_frames(path, dest, frames):
-    """Copy the observation file's row r to frames[dest[r]] where dest[r] >= 0, reading 4096 rows (29 MB) at a time
-    and no further than the last row kept."""
-    last = int(np.flatnonzero(dest >= 0)[-1]) + 1
-    chunk = np.empty((min(4096, last), 84, 84), np.uint8)
-    with _npy_open(path, (84, 84), "u") as (f, _, n):
-        for r0 in range(0, last, 4096):
-            r1 = min(r0 + 4096, last)
-            rows = _npy_fill(f, chunk[:r1 - r0], path, last=r1 == n)
-            keep = dest[r0:r1] >= 0
-            frames[dest[r0:r1][keep]] = rows[keep]
-
-
 def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
-    """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes from its last `buffers`
-    checkpoints (default all), `steps` steps spread over them, each buffer in turn giving whole episodes up to an equal
-    share of the steps still wanted. (kzl/decision-transformer@e2d82e6 atari/create_dataset.py#L33 draws 10 episodes
-    at a time from random buffers of its range, so its 500k steps come from all of them, not from the earliest,
-    near-random play.) Pieces of episodes cut by a buffer's edge are dropped (their timesteps or returns-to-go would be
-    wrong), and Dopamine's blank rows. Frames stored lossless; env and eval env atari_env_spec(game). Never
-    overwrites. -> the number of episodes."""
+    """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes of its last `buffers`
+    checkpoints (default all), each buffer in turn giving an equal share of the `steps` still wanted, so that they come
+    from all of them, not from the earliest, near-random play (kzl/decision-transformer@e2d82e6
+    atari/create_dataset.py#L33 draws 10 episodes at a time from random buffers). Pieces of episodes cut by a buffer's
+    edge (their timesteps or returns-to-go would be wrong) and blank rows are dropped. -> the number of episodes."""
     from collections import Counter
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
@@ -931,7 +892,13 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     if obs_space != frame_space:
         raise DataError(f"{spec.id} in AtariPreprocessing gives observations {obs_space} here, not 84x84 uint8 "
                         f"frames; check the gymnasium and ale-py versions")
-    numbers = _dqn_replay_buffers(folder)
+    if not os.path.isdir(folder):
+        raise DataError(f"{folder} is not a folder; pass a DQN-replay <Game>/<run>/replay_logs folder")
+    found = (re.fullmatch(r"\$store\$_(\w+)_ckpt\.(\d+)\.gz", f) for f in os.listdir(folder))
+    numbers = sorted({int(m[2]) for m in found if m and m[1] in DQN_REPLAY_FIELDS})    # the buffers' N, ascending
+    if not numbers:
+        raise DataError(f"{folder} holds no DQN-replay buffers ($store$_observation_ckpt.N.gz and the action, reward "
+                        f"and terminal files); pass a <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
     if buffers is not None and buffers > len(numbers):
         print(f"{folder} has {len(numbers)} buffers, fewer than --buffers {buffers}: all of them are used")
     counts, episodes, read, total = Counter(), [], [], 0
@@ -1048,7 +1015,8 @@ def _new_dataset_folder(dataset_id):
     except OSError as e:
         raise _unwritable(os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets"), e) from None
     if os.path.exists(folder):
-        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is overwritten)")
+        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is "
+                        f"overwritten)")
     if not os.access(root, os.W_OK):
         raise _unwritable(root, PermissionError("not writable"))
     return folder, root

@@ -187,12 +187,10 @@ def load_data(name, download=True, delayed_reward=False):
         ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
     goal_dim = int(np.prod(space["desired_goal"].shape)) if "desired_goal" in getattr(space, "spaces", {}) else 0
     returns = np.array([e["rewards"].sum() for e in episodes])
-    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, target the best episode return.
-    # PointMaze: Minari ends an episode at the goal and pays a dense reward on every step before, so the best return
-    # is the slowest path; its target is the median episode's return ("reach the goal as a typical episode does"; 1
-    # on sparse data). (AntMaze's data keeps its goal to the time limit: there the best return is the fastest.)
-    # Adroit (family 'other'): unscaled, as LSDT's Table 13 ("RTG scale 1: AntMaze, Maze2d, Adroit"), and the best
-    # episode's return as target, as LSDT gives no Adroit target.
+    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, the best episode's return as target
+    # (Adroit too: LSDT's Table 13 scales AntMaze, Maze2d and Adroit by 1 and gives no Adroit target). PointMaze ends
+    # an episode at the goal with a dense reward on every step before, so its best return is the slowest path: its
+    # target is the median episode's return (1 on sparse data). (AntMaze keeps its goal to the time limit.)
     scale = 1e-3 if family == "mujoco" else 1.0
     target = float(np.median(returns) if spec.id.startswith("PointMaze") else returns.max())
     targets = (list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else
@@ -437,18 +435,15 @@ def damaged(dataset_id, detail):
     """The one sentence for a dataset that is there but unreadable, saying how to get it again: the data.py command
     that made it (its metadata's data_py_command, or algorithm_name in older datasets), else `minari download`."""
     folder = dataset_folder(dataset_id)
-    try:
+    again = (f"get it again (`minari download {dataset_id}` if it came from Minari's servers, else the data.py "
+             f"command that made it)")
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
         with open(os.path.join(folder, "data", "metadata.json")) as f:
             meta = json.load(f)
-        algorithm = str(meta.get("algorithm_name"))
-        made = (f"`{meta['data_py_command']}`" if meta.get("data_py_command") else
-                f"the data.py command that made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm
-                else None)
-    except (OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
-        meta, made = None, None
-    again = (f"make it again with {made}" if made else f"download it again with `minari download {dataset_id}`"
-             if meta is not None else f"get it again (`minari download {dataset_id}` if it came from Minari's "
-             f"servers, else the data.py command that made it)")
+        algorithm, command = str(meta.get("algorithm_name")), meta.get("data_py_command")
+        again = (f"make it again with `{command}`" if command else f"make it again with the data.py command that "
+                 f"made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm else
+                 f"download it again with `minari download {dataset_id}`")
     return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that folder and {again}")
 
 
@@ -1004,10 +999,9 @@ def _new_dataset_folder(dataset_id):
     or taken, or the datasets folder cannot be written (checked before any data is read)."""
     from minari.dataset.minari_dataset import parse_dataset_id
     from minari.storage.datasets_root_dir import get_dataset_path
-    try:
+    namespace = None
+    with contextlib.suppress(ValueError, TypeError):  # (TypeError: minari's parser on an id without -vN)
         namespace = parse_dataset_id(dataset_id)[0]
-    except (ValueError, TypeError):  # TypeError: minari's parser on an id without -vN
-        namespace = None
     if namespace is None:  # load_data reads an id without a namespace as a short name
         raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
     try:
@@ -1058,20 +1052,13 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
     from minari.namespace import create_namespace
     folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
-    for _ in range(3):
-        try:
-            tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
-            lock = open(os.path.join(tmp, "lock"), "w")
-        except FileNotFoundError:  # another command's _clean_partial took it for a leftover before the lock was made
-            continue
-        except OSError as e:
-            raise _unwritable(root, e) from None
+    try:
+        tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
+        lock = open(os.path.join(tmp, "lock.new"), "w")
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until this function ends, or this process does
-        if os.fstat(lock.fileno()).st_nlink:  # (0: removed by another command's _clean_partial before the lock)
-            break
-        lock.close()
-    else:
-        raise DataError(f"other data.py commands kept removing this one's working folder in {root}; run it again")
+        os.rename(lock.name, os.path.join(tmp, "lock"))  # named only once held, so _clean_partial never takes it
+    except OSError as e:
+        raise _unwritable(root, e) from None
     try:
         with lock:
             with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):  # (restored after)
@@ -1104,12 +1091,11 @@ def info(name):
     print(f"{d.dataset_id}: {len(d.episodes)} episodes, {len(d.flat['rewards'])} steps, obs {d.obs_dim}, "
           f"act {d.act_dim}, loaded in {time.time() - t0:.1f}s; refs {d.ref_min:.1f}/{d.ref_max:.1f} ({d.ref_source}); "
           f"targets {d.target_returns}; max_ep_len {d.max_ep_len}")
-    rng = np.random.default_rng(0)
-    n, t0 = 200, time.time()
-    for _ in range(n):
+    rng, t0 = np.random.default_rng(0), time.time()
+    for _ in range(200):
         d.sample(64, 20, rng)
-    dt = time.time() - t0
-    print(f"sampling: {n * 64 / dt:,.0f} windows/s ({1e3 * dt / n:.2f} ms per batch of 64 x K=20)")
+    dt = (time.time() - t0) / 200
+    print(f"sampling: {64 / dt:,.0f} windows/s ({1e3 * dt:.2f} ms per batch of 64 x K=20)")
 
 
 class Stopped(BaseException):
@@ -1130,9 +1116,8 @@ def main(argv=None):
     import difflib
     import signal
     import threading
-    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert a D4RL "
-                   "HDF5 file or a DQN-replay folder, or mix datasets of one environment. A new dataset is renamed "
-                   "into place only when it is complete.")
+    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert D4RL or "
+                   "DQN-replay data, or mix datasets of one environment (new datasets are written all or nothing).")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",
@@ -1141,18 +1126,15 @@ def main(argv=None):
     p_conv.add_argument("path", help="the D4RL file, e.g. hopper_medium-v2.hdf5")
     p_conv.add_argument("dataset_id", help="the new dataset's Minari id, e.g. d4rl/hopper/medium-v2")
     p_conv.add_argument("--env", default=None, help="its gymnasium env (default: the robot's v5 env, from the names)")
-    p_dqn = sub.add_parser("convert-dqn-replay", help="DQN-replay folder (Dopamine's replay buffers) -> local Minari "
-                           "dataset of whole episodes, 84x84 frames stored lossless")
+    p_dqn = sub.add_parser("convert-dqn-replay", help="DQN-replay folder -> local Minari dataset of whole episodes")
     p_dqn.add_argument("folder", help="a downloaded <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
     p_dqn.add_argument("game", help="ALE's name of the game, e.g. Breakout")
     p_dqn.add_argument("dataset_id", help="the new dataset's Minari id, e.g. dqn-replay/breakout/1pct-v0")
     p_dqn.add_argument("--buffers", type=_positive, default=None, metavar="N",
                        help="read the last N buffers, the highest numbers (default: all, as DT's --num_buffers 50)")
     p_dqn.add_argument("--steps", type=_positive, default=500_000, metavar="S",
-                       help="whole episodes, in buffer order, until S steps; the episode that reaches S is kept whole "
-                            "(default: %(default)s, DT's 1%% of DQN-replay)")
-    p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset, episode by episode (D4RL's "
-                           "medium-expert: medium, then expert)")
+                       help="whole episodes until S steps, spread over the buffers (default: %(default)s, DT's 1%%)")
+    p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset (D4RL's medium-expert)")
     p_mix.add_argument("sources", nargs="+", metavar="SOURCE", help="short names or Minari ids, in order")
     p_mix.add_argument("dataset_id", help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
     argv = sys.argv[1:] if argv is None else list(argv)

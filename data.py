@@ -331,10 +331,9 @@ class OfflineData:
         return gather_windows(self.flat, self.step_ep_start[end], end, K)
 
     def keep_top(self, fraction):
-        """%BC (DT Sec. 5.3; kzl/decision-transformer@e2d82e6 gym/experiment.py#L103): the highest-return episodes,
-        best first, while their steps stay within `fraction` of all steps (at least the best episode). -> a new
-        OfflineData that samples only those; state_mean/std stay the full dataset's (as in the DT code), and targets,
-        reference scores and max_ep_len are unchanged."""
+        """%BC (DT Sec. 5.3; kzl/decision-transformer@e2d82e6 gym/experiment.py#L103): a new OfflineData of the
+        highest-return episodes, best first, while their steps stay within `fraction` of all steps (at least one);
+        state_mean/std stay the full dataset's, as in the DT code, and so do targets, reference scores, max_ep_len."""
         if not 0 < fraction <= 1:
             raise DataError(f"the fraction of episodes to keep must lie in (0, 1], got {fraction}")
         lengths = np.array([len(e["actions"]) for e in self.episodes])             # (n_episodes,)
@@ -405,8 +404,7 @@ def stack_frames(frames, start, rows, at=lambda r: r):
 # reading a Minari dataset (what load_data calls)
 
 def _open_minari(dataset_id, download):
-    """-> (MinariDataset, its metadata, its episodes), downloaded first where it is not here and download=True; one
-    sentence where it is not there, not downloadable, or there but damaged."""
+    """-> (MinariDataset, its metadata, its episodes), downloaded if allowed; one sentence if missing or damaged."""
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
     if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):  # minari's own test for "it is here"
@@ -496,8 +494,7 @@ def _check_finite(source, arrays, ep_start):
 # Atari: the environment and the frames (load_data, OfflineData.make_env, evaluate.py)
 
 def _atari_spaces(dataset_id, obs_space, action_space, spec):
-    """-> (number of actions, raw RGB frames?, the frame transform) of an Atari dataset; one sentence for spaces no
-    model here reads."""
+    """-> (number of actions, raw RGB frames?, the frame transform) of an Atari dataset; one sentence for others."""
     if not hasattr(action_space, "n"):
         raise DataError(f"dataset '{dataset_id}' is Atari data with a {type(action_space).__name__} action space; the "
                         f"models read Discrete actions")
@@ -685,19 +682,17 @@ def convert_d4rl(path, dataset_id, env_id=None):
     _check_finite(path, {k: a[k] for k in ("observations", "actions", "rewards")}, starts)
     if trailing:
         print(f"the last {n - starts[-1]} steps end with neither terminal nor timeout: kept as a truncated episode")
-    nxt = a.get("next_observations")
-    if nxt is None:
+    if "next_observations" not in a:
         # After a terminal or timeout D4RL's next row is a new episode's reset state, not the successor, so the final
         # observation s_T is unknown: repeat s_{T-1}. data.py drops s_T (no action follows it); training never sees it.
-        print("no next_observations in the file: each episode's final observation repeats its last one "
-              "(never used for training)")
+        print("no next_observations: each episode's final observation repeats its last one (never used for training)")
+    nxt = a.get("next_observations", a["observations"])                          # (N, obs_dim): s_T at row e - 1
     buffers = []
     for i, (s, e) in enumerate(zip(starts, stops)):
         term = a["terminals"][s:e]                                               # (T,)
         trunc = a["timeouts"][s:e] & ~term                                       # (T,)
         trunc[-1] |= not term[-1]                                                # the trailing episode: truncated
-        last = nxt[e - 1] if nxt is not None else a["observations"][e - 1]       # s_T
-        buffers.append(EpisodeBuffer(id=i, observations=np.concatenate([a["observations"][s:e], last[None]]),
+        buffers.append(EpisodeBuffer(id=i, observations=np.concatenate([a["observations"][s:e], nxt[e - 1:e]]),
                                      actions=a["actions"][s:e].astype(np.float32), rewards=a["rewards"][s:e].tolist(),
                                      terminations=term.tolist(), truncations=trunc.tolist(), infos={}))
     ref = D4RL_REF_SCORES.get(env_id.split("-")[0], (None, None))
@@ -940,10 +935,10 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
 # several Minari datasets of one environment -> one local dataset (python data.py mix)
 
 def mix(sources, dataset_id):
-    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL's medium-expert:
-    all of medium, then all of expert). The sources must share the env (the larger max_episode_steps is kept) and the
-    spaces; the eval env and reference returns are carried over, the sources listed in the metadata under
-    minari.combine_datasets' key `combined_datasets`. Episode infos are not copied. -> the number of episodes."""
+    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL's medium-expert).
+    The sources must share the env (the larger max_episode_steps is kept), spaces and reference returns; the eval env
+    is the first's, the sources are listed under minari.combine_datasets' metadata key, episode infos are not copied.
+    -> the number of episodes."""
     from minari.data_collector import EpisodeBuffer
     ids = [resolve(s) for s in sources]
     if len(ids) < 2:
@@ -960,8 +955,7 @@ def mix(sources, dataset_id):
                             f"{getattr(spec, 'id', None)} and {getattr(ds.env_spec, 'id', None)}); mix takes one "
                             f"environment's datasets")
         if ds.observation_space != first_ds.observation_space or ds.action_space != first_ds.action_space:
-            raise DataError(f"{first} and {i} have different observation or action spaces, so their episodes cannot "
-                            f"form one dataset")
+            raise DataError(f"{first} and {i} have different observation or action spaces, so they cannot be mixed")
         for key in ("ref_min_score", "ref_max_score"):
             if meta.get(key) != first_meta.get(key):
                 raise DataError(f"{first} and {i} have different reference returns ({key} {first_meta.get(key)} and "
@@ -995,8 +989,8 @@ PARTIAL_PREFIX = ".data.py-partial-"
 
 
 def _new_dataset_folder(dataset_id):
-    """-> (the folder of the new local dataset `dataset_id`, the datasets folder); one sentence if the id is malformed
-    or taken, or the datasets folder cannot be written (checked before any data is read)."""
+    """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or taken, or the
+    datasets folder cannot be written."""
     from minari.dataset.minari_dataset import parse_dataset_id
     from minari.storage.datasets_root_dir import get_dataset_path
     namespace = None
@@ -1022,8 +1016,7 @@ def _unwritable(root, e):
 
 
 def _clean_partial(root):
-    """Remove the partial datasets interrupted commands left in `root` (one printed line each), but not a folder whose
-    lock a live command holds."""
+    """Remove the partial datasets interrupted commands left in `root`, but not one whose lock a live command holds."""
     import fcntl
     for name in sorted(os.listdir(root)):
         path, lock = os.path.join(root, name), os.path.join(root, name, "lock")

@@ -4,11 +4,9 @@ Minari datasets -> episodes -> training windows: the only data code the model fi
     d = load_data("hopper-medium")            # short name, or any Minari id ("replica/hopper/medium-v0")
     batch = d.sample(64, 20, rng)              # dict of torch tensors, shapes below
 
-The top of the file is what the model files and evaluate.py use, in the order a training step meets it: names and
-tables, load_data -> OfflineData (episodes, state stats, eval env, reference scores, targets) -> returns_to_go ->
-gather_windows -> stack_frames (evaluate.py builds its contexts with the last two), then the Atari env helpers and
---bench's synthetic data. Below the "Dataset tools" fence: the converters, mix, atomic writes and the command line.
-Where this follows DT's official code, the line names it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
+The top of the file is what the model files and evaluate.py use, in the order a training step meets it; below the
+"Dataset tools" fence: the converters, mix, atomic writes and the command line. Lines that follow DT's official code
+name it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
 https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/gym/experiment.py#L103).
 
 What a window holds (B windows of K steps, left-padded, the last position is always a real step):
@@ -27,9 +25,8 @@ Atari (image states, discrete actions; family 'atari') differs in two entries an
     states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step, stacked when the batch is drawn (memory
                 holds one 84x84 frame per step); frames before the episode's first are 0 (stack_frames)
     actions     (B, K) int64 action index (0 where padded); prev_action (B,) int64
-A state is divided by 255 inside the model. Atari data is Minari's atari/<game>/expert-v0 (raw RGB frames, made
-84x84 grayscale at load by the transform its eval env gets: atari_frame_wrappers) or DQN-replay's 84x84 frames
-(convert-dqn-replay, the replica Breakout set).
+A state is divided by 255 inside the model. Atari data: Minari's atari/<game>/expert-v0 (RGB screens, made 84x84
+grayscale at load by atari_frame_wrappers, as in its eval env) or DQN-replay's 84x84 frames (convert-dqn-replay).
 
 Minari stores T+1 observations for T actions: s_t is paired with a_t, r_t for t < T and the final observation s_T
 is dropped. Dict observations (mazes) are flattened to one vector (flatten_obs). Data with a NaN or infinite
@@ -61,7 +58,8 @@ import torch
 # names and tables: short names -> Minari ids, reference returns, the papers' return-to-go targets
 
 _LOCOMOTION = ["halfcheetah", "hopper", "walker2d", "ant"]
-SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION for level in ("simple", "medium", "expert")}
+SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION
+               for level in ("simple", "medium", "expert")}
 SHORT_NAMES.update({f"pointmaze-{m}": f"D4RL/pointmaze/{m}-v2" for m in
                     ("umaze", "umaze-dense", "medium", "medium-dense", "large", "large-dense")})
 SHORT_NAMES.update({f"antmaze-{m}": f"D4RL/antmaze/{m}-v1" for m in
@@ -79,8 +77,7 @@ SHORT_NAMES.update({f"{g}-expert": f"atari/{g}/expert-v0" for g in ATARI_GAMES})
 # D4RL's reference returns (d4rl/infos.py), used when a dataset carries none (Minari's mujoco/* sets, Minari#323)
 D4RL_REF_SCORES = {"Hopper": (-20.272305, 3234.3), "HalfCheetah": (-280.178953, 12135.0),
                    "Walker2d": (1.629008, 4592.3), "Ant": (-325.6, 3879.7)}
-# D4RL's Adroit reference returns (d4rl/infos.py), likewise; apart from D4RL_REF_SCORES, whose keys name the
-# locomotion robots (make_env's tracking camera, convert-d4rl)
+# D4RL's Adroit reference returns (d4rl/infos.py), likewise (D4RL_REF_SCORES' keys name the locomotion robots only)
 ADROIT_REF_SCORES = {"AdroitHandPen": (-96.262264, 3076.8331), "AdroitHandHammer": (-274.856578, 12794.1),
                      "AdroitHandDoor": (-56.512833, 2880.5697), "AdroitHandRelocate": (-6.425911, 4233.8773)}
 # Decision Transformer's evaluation targets, raw return units: kzl/decision-transformer@e2d82e6 gym/experiment.py#L41
@@ -99,8 +96,7 @@ FRAME_STACK = 4  # an Atari state is the last 4 frames (DQN, and every paper her
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's own is the usage
-    block and exit 2). data.py, evaluate.py and the model files use it."""
+    """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's: usage, exit 2)."""
 
     def error(self, message):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
@@ -122,14 +118,12 @@ def resolve(name):
 
 
 def is_maze(name):
-    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name (short or Minari id) before any
-    data is read."""
+    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name before any data is read."""
     return "maze" in name.lower()
 
 
 def is_atari(name):
-    """Atari data, told before the episodes are read: Minari's atari/* ids (and their short names), or a local
-    dataset whose recorded env is ale-py's. False for a name that means nothing."""
+    """Atari data (an atari/* id, or a local dataset whose env is ale-py's), told before it is read; else False."""
     try:
         dataset_id = resolve(name)
         if dataset_id.startswith("atari/"):
@@ -154,8 +148,7 @@ def obs_keys_for(spec):
 
 
 def flatten_obs(obs, keys=MAZE_KEYS):
-    """Dict observations -> the `keys` entries concatenated in that order, for one observation or with a leading
-    time axis; plain arrays pass through."""
+    """Dict observations -> the `keys` entries concatenated (with or without a time axis); arrays pass through."""
     if isinstance(obs, dict):
         return np.concatenate([np.asarray(obs[k]) for k in keys], axis=-1)
     return np.asarray(obs)
@@ -185,22 +178,19 @@ def load_data(name, download=True, delayed_reward=False):
     env_key = spec.id.split("/")[-1].split("-")[0]  # 'Hopper-v5' -> 'Hopper', 'ALE/Breakout-v5' -> 'Breakout'
     if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:
         ref_min, ref_max, ref_source = float(meta["ref_min_score"]), float(meta["ref_max_score"]), "dataset metadata"
-    elif env_key in D4RL_REF_SCORES:
-        (ref_min, ref_max), ref_source = D4RL_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
-    elif env_key in ADROIT_REF_SCORES:
-        (ref_min, ref_max), ref_source = ADROIT_REF_SCORES[env_key], f"D4RL reference returns for {env_key}"
+    elif env_key in D4RL_REF_SCORES | ADROIT_REF_SCORES:
+        ref_min, ref_max = (D4RL_REF_SCORES | ADROIT_REF_SCORES)[env_key]
+        ref_source = f"D4RL reference returns for {env_key}"
     elif family == "atari" and env_key in ATARI_GAMER_SCORES:
         (ref_min, ref_max), ref_source = ATARI_GAMER_SCORES[env_key], f"random and gamer returns for {env_key}"
     else:
         ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
-    goal_dim = int(np.prod(space["desired_goal"].shape)) if hasattr(space, "spaces") and "desired_goal" in space.spaces else 0
+    goal_dim = int(np.prod(space["desired_goal"].shape)) if "desired_goal" in getattr(space, "spaces", {}) else 0
     returns = np.array([e["rewards"].sum() for e in episodes])
-    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, target the best episode return.
-    # PointMaze: Minari ends an episode at the goal and pays a dense reward on every step before, so the best return
-    # is the slowest path; its target is the median episode's return ("reach the goal as a typical episode does"; 1
-    # on sparse data). (AntMaze's data keeps its goal to the time limit: there the best return is the fastest.)
-    # Adroit (family 'other'): unscaled, as LSDT's Table 13 ("RTG scale 1: AntMaze, Maze2d, Adroit"), and the best
-    # episode's return as target, as LSDT gives no Adroit target.
+    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, the best episode's return as target
+    # (Adroit too: LSDT's Table 13 scales AntMaze, Maze2d and Adroit by 1 and gives no Adroit target). PointMaze ends
+    # an episode at the goal with a dense reward on every step before, so its best return is the slowest path: its
+    # target is the median episode's return (1 on sparse data). (AntMaze keeps its goal to the time limit.)
     scale = 1e-3 if family == "mujoco" else 1.0
     target = float(np.median(returns) if spec.id.startswith("PointMaze") else returns.max())
     targets = (list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else
@@ -209,13 +199,15 @@ def load_data(name, download=True, delayed_reward=False):
     # Atari: the timestep embedding covers the data's longest episode (kzl/decision-transformer@e2d82e6
     # atari/run_dt_atari.py#L80; evaluation clamps to it), while an evaluation episode may run to 27k steps.
     max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
+    horizon = 0                         # evaluation steps at most (0: max_ep_len); Atari: ALE's frame limit (108k in
+    if family == "atari":               # the papers) over the frames one step takes
+        horizon = int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
     if delayed_reward:
         episodes = [e | dict(rewards=delay_rewards(e["rewards"])) for e in episodes]
     return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
                        ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
-                       max_ep_len=max_len, goal_reaching=family == "maze", goal_dim=goal_dim, obs_keys=keys,
-                       horizon=atari_horizon(spec) if family == "atari" else 0, n_actions=n_actions, raw_frames=raw,
-                       delayed_reward=delayed_reward)
+                       max_ep_len=max_len, goal_dim=goal_dim, obs_keys=keys, horizon=horizon, n_actions=n_actions,
+                       raw_frames=raw, delayed_reward=delayed_reward)
 
 
 @dataclass
@@ -235,7 +227,6 @@ class OfflineData:
     n_actions: int = 0          # discrete actions (Atari's Discrete space), 0 for continuous actions
     raw_frames: bool = False    # Atari frames stored as 210x160 RGB (Minari's atari/*): atari_frame_wrappers applied
     delayed_reward: bool = False  # rewards moved to each episode's last step (delay_rewards), in evaluation too
-    goal_reaching: bool = False
     goal_dim: int = 0           # the last goal_dim state entries are desired_goal (dict observations), else 0
     obs_keys: tuple = MAZE_KEYS  # how flatten_obs orders dict observations (obs_keys_for(env_spec))
     state_mean: np.ndarray = field(default=None, repr=False)  # computed from the episodes unless given (keep_top)
@@ -244,6 +235,7 @@ class OfflineData:
     def __post_init__(self):
         eps = self.episodes
         self.discrete = self.n_actions > 0
+        self.goal_reaching = self.family == "maze"
         lengths = np.array([len(e["actions"]) for e in eps])
         self.ep_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])            # (n_episodes,)
         self.step_ep_start = np.repeat(self.ep_start, lengths)                     # (N,) first row of its episode
@@ -259,7 +251,7 @@ class OfflineData:
                 raise DataError(f"dataset '{self.dataset_id}' has action indices outside its Discrete("
                                 f"{self.n_actions}) space, so it cannot be used")
             _check_finite(f"dataset '{self.dataset_id}'", dict(rewards=rewards), self.ep_start)
-            self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)  # frames: / 255 in the model
+            self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)  # (/ 255 in the model)
             states = dict(frames=frames)
         else:
             obs = np.concatenate([e["observations"] for e in eps]).astype(np.float64)  # (N, obs_dim)
@@ -298,15 +290,11 @@ class OfflineData:
         (the eval env applies the frame transform itself)."""
         if self.family == "atari":
             return np.asarray(obs, dtype=np.uint8)
-        return self.normalize_states(self.flatten_obs(obs))
+        return self.normalize_states(flatten_obs(obs, self.obs_keys))
 
     def normalize_score(self, returns):
         """D4RL-style normalised score: 100 * (R - ref_min) / (ref_max - ref_min)."""
         return 100.0 * (np.asarray(returns, dtype=np.float64) - self.ref_min) / (self.ref_max - self.ref_min)
-
-    def flatten_obs(self, obs):
-        """An env's (or the dataset's) observation -> this data's flat state layout."""
-        return flatten_obs(obs, self.obs_keys)
 
     def make_env(self, render=False):
         """The dataset's own evaluation env (Minari's eval_env_spec, else env_spec); render=True: one that renders
@@ -343,10 +331,9 @@ class OfflineData:
         return gather_windows(self.flat, self.step_ep_start[end], end, K)
 
     def keep_top(self, fraction):
-        """%BC (DT Sec. 5.3; kzl/decision-transformer@e2d82e6 gym/experiment.py#L103): the highest-return episodes,
-        best first, while their steps stay within `fraction` of all steps (at least the best episode). -> a new
-        OfflineData that samples only those; state_mean/std stay the full dataset's (as in the DT code), and targets,
-        reference scores and max_ep_len are unchanged."""
+        """%BC (DT Sec. 5.3; kzl/decision-transformer@e2d82e6 gym/experiment.py#L103): a new OfflineData of the
+        highest-return episodes, best first, while their steps stay within `fraction` of all steps (at least one);
+        state_mean/std stay the full dataset's, as in the DT code, and so do targets, reference scores, max_ep_len."""
         if not 0 < fraction <= 1:
             raise DataError(f"the fraction of episodes to keep must lie in (0, 1], got {fraction}")
         lengths = np.array([len(e["actions"]) for e in self.episodes])             # (n_episodes,)
@@ -363,9 +350,8 @@ def returns_to_go(rewards):
 
 
 def delay_rewards(rewards):
-    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): every reward of an episode moved to its last
-    step, r'_t = 0 for t < T-1 and r'_{T-1} = sum_t r_t, so every return-to-go R_t equals the episode's return and
-    only the episode's end says how it went. Evaluation delays the env's rewards the same way (evaluate.evaluate)."""
+    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): r'_t = 0 for t < T-1, r'_{T-1} = sum_t r_t,
+    so every return-to-go R_t is the episode's return. Evaluation delays the env's rewards alike (evaluate.evaluate)."""
     out = np.zeros_like(rewards)
     out[-1] = np.sum(rewards, dtype=np.float64)
     return out
@@ -418,12 +404,22 @@ def stack_frames(frames, start, rows, at=lambda r: r):
 # reading a Minari dataset (what load_data calls)
 
 def _open_minari(dataset_id, download):
-    """-> (MinariDataset, its metadata, its episodes), with what a user can hit turned into one sentence: not there,
-    not downloadable, or there but damaged."""
+    """-> (MinariDataset, its metadata, its episodes), downloaded if allowed; one sentence if missing or damaged."""
     import minari
-    folder = dataset_folder(dataset_id)
-    if not os.path.exists(os.path.join(folder, "data")):  # minari's own test for "the dataset is here"
-        _download(dataset_id, download)
+    where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
+    if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):  # minari's own test for "it is here"
+        if not download:
+            raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari download "
+                            f"{dataset_id}` or set MINARI_DATASETS_PATH to a folder that holds it")
+        print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
+        try:
+            if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
+                socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not after a minute of retries
+            minari.load_dataset(dataset_id, download=True)
+        except Exception as e:  # network errors come from several libraries (httpx, huggingface_hub, socket)
+            raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
+                            f"({'no network' if isinstance(e, OSError) else type(e).__name__}); with a network run "
+                            f"`minari download {dataset_id}`, or copy it there and set MINARI_DATASETS_PATH") from None
     try:
         ds = minari.load_dataset(dataset_id)
         return ds, ds.storage.metadata, list(ds.iterate_episodes())
@@ -433,39 +429,19 @@ def _open_minari(dataset_id, download):
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
 
 
-def _download(dataset_id, download):
-    import minari
-    where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
-    if not download:
-        raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari download {dataset_id}` "
-                        f"or set MINARI_DATASETS_PATH to a folder that holds it")
-    print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
-    try:
-        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
-            socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not after a minute of retries
-        minari.load_dataset(dataset_id, download=True)
-    except Exception as e:  # network errors come from several libraries (httpx, huggingface_hub, socket)
-        raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
-                        f"({'no network' if isinstance(e, OSError) else type(e).__name__}); with a network run "
-                        f"`minari download {dataset_id}`, or copy it there and set MINARI_DATASETS_PATH") from None
-
-
 def damaged(dataset_id, detail):
     """The one sentence for a dataset that is there but unreadable, saying how to get it again: the data.py command
     that made it (its metadata's data_py_command, or algorithm_name in older datasets), else `minari download`."""
     folder = dataset_folder(dataset_id)
-    try:
+    again = (f"get it again (`minari download {dataset_id}` if it came from Minari's servers, else the data.py "
+             f"command that made it)")
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
         with open(os.path.join(folder, "data", "metadata.json")) as f:
             meta = json.load(f)
-        algorithm = str(meta.get("algorithm_name"))
-        made = (f"`{meta['data_py_command']}`" if meta.get("data_py_command") else
-                f"the data.py command that made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm
-                else None)
-    except (OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
-        meta, made = None, None
-    again = (f"make it again with {made}" if made else f"download it again with `minari download {dataset_id}`"
-             if meta is not None else f"get it again (`minari download {dataset_id}` if it came from Minari's "
-             f"servers, else the data.py command that made it)")
+        algorithm, command = str(meta.get("algorithm_name")), meta.get("data_py_command")
+        again = (f"make it again with `{command}`" if command else f"make it again with the data.py command that "
+                 f"made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm else
+                 f"download it again with `minari download {dataset_id}`")
     return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that folder and {again}")
 
 
@@ -518,31 +494,27 @@ def _check_finite(source, arrays, ep_start):
 # Atari: the environment and the frames (load_data, OfflineData.make_env, evaluate.py)
 
 def _atari_spaces(dataset_id, obs_space, action_space, spec):
-    """-> (number of actions, raw RGB frames?, the frame transform) of an Atari dataset; one sentence for spaces no
-    model here reads."""
+    """-> (number of actions, raw RGB frames?, the frame transform) of an Atari dataset; one sentence for others."""
     if not hasattr(action_space, "n"):
         raise DataError(f"dataset '{dataset_id}' is Atari data with a {type(action_space).__name__} action space; the "
                         f"models read Discrete actions")
     shape = tuple(getattr(obs_space, "shape", ()) or ())
     if shape == (84, 84):
         return int(action_space.n), False, lambda f: f
-    if len(shape) == 3 and shape[2] == 3:
-        return int(action_space.n), True, raw_frame_transform(spec)
+    if len(shape) == 3 and shape[2] == 3:  # RGB screens, made 84x84 by the eval env's own two wrappers
+        resize = atari_frame_wrappers(make_atari_env(spec))
+        resize.close()
+
+        def frames(rgb):  # (T, 210, 160, 3) -> (T, 84, 84) uint8
+            return np.stack([resize.observation(resize.env.observation(f)) for f in rgb]).astype(np.uint8)
+        return int(action_space.n), True, frames
     raise DataError(f"dataset '{dataset_id}' has Atari observations of shape {shape}; the models read 84x84 grayscale "
                     f"frames (DQN-replay's) or RGB screens (Minari's atari/*, made 84x84 at load)")
 
 
-def raw_frame_transform(spec):
-    """(T, 210, 160, 3) RGB frames -> (T, 84, 84) uint8, by the wrappers of atari_frame_wrappers on this spec's env."""
-    env = atari_frame_wrappers(make_atari_env(spec))
-    gray, resize = env.env, env
-    env.close()
-    return lambda rgb: np.stack([resize.observation(gray.observation(f)) for f in rgb]).astype(np.uint8)
-
-
 def atari_frame_wrappers(env):
     """Raw 210x160 RGB screens (Minari's atari/*) -> the papers' 84x84 grayscale, by gymnasium's own wrappers (OpenCV's
-    INTER_AREA): on the eval env, and on each dataset frame (raw_frame_transform), so both see the same pixels."""
+    INTER_AREA): on the eval env, and on each dataset frame at load (_atari_spaces), so both see the same pixels."""
     from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
     return ResizeObservation(GrayscaleObservation(env), (84, 84))
 
@@ -582,18 +554,12 @@ def atari_frame_skip(spec):
     return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
 
 
-def atari_horizon(spec):
-    """Evaluation steps at most: ALE's frame limit (108k in the papers) over the frames one step takes."""
-    return int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
-
-
 def _ale():
-    """gymnasium with ale-py's ALE/* envs registered and ALE's start-up banner off; one sentence where ale-py or
-    OpenCV (AtariPreprocessing resizes with it) is missing. -> the gymnasium module."""
+    """-> gymnasium with ale-py's ALE/* envs registered, its banner off; one sentence if ale-py or OpenCV is missing."""
     import gymnasium as gym
     try:
         import ale_py
-        import cv2  # noqa: F401
+        import cv2  # noqa: F401  (AtariPreprocessing resizes with OpenCV)
     except ImportError as e:
         raise DataError(f"Atari needs ale-py and OpenCV ({e.name} is missing): pip install ale-py "
                         f"opencv-python-headless") from None
@@ -716,23 +682,21 @@ def convert_d4rl(path, dataset_id, env_id=None):
     _check_finite(path, {k: a[k] for k in ("observations", "actions", "rewards")}, starts)
     if trailing:
         print(f"the last {n - starts[-1]} steps end with neither terminal nor timeout: kept as a truncated episode")
-    nxt = a.get("next_observations")
-    if nxt is None:
+    if "next_observations" not in a:
         # After a terminal or timeout D4RL's next row is a new episode's reset state, not the successor, so the final
         # observation s_T is unknown: repeat s_{T-1}. data.py drops s_T (no action follows it); training never sees it.
-        print("no next_observations in the file: each episode's final observation repeats its last one "
-              "(never used for training)")
+        print("no next_observations: each episode's final observation repeats its last one (never used for training)")
+    nxt = a.get("next_observations", a["observations"])                          # (N, obs_dim): s_T at row e - 1
     buffers = []
     for i, (s, e) in enumerate(zip(starts, stops)):
         term = a["terminals"][s:e]                                               # (T,)
         trunc = a["timeouts"][s:e] & ~term                                       # (T,)
         trunc[-1] |= not term[-1]                                                # the trailing episode: truncated
-        last = nxt[e - 1] if nxt is not None else a["observations"][e - 1]       # s_T
-        buffers.append(EpisodeBuffer(id=i, observations=np.concatenate([a["observations"][s:e], last[None]]),
+        buffers.append(EpisodeBuffer(id=i, observations=np.concatenate([a["observations"][s:e], nxt[e - 1:e]]),
                                      actions=a["actions"][s:e].astype(np.float32), rewards=a["rewards"][s:e].tolist(),
                                      terminations=term.tolist(), truncations=trunc.tolist(), infos={}))
     ref = D4RL_REF_SCORES.get(env_id.split("-")[0], (None, None))
-    command = _command("convert-d4rl", os.path.abspath(path), dataset_id, *(["--env", env_arg] if env_arg else []))
+    command = ["convert-d4rl", os.path.abspath(path), dataset_id, *(["--env", env_arg] if env_arg else [])]
     folder = _write_dataset(dataset_id, buffers, command, env=env_id, ref_min_score=ref[0], ref_max_score=ref[1],
                             algorithm_name="D4RL (converted by data.py convert-d4rl)",
                             description=f"converted from {path}")
@@ -763,42 +727,40 @@ DQN_REPLAY_MAX_ROWS = 10_000_000  # rows a checkpoint may declare (Dopamine's ho
 DQN_BLANK_ROWS = 3                # Dopamine's blank transitions before an episode (frame stack 4, minus 1)
 
 
+@contextlib.contextmanager
 def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
-    """The gzipped np.save array at `path`, its header read by numpy's own np.lib.format -> (the gzip file at its first
-    data byte, dtype, number of rows). One sentence if it is no gzip or no np.save array, or not rows of `row_shape`
-    (uint8 frames) with a dtype of one of `kinds` (numpy's kind letters); scalar: one number, shape () or (1,). Nothing
-    is allocated before the header passes, and nothing is unpickled (an object dtype is refused)."""
+    """The gzipped np.save array at `path` -> (the gzip file at its first data byte, dtype, number of rows). Its header
+    (read by np.lib.format) must declare rows of `row_shape` (uint8 frames) with a dtype of one of `kinds` (numpy's
+    kind letters), or one number (scalar); else one sentence, before anything is allocated or unpickled."""
     import gzip
     import zlib
     try:
         f = gzip.open(path, "rb")
     except OSError as e:
         raise DataError(f"{path} cannot be opened ({e.strerror or e})") from None
-    try:
-        version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0)):
-            raise ValueError(f"np.save format {version}")
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(f)
-    except (OSError, EOFError, zlib.error, ValueError) as e:  # (gzip's BadGzipFile is an OSError)
-        f.close()
-        what = ("not a gzip file, or a damaged one" if isinstance(e, OSError) else "truncated" if
-                isinstance(e, EOFError) else "damaged" if isinstance(e, zlib.error) else
-                "not an array np.save wrote, or damaged")
-        raise DataError(f"{path} cannot be read ({what}); DQN-replay's {os.path.basename(path).split('_ckpt')[0]} "
-                        f"files are gzipped np.save arrays") from None
-    want = f"(n, {', '.join(map(str, row_shape))})" if row_shape else "()" if scalar else "(n,)"
-    shape_ok = shape in ((), (1,)) if scalar else len(shape) == 1 + len(row_shape) and shape[1:] == tuple(row_shape)
-    if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (row_shape and dtype != np.uint8)
-            or (fortran_order and len(shape) > 1)):
-        f.close()
-        raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay has {want} "
-                        f"{'uint8 frames' if row_shape else 'numbers'}")
-    if shape and shape[0] > DQN_REPLAY_MAX_ROWS:
-        f.close()
-        raise DataError(f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this reader "
-                        f"accepts (DQN-replay buffers hold 1M)")
-    return f, dtype, int(shape[0]) if shape else 1
+    with f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"np.save format {version}")
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = header(f)
+        except (OSError, EOFError, zlib.error, ValueError) as e:  # (gzip's BadGzipFile is an OSError)
+            what = ("not a gzip file, or a damaged one" if isinstance(e, OSError) else "truncated" if
+                    isinstance(e, EOFError) else "damaged" if isinstance(e, zlib.error) else
+                    "not an array np.save wrote, or damaged")
+            raise DataError(f"{path} cannot be read ({what}); DQN-replay's {os.path.basename(path).split('_ckpt')[0]} "
+                            f"files are gzipped np.save arrays") from None
+        want = f"(n, {', '.join(map(str, row_shape))})" if row_shape else "()" if scalar else "(n,)"
+        shape_ok = shape in ((), (1,)) if scalar else len(shape) == 1 + len(row_shape) and shape[1:] == row_shape
+        if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (row_shape and dtype != np.uint8)
+                or (fortran_order and len(shape) > 1)):
+            raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay has {want} "
+                            f"{'uint8 frames' if row_shape else 'numbers'}")
+        if shape and shape[0] > DQN_REPLAY_MAX_ROWS:
+            raise DataError(f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this reader "
+                            f"accepts (DQN-replay buffers hold 1M)")
+        yield f, dtype, int(shape[0]) if shape else 1
 
 
 def _npy_fill(f, out, path, last=True):
@@ -822,37 +784,23 @@ def _npy_fill(f, out, path, last=True):
 
 def _npy_read(path, kinds, scalar=False):
     """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB), or one number (scalar)."""
-    f, dtype, n = _npy_open(path, (), kinds, scalar)
-    with f:
+    with _npy_open(path, (), kinds, scalar) as (f, dtype, n):
         if n * dtype.itemsize > 1032 * os.path.getsize(path):  # deflate expands a byte into 1032 at most
             raise DataError(f"{path} is truncated or damaged (its header declares {n:,} rows, more than its "
                             f"{os.path.getsize(path):,} bytes can hold); download it again")
         return _npy_fill(f, np.empty(n, dtype), path)
 
 
-def _dqn_replay_buffers(folder):
-    """The checkpoint numbers N in a replay_logs folder (those with any $store$_*_ckpt.N.gz file), ascending."""
-    if not os.path.isdir(folder):
-        raise DataError(f"{folder} is not a folder; pass a DQN-replay <Game>/<run>/replay_logs folder")
-    found = (re.fullmatch(r"\$store\$_(\w+)_ckpt\.(\d+)\.gz", f) for f in os.listdir(folder))
-    numbers = sorted({int(m[2]) for m in found if m and m[1] in DQN_REPLAY_FIELDS})
-    if not numbers:
-        raise DataError(f"{folder} holds no DQN-replay buffers ($store$_observation_ckpt.N.gz and the action, reward "
-                        f"and terminal files); pass a <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
-    return numbers
-
-
 def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     """Buffer `number`'s whole episodes, in order, until `budget` steps (the episode that reaches it is kept whole)
-    -> list of (frames (T+1, 84, 84) uint8, actions (T,) int64, rewards (T,) float32). counts (a dict) gathers what
-    was dropped. Only the frames kept are read from the observation file, which is read no further than they are."""
+    -> list of (frames (T+1, 84, 84) uint8, actions (T,) int64, rewards (T,) float32); counts: what is dropped."""
     paths = {k: os.path.join(folder, f"$store$_{k}_ckpt.{number}.gz") for k in DQN_REPLAY_FIELDS}
     for p in paths.values():
         if not os.path.isfile(p):
             raise DataError(f"buffer {number} in {folder} has no {os.path.basename(p)} (a buffer needs its "
                             f"observation, action, reward and terminal files); download it again")
-    f, _, n = _npy_open(paths["observation"], (84, 84), "u")
-    f.close()
+    with _npy_open(paths["observation"], (84, 84), "u") as (_, _, n):
+        pass                                                              # (its header only: n rows)
     act, rew, term = (_npy_read(paths[k], kinds) for k, kinds in (("action", "iu"), ("reward", "fiu"),
                                                                    ("terminal", "biu")))
     lengths = {"observation": n, "action": len(act), "reward": len(rew), "terminal": len(term)}
@@ -862,7 +810,8 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     if not np.isin(term, (0, 1)).all() or not np.isfinite(rew).all():
         raise DataError(f"buffer {number} in {folder} has terminal flags other than 0 and 1 or rewards that are NaN "
                         f"or infinite, so it cannot be used")
-    cursor = _dqn_replay_cursor(folder, number, n)
+    count = os.path.join(folder, f"add_count_ckpt.{number}.gz")          # places the oldest row: add_count % n
+    cursor = int(_npy_read(count, "iu", scalar=True)[0]) % n if os.path.isfile(count) else 0
     order = (np.arange(n) + cursor) % n                                   # (n,) stream position -> file row
     act, rew, term = act[order], rew[order], term[order].astype(bool)
     ends = np.flatnonzero(term)                                           # stream positions of episodes' last steps
@@ -895,7 +844,14 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     dest = np.full(n, -1, np.int64)                                       # file row -> row of `frames`, -1: not kept
     for (s, e, _), b in zip(episodes, base):
         dest[order[s:e]] = b + np.arange(e - s)
-    _dqn_replay_frames(paths["observation"], dest, frames)
+    last = int(np.flatnonzero(dest >= 0)[-1]) + 1                        # read no further than the last row kept,
+    chunk = np.empty((min(4096, last), 84, 84), np.uint8)                 # 4096 rows (29 MB) at a time
+    with _npy_open(paths["observation"], (84, 84), "u") as (f, _, _):
+        for r0 in range(0, last, 4096):
+            r1 = min(r0 + 4096, last)
+            rows = _npy_fill(f, chunk[:r1 - r0], paths["observation"], last=r1 == n)
+            keep = dest[r0:r1] >= 0
+            frames[dest[r0:r1][keep]] = rows[keep]
     out = []
     for (s, e, maybe), b in zip(episodes, base):
         frames[b + e - s] = frames[b + e - s - 1]
@@ -908,37 +864,12 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     return out
 
 
-def _dqn_replay_cursor(folder, number, n):
-    """The file row of buffer `number`'s oldest transition: add_count % n from add_count_ckpt.N.gz, or 0 without it."""
-    path = os.path.join(folder, f"add_count_ckpt.{number}.gz")
-    if not os.path.isfile(path):
-        return 0
-    return int(_npy_read(path, "iu", scalar=True)[0]) % n
-
-
-def _dqn_replay_frames(path, dest, frames):
-    """Read the observation file's rows in order, no further than the last one kept, and copy row r to
-    frames[dest[r]] where dest[r] >= 0 (4096 rows, 29 MB, at a time)."""
-    f, _, n = _npy_open(path, (84, 84), "u")
-    last = int(np.flatnonzero(dest >= 0)[-1]) + 1
-    chunk = np.empty((min(4096, last), 84, 84), np.uint8)
-    with f:
-        for r0 in range(0, last, 4096):
-            r1 = min(r0 + 4096, last)
-            rows = _npy_fill(f, chunk[:r1 - r0], path, last=r1 == n)
-            keep = dest[r0:r1] >= 0
-            frames[dest[r0:r1][keep]] = rows[keep]
-
-
 def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
-    """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes from its last `buffers`
-    checkpoints (default all), `steps` steps spread over them: each buffer in turn gives whole episodes up to an equal
-    share of the steps still wanted, the episode that reaches it kept whole. (kzl/decision-transformer@e2d82e6
-    atari/create_dataset.py#L33 draws 10 episodes at a time from random buffers of its range, so its 500k steps come
-    from all of them, not from the earliest, near-random play.) Pieces of episodes cut by a buffer's edge are dropped
-    (their timesteps or returns-to-go would be wrong), and Dopamine's blank rows. An episode's T + 1 observations end
-    with its last frame repeated (the replay keeps no frame after a terminal). Frames stored lossless; env and eval
-    env atari_env_spec(game); reference scores ATARI_GAMER_SCORES. Never overwrites. -> the number of episodes."""
+    """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes of its last `buffers`
+    checkpoints (default all), each buffer in turn giving an equal share of the `steps` still wanted, so that they come
+    from all of them, not from the earliest, near-random play (kzl/decision-transformer@e2d82e6
+    atari/create_dataset.py#L33 draws 10 episodes at a time from random buffers). Pieces of episodes cut by a buffer's
+    edge (their timesteps or returns-to-go would be wrong) and blank rows are dropped. -> the number of episodes."""
     from collections import Counter
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
@@ -951,7 +882,13 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     if obs_space != frame_space:
         raise DataError(f"{spec.id} in AtariPreprocessing gives observations {obs_space} here, not 84x84 uint8 "
                         f"frames; check the gymnasium and ale-py versions")
-    numbers = _dqn_replay_buffers(folder)
+    if not os.path.isdir(folder):
+        raise DataError(f"{folder} is not a folder; pass a DQN-replay <Game>/<run>/replay_logs folder")
+    found = (re.fullmatch(r"\$store\$_(\w+)_ckpt\.(\d+)\.gz", f) for f in os.listdir(folder))
+    numbers = sorted({int(m[2]) for m in found if m and m[1] in DQN_REPLAY_FIELDS})    # the buffers' N, ascending
+    if not numbers:
+        raise DataError(f"{folder} holds no DQN-replay buffers ($store$_observation_ckpt.N.gz and the action, reward "
+                        f"and terminal files); pass a <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
     if buffers is not None and buffers > len(numbers):
         print(f"{folder} has {len(numbers)} buffers, fewer than --buffers {buffers}: all of them are used")
     counts, episodes, read, total = Counter(), [], [], 0
@@ -978,13 +915,12 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     if total < steps:
         print(f"{which} of {folder} hold {total:,} steps in whole episodes, fewer than --steps {steps:,}: all of "
               f"them are used")
-    ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(),
-                                terminations=[False] * (len(act) - 1) + [True], truncations=[False] * len(act),
-                                infos={})
+    ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(), infos={},
+                                terminations=[False] * (len(act) - 1) + [True], truncations=[False] * len(act))
                   for i, (obs, act, rew) in enumerate(episodes)]
     ref = ATARI_GAMER_SCORES.get(spec.name, (None, None))
-    command = _command("convert-dqn-replay", os.path.abspath(folder), game, dataset_id,
-                       *(["--buffers", buffers] if buffers else []), "--steps", steps)
+    command = ["convert-dqn-replay", os.path.abspath(folder), game, dataset_id,
+               *(["--buffers", buffers] if buffers else []), "--steps", steps]
     out = _write_dataset(dataset_id, ep_buffers, command, env=spec, eval_env=spec, observation_space=frame_space,
                          action_space=gym.spaces.Discrete(n_actions), ref_min_score=ref[0], ref_max_score=ref[1],
                          algorithm_name="DQN (Dopamine), DQN-replay dataset (converted by data.py convert-dqn-replay)",
@@ -999,10 +935,10 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
 # several Minari datasets of one environment -> one local dataset (python data.py mix)
 
 def mix(sources, dataset_id):
-    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL's medium-expert:
-    all of medium, then all of expert). The sources must share the env (max_episode_steps may differ: the larger is
-    kept) and the spaces; the eval env and reference returns are carried over, the sources listed in the metadata
-    (`combined_datasets`, minari.combine_datasets' key). Episode infos are not copied. -> the number of episodes."""
+    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL's medium-expert).
+    The sources must share the env (the larger max_episode_steps is kept), spaces and reference returns; the eval env
+    is the first's, the sources are listed under minari.combine_datasets' metadata key, episode infos are not copied.
+    -> the number of episodes."""
     from minari.data_collector import EpisodeBuffer
     ids = [resolve(s) for s in sources]
     if len(ids) < 2:
@@ -1019,8 +955,7 @@ def mix(sources, dataset_id):
                             f"{getattr(spec, 'id', None)} and {getattr(ds.env_spec, 'id', None)}); mix takes one "
                             f"environment's datasets")
         if ds.observation_space != first_ds.observation_space or ds.action_space != first_ds.action_space:
-            raise DataError(f"{first} and {i} have different observation or action spaces, so their episodes cannot "
-                            f"form one dataset")
+            raise DataError(f"{first} and {i} have different observation or action spaces, so they cannot be mixed")
         for key in ("ref_min_score", "ref_max_score"):
             if meta.get(key) != first_meta.get(key):
                 raise DataError(f"{first} and {i} have different reference returns ({key} {first_meta.get(key)} and "
@@ -1031,7 +966,7 @@ def mix(sources, dataset_id):
                              terminations=list(ep.terminations), truncations=list(ep.truncations), infos={})
                for n, ep in enumerate(ep for _, _, episodes in loaded for ep in episodes)]
     folder = _write_dataset(
-        dataset_id, buffers, _command("mix", *sources, dataset_id), {"combined_datasets": ids}, env=spec,
+        dataset_id, buffers, ["mix", *sources, dataset_id], {"combined_datasets": ids}, env=spec,
         eval_env=getattr(first_ds, "_eval_env_spec", None), observation_space=first_ds.observation_space,
         action_space=first_ds.action_space, ref_min_score=first_meta.get("ref_min_score"),
         ref_max_score=first_meta.get("ref_max_score"), algorithm_name="data.py mix",
@@ -1050,34 +985,29 @@ def mix(sources, dataset_id):
 # where Minari looks. The writing process holds a lock on the hidden folder; the next dataset command removes any such
 # folder whose lock no live process holds.
 
-def _new_dataset_folder(dataset_id):
-    """The folder a new local dataset `dataset_id` gets; one sentence if the id is malformed or already taken, or
-    if the datasets folder cannot be written (checked before any data is read)."""
-    from minari.dataset.minari_dataset import parse_dataset_id
-    try:
-        namespace = parse_dataset_id(dataset_id)[0]
-    except (ValueError, TypeError):  # TypeError: minari's parser on an id without -vN
-        namespace = None
-    if namespace is None:  # load_data reads an id without a namespace as a short name
-        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
-    try:
-        folder = dataset_folder(dataset_id)  # (makes the datasets folder if it is missing)
-    except OSError as e:
-        raise _unwritable(os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets"), e) from None
-    if os.path.exists(folder):
-        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is overwritten)")
-    root = _datasets_root()
-    if not os.access(root, os.W_OK):
-        raise _unwritable(root, PermissionError("not writable"))
-    return folder
-
-
 PARTIAL_PREFIX = ".data.py-partial-"
 
 
-def _datasets_root():
+def _new_dataset_folder(dataset_id):
+    """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or taken, or the
+    datasets folder cannot be written."""
+    from minari.dataset.minari_dataset import parse_dataset_id
     from minari.storage.datasets_root_dir import get_dataset_path
-    return str(get_dataset_path())
+    namespace = None
+    with contextlib.suppress(ValueError, TypeError):  # (TypeError: minari's parser on an id without -vN)
+        namespace = parse_dataset_id(dataset_id)[0]
+    if namespace is None:  # load_data reads an id without a namespace as a short name
+        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
+    try:
+        folder, root = dataset_folder(dataset_id), str(get_dataset_path())  # (makes the datasets folder if missing)
+    except OSError as e:
+        raise _unwritable(os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets"), e) from None
+    if os.path.exists(folder):
+        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is "
+                        f"overwritten)")
+    if not os.access(root, os.W_OK):
+        raise _unwritable(root, PermissionError("not writable"))
+    return folder, root
 
 
 def _unwritable(root, e):
@@ -1086,94 +1016,62 @@ def _unwritable(root, e):
 
 
 def _clean_partial(root):
-    """Remove the partial datasets interrupted commands left in `root` (one printed line each); a folder a live
-    command is writing (its lock held) is left alone."""
+    """Remove the partial datasets interrupted commands left in `root`, but not one whose lock a live command holds."""
     import fcntl
     for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
+        path, lock = os.path.join(root, name), os.path.join(root, name, "lock")
         if not name.startswith(PARTIAL_PREFIX) or not os.path.isdir(path):
             continue
-        try:
-            fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
-        except FileNotFoundError:  # made a moment ago by a live command (the lock comes next), or killed right then
-            if time.time() - os.path.getmtime(path) < 60:
+        if not os.path.exists(lock) and time.time() - os.path.getmtime(path) < 60:
+            continue  # made a moment ago by a live command, whose lock comes next
+        with open(lock, "a") as f:  # (made here where a command was killed before it made its own)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live command is writing it
                 continue
-            fd = None
-        try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             print(f"removing {path}: a partial dataset left by an interrupted data.py command")
             shutil.rmtree(path, ignore_errors=True)
-        except BlockingIOError:  # a live command is writing it
-            pass
-        finally:
-            if fd is not None:
-                os.close(fd)
 
 
 def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
-    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing: written into a hidden
-    folder beside the datasets (MINARI_DATASETS_PATH points there meanwhile), then renamed into place with its
-    namespace made at the destination. `command` (how the dataset was made) and extra_metadata go into its metadata.
-    -> its folder."""
+    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing, with its command line
+    (`python data.py` + the words of `command`) and extra_metadata in its metadata. -> its folder."""
     import fcntl
+    import shlex
     import tempfile
+    from unittest import mock
     import minari
     from minari.dataset.minari_dataset import parse_dataset_id
-    from minari.namespace import create_namespace, list_local_namespaces
-    folder = _new_dataset_folder(dataset_id)
-    root = _datasets_root()
+    from minari.namespace import create_namespace
+    folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
-    saved = os.environ.get("MINARI_DATASETS_PATH")
-    for _ in range(3):
-        try:
-            tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
-            lock = open(os.path.join(tmp, "lock"), "w")
-        except FileNotFoundError:  # another command's _clean_partial took it for a leftover before the lock was made
-            continue
-        except OSError as e:
-            raise _unwritable(root, e) from None
+    try:
+        tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
+        lock = open(os.path.join(tmp, "lock.new"), "w")
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until this function ends, or this process does
-        if os.fstat(lock.fileno()).st_nlink:  # (0: removed by another command's _clean_partial before the lock)
-            break
-        lock.close()
-    else:
-        raise DataError(f"other data.py commands kept removing this one's working folder in {root}; run it again")
+        os.rename(lock.name, os.path.join(tmp, "lock"))  # named only once held, so _clean_partial never takes it
+    except OSError as e:
+        raise _unwritable(root, e) from None
     try:
         with lock:
-            os.environ["MINARI_DATASETS_PATH"] = os.path.join(tmp, "datasets")
-            try:
+            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):  # (restored after)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ...
                     ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
+                command = shlex.join(["python", "data.py", *map(str, command)])
                 ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
                 written = dataset_folder(dataset_id)
-            finally:
-                if saved is None:
-                    os.environ.pop("MINARI_DATASETS_PATH", None)
-                else:
-                    os.environ["MINARI_DATASETS_PATH"] = saved
-            namespace = parse_dataset_id(dataset_id)[0]
-            if namespace not in list_local_namespaces():
-                with contextlib.suppress(ValueError):  # (made by another command meanwhile)
-                    create_namespace(namespace)
+            with contextlib.suppress(ValueError):  # (there already, or made by another command meanwhile)
+                create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             try:
-                os.rename(written, folder)  # atomic; refused where another command wrote this id meanwhile
+                os.rename(written, folder)  # atomic
             except OSError:
-                if os.path.exists(folder):
-                    raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing "
-                                    f"is overwritten)") from None
+                _new_dataset_folder(dataset_id)  # "already exists" where another command wrote this id meanwhile
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def _command(*words):
-    """The command line that makes a dataset, as recorded in its metadata (data_py_command) and shown by damaged()."""
-    import shlex
-    return shlex.join(["python", "data.py", *map(str, words)])
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -1186,17 +1084,15 @@ def info(name):
     print(f"{d.dataset_id}: {len(d.episodes)} episodes, {len(d.flat['rewards'])} steps, obs {d.obs_dim}, "
           f"act {d.act_dim}, loaded in {time.time() - t0:.1f}s; refs {d.ref_min:.1f}/{d.ref_max:.1f} ({d.ref_source}); "
           f"targets {d.target_returns}; max_ep_len {d.max_ep_len}")
-    rng = np.random.default_rng(0)
-    n, t0 = 200, time.time()
-    for _ in range(n):
+    rng, t0 = np.random.default_rng(0), time.time()
+    for _ in range(200):
         d.sample(64, 20, rng)
-    dt = time.time() - t0
-    print(f"sampling: {n * 64 / dt:,.0f} windows/s ({1e3 * dt / n:.2f} ms per batch of 64 x K=20)")
+    dt = (time.time() - t0) / 200
+    print(f"sampling: {64 / dt:,.0f} windows/s ({1e3 * dt:.2f} ms per batch of 64 x K=20)")
 
 
 class Stopped(BaseException):
-    """SIGTERM, raised where the program is (as Ctrl-C raises KeyboardInterrupt), so that a dataset being written is
-    undone the same way."""
+    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt: a dataset write is undone alike."""
 
 
 def _stop(signum, frame):
@@ -1209,21 +1105,12 @@ def _positive(text):
     return int(text)
 
 
-def _unknown_command(word, commands):
-    """The one sentence for `python data.py WORD` where WORD is neither a command nor a dataset name."""
-    import difflib
-    near = difflib.get_close_matches(word, [*commands, *SHORT_NAMES], n=1)
-    return (f"unknown command '{word}'; the commands are {', '.join(commands)}"
-            + (f" (did you mean {near[0]}?)" if near else " (or name a dataset: a short name such as hopper-medium, "
-               "or a Minari id such as mujoco/hopper/medium-v0)"))
-
-
 def main(argv=None):
+    import difflib
     import signal
     import threading
-    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert a D4RL "
-                   "HDF5 file or a DQN-replay folder, or mix datasets of one environment. A new dataset is renamed "
-                   "into place only when it is complete.")
+    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert D4RL or "
+                   "DQN-replay data, or mix datasets of one environment (new datasets are written all or nothing).")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",
@@ -1232,24 +1119,24 @@ def main(argv=None):
     p_conv.add_argument("path", help="the D4RL file, e.g. hopper_medium-v2.hdf5")
     p_conv.add_argument("dataset_id", help="the new dataset's Minari id, e.g. d4rl/hopper/medium-v2")
     p_conv.add_argument("--env", default=None, help="its gymnasium env (default: the robot's v5 env, from the names)")
-    p_dqn = sub.add_parser("convert-dqn-replay", help="DQN-replay folder (Dopamine's replay buffers) -> local Minari "
-                           "dataset of whole episodes, 84x84 frames stored lossless")
+    p_dqn = sub.add_parser("convert-dqn-replay", help="DQN-replay folder -> local Minari dataset of whole episodes")
     p_dqn.add_argument("folder", help="a downloaded <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
     p_dqn.add_argument("game", help="ALE's name of the game, e.g. Breakout")
     p_dqn.add_argument("dataset_id", help="the new dataset's Minari id, e.g. dqn-replay/breakout/1pct-v0")
     p_dqn.add_argument("--buffers", type=_positive, default=None, metavar="N",
                        help="read the last N buffers, the highest numbers (default: all, as DT's --num_buffers 50)")
     p_dqn.add_argument("--steps", type=_positive, default=500_000, metavar="S",
-                       help="whole episodes, in buffer order, until S steps; the episode that reaches S is kept whole "
-                            "(default: %(default)s, DT's 1%% of DQN-replay)")
-    p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset, episode by episode (D4RL's "
-                           "medium-expert: medium, then expert)")
+                       help="whole episodes until S steps, spread over the buffers (default: %(default)s, DT's 1%%)")
+    p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset (D4RL's medium-expert)")
     p_mix.add_argument("sources", nargs="+", metavar="SOURCE", help="short names or Minari ids, in order")
     p_mix.add_argument("dataset_id", help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
-        if "/" not in argv[0] and argv[0] not in SHORT_NAMES:
-            print(f"error: {_unknown_command(argv[0], list(sub.choices))}", file=sys.stderr)
+        if "/" not in argv[0] and argv[0] not in SHORT_NAMES:  # neither a command nor a dataset name
+            near = difflib.get_close_matches(argv[0], [*sub.choices, *SHORT_NAMES], n=1)
+            print(f"error: unknown command '{argv[0]}'; the commands are {', '.join(sub.choices)}"
+                  + (f" (did you mean {near[0]}?)" if near else " (or name a dataset: a short name such as "
+                     "hopper-medium, or a Minari id such as mujoco/hopper/medium-v0)"), file=sys.stderr)
             raise SystemExit(1)
         argv = ["info", *argv]  # python data.py NAME: short for info NAME
     args = p.parse_args(argv)

@@ -2,21 +2,19 @@ r"""
 Long-Short Decision Transformer (LSDT): "Long-Short Decision Transformer: Bridging Global and Local Dependencies
 for Generalized Decision-Making" (anonymous ICLR submission). Official code, built on min-decision-transformer:
 https://github.com/WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER/blob/1feb77acff9b4a2ab6aa889210887f7d96918b1d/decision_transformer/LSDT.py#L137
-Decision Convformer (DC, Kim et al. 2023) is in here too, as the paper uses it: a conv-only special case and the
-source of LSDC's short-term branch. Its official code:
+Decision Convformer (DC, Kim et al. 2023), the paper's conv-only baseline and LSDC's short-term branch, is here too:
 https://github.com/beanie00/Decision-ConvFormer/blob/3db9b9ecf6885b1ed9c1e7a20d5dd92aa132b1ef/gym/models/decision_convformer.py#L43
 
-LSDT is dt.py's Decision Transformer with one change in every block (Sec. 3.2.1, Fig. 4): the token mixer splits the
-D channels, (1 - xi) D go to causal self-attention (long-term branch) and xi D to a causal dynamic convolution over
-the last k_m tokens (short-term branch, Eq. 1); the two outputs are concatenated, re-weighted by the Hybrid Fusion
-Module (HFM, App. B.3) and projected by W_O. xi = 0 is DT's attention, xi = 1 a convolution-only DT (CDT).
+LSDT is dt.py's Decision Transformer whose token mixer (Sec. 3.2.1, Fig. 4) splits the D channels: (1 - xi) D go to
+causal self-attention (long-term branch), xi D to a causal dynamic convolution over the last k_m tokens (short-term
+branch, Eq. 1); the Hybrid Fusion Module (HFM, App. B.3) re-weights their concatenation, W_O projects it.
     X[..., :D_a] -> causal multi-head attention (long-term)  --\
                                                                concat -> HFM -> W_O -> + X -> LN -> MLP ...
     X[..., D_a:] -> causal DynamicConv, k_m taps (short-term) --/
 
     python lsdt.py --env hopper-medium               # the paper's hopper-medium row: xi=1, D=256, no action tokens
     python lsdt.py --env hopper-medium --preset cpu  # small configuration for a 2-core laptop
-    MINARI_DATASETS_PATH=<folder of local datasets> python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --preset cpu
+    MINARI_DATASETS_PATH=<local datasets> python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --preset cpu
     python lsdt.py --out <run folder> --plot-mixing  # the run's attention / kernel / HFM maps (never retrains)
 
 What each flag reproduces:
@@ -38,8 +36,7 @@ Glossary (paper symbol -> code name; R_t, s_t, a_t, t, B and mask as in dt.py):
     L       tokens per window: 3K for (R, s, a), 2K without action tokens     n * K, n = tokens per timestep
     D       token width (Table 13: 128; 256 for hopper-medium/-medium-replay)  Config.n_embd
     xi      share of D for the short-term (conv) branch (Sec. 3.2.1)           Config.conv_ratio
-    D_c     conv-branch channels, round(xi D) (per block: conv_dims())         LongShortMixer.dc
-    D_a     attention-branch channels, D - D_c                                 LongShortMixer.da
+    D_c, D_a  conv / attention channels: round(xi D), D - D_c (conv_dims())    LongShortMixer.dc, .da
     N_h     attention heads of the long-term branch; d = D_a / N_h per head    Config.n_head; hs
     k_m     causal taps of a dynamic kernel, the current token included (B.7)  Config.kernel, DynamicConv.k
     H_c     dynamic kernels per token, D_c / 4 (4 channels share one)          DynamicConv.heads
@@ -50,33 +47,25 @@ Glossary (paper symbol -> code name; R_t, s_t, a_t, t, B and mask as in dt.py):
     W_O     output projection after the concat                                 LongShortMixer.c_proj
     g       goal (x, y) appended to the state (goal-state conditioning, 3.3)   the last goal_dim entries of states
 
-Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (the
-per-dataset table, data, schedule, loss, policy) -> train(), as in dt.py -> the mixing maps and maze paths (Fig. 3, 8,
-9, 11) -> --bench -> main(). The run record is evaluate.py's. Outputs go to runs/lsdt/<env>/<variant>/seed<N>/.
+Layout: Config -> the model (copy it alone) -> the paper's pieces -> train(), as in dt.py -> figures -> main().
 
-Departures from the paper and the official code:
- 1. Post-LN blocks, no final LN, as the official code (LSDT.py#L262), which produced the paper's numbers; the paper's
-    Figure 1 draws pre-LN (--norm pre).
- 2. HFM's softmax (Eq. 4) is over channels, as the code (LSDT.py#L200) and Fig. 11; the text says "time dimension".
+Departures from the paper and the official code (#Lnn alone: a line of its LSDT.py):
+ 1. Post-LN, no final LN, as the code (#L262) behind the paper's numbers; its Figure 1 draws pre-LN (--norm pre).
+ 2. HFM's softmax (Eq. 4) is over channels, as the code (#L200) and Fig. 11; the text says "time dimension".
  3. DynamicConv predicts only the k_m causal taps; the code predicts 2 k_m - 1 centred taps and masks the future half
-    (LSDT.py#L88): the same function without dead weights (W_w's Xavier init scale differs with its width).
- 4. xi = 0 is attention + W_O without HFM, the paper's "standard DT"; the code fails there (LSDT.py#L173).
+    (#L88): the same function without dead weights (W_w's Xavier init scale differs with its width).
+ 4. xi = 0 is attention + W_O without HFM, the paper's "standard DT"; the code fails there (#L173).
  5. --no-action-tokens (D.2's hopper-medium) is DC's remove_act_embs; the released LSDT code has no such path.
- 6. --dropkey drops logits to -inf, never a token's own key (Li et al. 2022); the code has DropKey only commented out,
-    adding 1e-13 to the logits (LSDT.py#L229), which drops nothing.
- 7. Windows are data.py's: episodes in proportion to length, left-padded as evaluation feeds them, padding masked;
-    the code draws episodes uniformly and windows whole where it can (utils_o.py#L180).
- 8. DC's filters read padding tokens as zeros, so a padded window gives what the unpadded one gives; DC's code
-    convolves over the embedded padding tokens.
- 9. The Maze2d rows serve Minari's PointMaze with data.py's target for RTG 300: Minari's maze episodes stop at the
-    goal (returns ~1 sparse, ~20 dense), D4RL maze2d's never do.
-10. A run keeps its last checkpoint (evaluate.py report gives the last and the best evaluation); the code saves the
-    best of its 200 evaluations (scripts/train.py#L266), a choice made on the test env.
+ 6. --dropkey sets dropped logits to -inf, never a token's own (Li et al. 2022); the code's is commented out (#L229).
+ 7. Windows are data.py's (episodes by length, left-padded as evaluation feeds them, padding masked); the code
+    draws episodes uniformly and windows whole where it can (utils_o.py#L180).
+ 8. DC's filters read padding as zeros, so padding changes nothing; DC's code convolves the embedded padding tokens.
+ 9. Maze2d rows serve Minari's PointMaze with data.py's target, not RTG 300: Minari's episodes stop at the goal.
+10. A run keeps its last checkpoint; the code, the best of 200 evaluations on the test env (scripts/train.py#L266).
 """
-import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -88,17 +77,14 @@ import evaluate as ev
 
 
 def arg(default, help, run=False):
-    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
-    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    """A Config field and flag. run=True: not what is trained (not in the variant name, may differ on --resume)."""
     return field(default=default, metadata={"help": help, "run": run})
 
 
 @dataclass
 class Config:
     # --- the paper's settings (what is trained): data, optimisation (Table 13), the model (Table 13, official code)
-    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
-                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
-                                      "is still the env's own return")
+    delayed_reward: bool = arg(False, "rewards paid at an episode's last step, in data and evaluation (DT Table 5)")
     batch_size: int = arg(64, "windows per batch (Table 13: 64 locomotion, 256 mazes)")
     context: int = arg(10, "K, timesteps the model sees (Table 5)")
     lr: float = arg(1e-4, "AdamW learning rate (Table 13: 1e-4 locomotion, 2e-4 mazes)")
@@ -116,9 +102,7 @@ class Config:
     kernel: int = arg(6, "k_m, causal taps of the conv branch incl. the current token (3 for Maze2d; DC: window)")
     conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv, LSDT) | dc (DC's static filters, LSDC)")
     fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
-    routing: str = arg("split", "how a block feeds its branches (App. B.10, Table 8): split (LSDT: X_1 | X_2) | res "
-                                "(LSDT-res: X_i + Linear_i(X_i) into each) | weight (LSDT-weight: all D channels into "
-                                "both, joined by a learned weighted sum; xi unused)")
+    routing: str = arg("split", "B.10, Table 8: split (LSDT) | res (LSDT-res) | weight (LSDT-weight: all D to both)")
     norm: str = arg("post", "post (official code) | pre (the paper's Figure 1, and DC)")
     dropout: float = arg(0.25, "dropout after W_O and after the MLP")
     attn_dropout: float = arg(0.1, "dropout on the attention output P V (official code)")
@@ -132,30 +116,22 @@ class Config:
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (Table 13: 1e5; the cosine ends here: resume with the same)", run=True)
-    eval_every: int = arg(500, "evaluate and checkpoint every this many steps and at the end (official code: 500)",
-                          run=True)
+    eval_every: int = arg(500, "evaluate and checkpoint every this many steps and at the end (code: 500)", run=True)
     eval_episodes: int = arg(20, "episodes per target, in parallel (Table 1: 20 locomotion, 100 mazes)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw units; default: the paper's (Table 5), else the "
-                                     "dataset's targets", run=True)
+    target_return: float = arg(None, "return-to-go prompt, raw units; default: Table 5's, else the dataset's", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/lsdt/<env>/<variant>/seed<N>", run=True)
     resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     bench: bool = arg(False, "time training steps (eager vs compiled, AMP on CUDA) on synthetic data; exit", run=True)
-    plot_mixing: bool = arg(False, "write mixing.png from the run's checkpoint: attention / dynamic-kernel maps and "
-                                   "HFM weights of block 1 (Fig. 3, 9, 11)", run=True)
-    plot_paths: bool = arg(False, "write paths.png from the run's checkpoint: --eval-episodes maze rollouts over the "
-                                  "dataset's goals (Fig. 8)", run=True)
-    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo)", run=True)
+    plot_mixing: bool = arg(False, "write mixing.png: block 1's maps in the run's checkpoint (Fig. 3, 9, 11)", run=True)
+    plot_paths: bool = arg(False, "write paths.png: --eval-episodes maze rollouts of the checkpoint (Fig. 8)", run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the checkpoint at its first target", run=True)
 
 
-# A small LSDT for a 2-core CPU at dt.py's cpu-preset budget. The preset sets the compute (width, depth, batch, lr,
-# schedule) over the dataset's PAPER_TABLE row, which still sets K, xi, k_m, heads, action tokens and the RTG target
-# (Config < row < --arch < --preset < flags). Mazes: K=1 over Table 5's K=20 (--context 20 gives it back), with 50
-# evaluation episodes; the data's actions carry N(0, 0.5^2) noise, a history to copy rather than use
-# (replica/pointmaze/medium-dense-v0, seed 0: 92% of episodes reach the goal at K=1, 24% at K=20).
+# A small LSDT for 2 CPU cores (dt.py's cpu budget) over the dataset's row: Config < row < --arch < --preset < flags.
+# Mazes: K=1, as their noisy actions are a history to copy (medium-dense, seed 0: 92% reach the goal at K=1, 24% at 20).
 PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000,
                        eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
 
@@ -164,31 +140,24 @@ PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_step
 # Under --amp (bf16 autocast) the Linears and matmuls run in bf16; nothing here is a recurrence or a long sum.
 
 def conv_dims(cfg):
-    """D_c per block: round(xi D) for LSDT / LSDC (Sec. 3.2.1); D for DC; DC_h: D, ..., D, 0 (attention last).
-    --routing weight ignores it: both branches get all D channels there (LongShortMixer)."""
-    if cfg.arch in ("dc", "dc_h"):
-        dims = [cfg.n_embd] * cfg.n_layer
-        if cfg.arch == "dc_h":
-            dims[-1] = 0  # DC_h: the final block's conv mixer is replaced by causal self-attention (DC paper)
-        return dims
-    return [int(round(cfg.conv_ratio * cfg.n_embd))] * cfg.n_layer
+    """D_c per block: round(xi D) for LSDT / LSDC (Sec. 3.2.1); D for DC; DC_h: D, ..., D, 0 (attention last)."""
+    if cfg.arch == "lsdt":
+        return [int(round(cfg.conv_ratio * cfg.n_embd))] * cfg.n_layer
+    return [cfg.n_embd] * (cfg.n_layer - 1) + [0 if cfg.arch == "dc_h" else cfg.n_embd]   # DC_h: attention last
 
 
 class CausalSelfAttention(nn.Module):
-    """Long-term branch (Sec. 3.2.1): causal multi-head self-attention over the first D_a channels; its output
-    projection is the mixer's shared W_O. P is computed explicitly for the analysis (keep=True, Fig. 3) and DropKey;
-    otherwise torch's fused attention computes the same softmax(q k^T / sqrt(hs)) v."""
+    """Long-term branch (Sec. 3.2.1): causal multi-head self-attention on D_a channels, W_O being the mixer's. P is
+    explicit for the analysis (keep, Fig. 3) and DropKey, else torch's fused softmax(q k^T / sqrt(hs)) v."""
 
     def __init__(self, dim, n_head, attn_dropout, dropkey):
         super().__init__()
         assert dim % n_head == 0, f"{dim} attention channels do not split into {n_head} heads"
         self.n_head, self.dropkey = n_head, dropkey
         self.c_attn = nn.Linear(dim, 3 * dim)          # W_Q || W_K || W_V (the code's three Linears, fused)
-        # dropout on P V, not on P (B.8: DropKey replaces it)
         # WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L238
-        self.drop = nn.Dropout(0.0 if dropkey else attn_dropout)
-        self.keep = False                              # analysis: keep the last probabilities in self.probs
-        self.probs = None
+        self.drop = nn.Dropout(0.0 if dropkey else attn_dropout)   # on P V, not on P; DropKey replaces it (B.8)
+        self.keep, self.probs = False, None            # analysis: keep the last P in self.probs
 
     def forward(self, x, attn_mask):
         B, T, C = x.shape                                                  # x: (B, L, D_a); attn_mask (B, 1, L, L)
@@ -219,23 +188,20 @@ class DynamicConv(nn.Module):
         alpha[i, h, :] = softmax(dropout(U_i W_w))      one kernel of k_m taps per token i and head h
         Y[i, c] = sum_j alpha[i, h(c), j] U[i-k_m+1+j, c] + b_c,  h(c) = c // 4   (4 channels share a kernel)
         out = Y W_2
-    Only the k_m causal taps are predicted (the code: k = 2 k_m - 1 centred taps, the future half masked; departure 3).
-    Taps before the sequence or on left padding are masked, the softmax renormalising over the rest (as the code).
+    Only the k_m causal taps (departure 3); taps before the sequence or on padding masked, the softmax renormalising.
     WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L22"""
 
-    def __init__(self, dim, k_m, conv_dropout, channels_per_kernel=4):
+    def __init__(self, dim, k_m, conv_dropout):
         super().__init__()
-        assert dim % channels_per_kernel == 0, f"{dim} conv channels are not a multiple of {channels_per_kernel}"
+        assert dim % 4 == 0, f"{dim} conv channels are not a multiple of 4"
         self.k = k_m
-        self.cpk = channels_per_kernel
-        self.heads = dim // channels_per_kernel           # H_c = D_c / 4 ("Number of kernels", Table 13)
+        self.heads = dim // 4                             # H_c = D_c / 4 ("Number of kernels", Table 13)
         self.p = conv_dropout
         self.glu_in = nn.Linear(dim, 2 * dim)             # W_1
         self.w_gen = nn.Linear(dim, k_m * self.heads)     # W_w: f(X_t) in Eq. 1, a linear map of token t only
         self.bias = nn.Parameter(torch.zeros(dim))
         self.out = nn.Linear(dim, dim)                    # W_2
-        self.keep = False
-        self.alpha = None
+        self.keep, self.alpha = False, None               # analysis: keep the last kernels in self.alpha
 
     def forward(self, x, real):
         B, L, C = x.shape                                                  # x: (B, L, D_c); real: (B, L) bool
@@ -250,14 +216,14 @@ class DynamicConv(nn.Module):
             self.alpha = alpha.detach().transpose(2, 3)                    # (B, L, H, k)
         up = F.pad(u, (0, 0, k - 1, 0))                                    # (B, L+k-1, D_c)
         win = torch.stack([up[:, j:j + L] for j in range(k)], dim=2)       # (B, L, k, D_c): U[i-k+1+j], tap by tap
-        y = (win.view(B, L, k, H, self.cpk) * alpha[..., None]).sum(2)     # (B, L, H, 4): Eq. 1's sum over taps
+        y = (win.view(B, L, k, H, 4) * alpha[..., None]).sum(2)            # (B, L, H, 4): Eq. 1's sum over taps
         return self.out(y.reshape(B, L, C) + self.bias)                    # (B, L, D_c)
 
 
 class DCConv(nn.Module):
     """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1): three static causal depthwise filters of
-    window L_w, one per token type (R, s, a); token i takes the output of the filter of its own type. No softmax,
-    no GLU, no projection. LSDC's short-term branch (paper Sec. 4.4, D.3) and DC's mixer:
+    window L_w, one per token type (R, s, a), token i taking its own type's (no softmax, GLU or projection).
+    LSDC's short-term branch (paper Sec. 4.4, D.3) and DC's mixer:
     beanie00/Decision-ConvFormer@3db9b9e gym/models/decision_convformer.py#L43
     WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDC.py#L20"""
 
@@ -278,52 +244,38 @@ class DCConv(nn.Module):
 
 
 class HybridFusion(nn.Module):
-    """Hybrid Fusion Module (App. B.3, Eqs. 2-4): Y_o = softmax(MLP(Y)) * Y with MLP: D -> D/2 -> D."""
+    """Hybrid Fusion Module (App. B.3, Eqs. 2-4): Y_o = softmax(MLP(Y)) * Y, MLP: W -> W/2 -> W, on Y = concat(Y_att,
+    Y_conv) (B, L, W). over_branches: LSDT-weight's join (App. B.10), "a learnable weighted sum, computed using a
+    modified version of our HFM module", without equations; here HFM on the 2D-wide concat of the full-width outputs,
+    softmax over the two branches per token and channel: Y = A_att * Y_att + A_conv * Y_conv (B, L, D)."""
 
-    def __init__(self, dim):
+    def __init__(self, width, over_branches=False):
         super().__init__()
-        self.reduce = nn.Linear(dim, dim // 2)  # Eq. 2, W_f
-        self.expand = nn.Linear(dim // 2, dim)  # Eq. 3, W_f1 || W_f2 as one Linear
-        self.keep = False
-        self.weights = None
+        self.reduce = nn.Linear(width, width // 2)  # Eq. 2, W_f
+        self.expand = nn.Linear(width // 2, width)  # Eq. 3, W_f1 || W_f2 as one Linear
+        self.over_branches = over_branches
+        self.keep, self.weights = False, None       # analysis: keep the last A in self.weights
 
     def forward(self, y):
-        # y: (B, L, D) = concat(Y_att, Y_conv). Eq. 4's softmax over channels, each token's D weights summing to 1
-        # (departure 2): WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L195
-        a = self.expand(F.relu(self.reduce(y))).softmax(-1)  # (B, L, D) A = softmax(Z), Eqs. 2-4
+        z = self.expand(F.relu(self.reduce(y)))                         # (B, L, W) Z, Eqs. 2-3
+        if self.over_branches:
+            a = z.view(*z.shape[:-1], 2, -1).softmax(-2)                # (B, L, 2, D) A over {att, conv}, per channel
+            y_att, y_conv = y.chunk(2, dim=-1)                          # 2 x (B, L, D)
+            out = a[..., 0, :] * y_att + a[..., 1, :] * y_conv          # (B, L, D)
+        else:
+            # Eq. 4's softmax over channels, each token's D weights summing to 1 (departure 2):
+            # WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L195
+            a = z.softmax(-1)                                           # (B, L, D) A = softmax(Z)
+            out = a * y                                                 # (B, L, D) Y_o, Eq. 4
         if self.keep:
-            self.weights = a.detach()
-        return a * y                                         # (B, L, D) Y_o, Eq. 4
-
-
-class BranchWeighting(nn.Module):
-    """LSDT-weight's join (App. B.10, Table 8): "a learnable weighted sum, computed using a modified version of our HFM
-    module", of the two branches' full-width outputs. The paper gives no equations; this is HFM (Eqs. 2-4) with its
-    softmax over the two branches instead of over channels: Z = MLP(concat(Y_att, Y_conv)) with HFM's halving MLP
-    (2D -> D -> 2D), A = softmax(Z) over {att, conv} per token and channel, Y = A_att * Y_att + A_conv * Y_conv."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.reduce = nn.Linear(2 * dim, dim)   # HFM's W_f (Eq. 2), on the 2D-wide concatenation
-        self.expand = nn.Linear(dim, 2 * dim)   # HFM's W_f1 || W_f2 (Eq. 3): D logits for attention, D for the conv
-        self.keep = False
-        self.weights = None
-
-    def forward(self, y_att, y_conv):
-        # y_att, y_conv: (B, L, D)
-        z = self.expand(F.relu(self.reduce(torch.cat([y_att, y_conv], dim=-1))))  # (B, L, 2D) Z
-        a = z.view(*z.shape[:-1], 2, -1).softmax(-2)                               # (B, L, 2, D) A, per channel
-        if self.keep:
-            self.weights = a[..., 0, :].detach()                                   # (B, L, D) A_att; A_conv = 1 - it
-        return a[..., 0, :] * y_att + a[..., 1, :] * y_conv                        # (B, L, D)
+            self.weights = (a[..., 0, :] if self.over_branches else a).detach()   # (B, L, D) A, or A_att = 1 - A_conv
+        return out
 
 
 class LongShortMixer(nn.Module):
-    """The Masked Long-Short block's token mixer (Sec. 3.2.1, Fig. 4), in place of DT's attention: split the channels
-    (1-xi)D | xi D, attention on the first part, causal conv on the second, concatenate, fuse (HFM), W_O, dropout:
-    WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L182
-    --routing (App. B.10, Table 8): res adds X_i + Linear_i(X_i) before each branch; weight gives both branches all of
-    X and joins them with BranchWeighting (no concat, no HFM)."""
+    """The Masked Long-Short token mixer (Sec. 3.2.1, Fig. 4; the figure atop this file), then dropout; --routing's
+    variants (App. B.10, Table 8) are marked below.
+    WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDT.py#L182"""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
@@ -331,33 +283,28 @@ class LongShortMixer(nn.Module):
         self.routing = cfg.routing
         # App. B.10, LSDT-weight: "the full embedding is fed into both branches instead of a subset" (xi unused)
         self.dc, self.da = (D, D) if cfg.routing == "weight" else (conv_dim, D - conv_dim)
-        n_types = 3 if cfg.action_tokens else 2
         self.attn = CausalSelfAttention(self.da, cfg.n_head, cfg.attn_dropout, cfg.dropkey) if self.da else None
         self.conv = None
         if self.dc:
             self.conv = (DynamicConv(self.dc, cfg.kernel, cfg.conv_dropout) if cfg.conv == "dynamic"
-                         else DCConv(self.dc, cfg.kernel, n_types))
+                         else DCConv(self.dc, cfg.kernel, 3 if cfg.action_tokens else 2))
         # App. B.10, LSDT-res: "two separate linear projections with residual connections before feeding inputs to the
         # branches" (no equations); chosen: X_1 + W_r1 X_1 (D_a -> D_a), X_2 + W_r2 X_2 (D_c -> D_c), per branch
         res = cfg.routing == "res"
         self.res_attn = nn.Linear(self.da, self.da) if res and self.attn is not None else None
         self.res_conv = nn.Linear(self.dc, self.dc) if res and self.conv is not None else None
         # HFM only when both branches exist (code), so xi = 0 is DT's attention + W_O (departure 4). LSDT-weight: its
-        # own "modified HFM" (App. B.10) in place of the concatenation and HFM
-        if cfg.routing == "weight":
-            self.fuse = BranchWeighting(D)
-        else:
-            self.fuse = HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None
+        # "modified HFM" (App. B.10) on the 2D-wide concatenation
+        self.fuse = (HybridFusion(2 * D, over_branches=True) if cfg.routing == "weight" else
+                     HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None)
         # DC's conv mixer has no W_O and no dropout, where LSDT, LSDC and DC_h's attention have W_O, then dropout
         # beanie00/Decision-ConvFormer@3db9b9e gym/models/decision_convformer.py#L101
         self.c_proj = None if (cfg.arch in ("dc", "dc_h") and not self.da) else nn.Linear(D, D)
         self.resid_drop = nn.Dropout(cfg.dropout) if self.c_proj is not None else nn.Identity()
 
     def forward(self, x, attn_mask, real):
-        if self.routing == "weight":
-            x1 = x2 = x                                       # App. B.10 LSDT-weight: all of X (B, L, D) to both
-        else:
-            x1, x2 = x.split([self.da, self.dc], dim=-1)      # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c)
+        # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c); LSDT-weight (App. B.10): all of X (B, L, D) to both
+        x1, x2 = (x, x) if self.routing == "weight" else x.split([self.da, self.dc], dim=-1)
         if self.res_attn is not None:
             x1 = x1 + self.res_attn(x1)                       # App. B.10 LSDT-res: X_1 + W_r1 X_1
         if self.res_conv is not None:
@@ -367,12 +314,9 @@ class LongShortMixer(nn.Module):
             ys.append(self.attn(x1, attn_mask))               # (B, L, D_a) long-term branch
         if self.conv is not None:
             ys.append(self.conv(x2, real))                    # (B, L, D_c) short-term branch
-        if self.routing == "weight":
-            y = self.fuse(*ys)                                # (B, L, D) App. B.10: learned weighted sum
-        else:
-            y = torch.cat(ys, dim=-1)                         # (B, L, D), attention channels first (Eq. 2's Concat)
-            if self.fuse is not None:
-                y = self.fuse(y)                              # Eqs. 2-4
+        y = torch.cat(ys, dim=-1)                             # (B, L, D), attention first (Eq. 2); weight: (B, L, 2D)
+        if self.fuse is not None:
+            y = self.fuse(y)                                  # Eqs. 2-4; weight: the branches' weighted sum (B, L, D)
         if self.c_proj is not None:
             y = self.c_proj(y)                                # W_O
         return self.resid_drop(y)
@@ -402,9 +346,8 @@ class Block(nn.Module):
 
 
 class LSDT(nn.Module):
-    """dt.py's DecisionTransformer with LongShortMixer blocks: tokens (R_1, s_1, a_1, R_2, ...), or (R_t, s_t) without
-    action tokens (D.2) -> blocks -> a_t = tanh(W h(s_t)). Also DC / DC_h (--arch), which differ only in the blocks'
-    mixers, norm placement and init. obs_dim is the state width the model embeds (goal included for LSDT-gs)."""
+    """dt.py's DecisionTransformer with LongShortMixer blocks: tokens (R_1, s_1, a_1, R_2, ...), or (R_t, s_t) (D.2) ->
+    a_t = tanh(W h(s_t)); DC / DC_h (--arch) differ in mixers, norm and init. obs_dim: the width embedded (+ goal)."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
         super().__init__()
@@ -428,8 +371,7 @@ class LSDT(nn.Module):
                 if isinstance(m, nn.Linear):
                     nn.init.zeros_(m.bias)
         else:
-            # DC: GPT-2's N(0, 0.02), zero biases, inside the blocks only; the embeddings, embed_ln, predict_action keep
-            # PyTorch's default, its filters nn.Conv1d's
+            # DC: GPT-2's N(0, 0.02) and zero biases in the blocks' Linears only; the rest keeps PyTorch's defaults
             # beanie00/Decision-ConvFormer@3db9b9e gym/models/decision_convformer.py#L123
             for m in self.blocks.modules():
                 if isinstance(m, nn.Linear):
@@ -474,18 +416,16 @@ SCRIPT = "lsdt"
 CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm", "concat"), norm=("post", "pre"),
                routing=("split", "res", "weight"))
 
-# The paper's per-dataset settings: K and RTG target (Table 5), best xi (Table 14), width (Table 13 / D.2), heads,
-# batch, lr, kernel (Table 13), action tokens (D.2). Keys are D4RL names; paper_row() maps Minari ids onto them.
-# The Maze2d rows serve Minari's PointMaze with target None, data.py's (the median episode return; departure 9).
+# The paper's per-dataset settings: K and RTG (Table 5), best xi (Table 14), width (Table 13 / D.2), heads, batch, lr,
+# kernel (Table 13), action tokens (D.2); keys are D4RL names (paper_row), Maze2d's served by PointMaze (departure 9).
 _LOCO = dict(n_embd=128, n_head=1, batch_size=64, lr=1e-4, kernel=6, action_tokens=True)
 _MAZE = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=3, action_tokens=True, context=20,
              target_return=None, eval_episodes=100)     # Table 3 (Maze2d): 4 seeds x 100 evaluations
 # AntMaze RTG 100 is on D4RL's 0/1 scale; Minari's (maze_v4.py) pays 1 per step at the goal: returns 0..700/1000
 _ANT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True, context=10,
             target_return=100.0, eval_episodes=100)     # Table 1 (AntMaze): 4 seeds x 100 evaluations
-# Adroit (Table 9: D4RL's v0 human and cloned sets, 5 seeds x 20 evaluations; here Minari's D4RL/<task>/*-v2):
-# Table 13's Adroit column. The paper gives no Adroit K, xi or RTG target, so Config's K = 10 and xi = 0.5 (its
-# "practical default") apply, with data.py's target (the best episode return).
+# Adroit (Table 9, 5 seeds x 20 evaluations; Minari's D4RL/<task>/*-v2): Table 13's column. No Adroit K, xi or RTG
+# in the paper: Config's K = 10 and xi = 0.5 (its "practical default"), data.py's target (the best episode return).
 _ADROIT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True, eval_episodes=20)
 PAPER_TABLE = {
     "halfcheetah-medium":        dict(_LOCO, context=10, conv_ratio=0.5, target_return=7000.0),
@@ -515,8 +455,7 @@ ARCH_DEFAULTS = {"dc": _DC, "dc_h": dict(_DC, n_head=2)}
 
 
 def paper_row(name):
-    """PAPER_TABLE key for a short name or Minari id ('hopper-medium', 'mujoco/hopper/medium-v0',
-    'replica/pointmaze/medium-dense-v0', 'D4RL/antmaze/medium-play-v1'), or None when the paper has no such row."""
+    """PAPER_TABLE key for a short name (env-level) or Minari id (namespace/env/level-vN), else None."""
     parts = name.lower().split("/")
     if len(parts) >= 3:                                   # namespace/env/level-vN
         env, level = parts[-2], parts[-1].rsplit("-v", 1)[0]
@@ -529,20 +468,18 @@ def paper_row(name):
 
 
 def paper_settings(cfg, given):
-    """cfg with the dataset's PAPER_TABLE row and --arch's defaults laid under the flags in `given` and the preset's:
-    Config defaults < row < ARCH_DEFAULTS < --preset < flags. -> (cfg, the fields the row and --arch set). A resumed
-    run or an analysis takes its settings from its checkpoint afterwards (evaluate.load_run), row included."""
+    """The dataset's PAPER_TABLE row and --arch's defaults laid under the preset and the flags in `given`: Config <
+    row < ARCH_DEFAULTS < --preset < flags. -> (cfg, the fields the row and --arch set)"""
     row = PAPER_TABLE.get(paper_row(cfg.dataset or cfg.env), {}) if cfg.paper_table else {}
     layers = row | ARCH_DEFAULTS.get(cfg.arch, {})
     kept = set(given) | set(PRESETS.get(cfg.preset, {}))
     conv = cfg.conv if "conv" in kept else layers.get("conv", cfg.conv)
     if conv == "dc" and "kernel" in row:
-        # LSDC and DC keep DC's window of 6 tokens where the maze row sets LSDT's k_m = 3 (Table 13's "3, Maze2d" is
-        # DynamicConv's kernel); the official LSDC hard-codes 6:
-        # WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDC.py#L23
+        # LSDC and DC keep DC's 6-token window where a maze row sets DynamicConv's k_m = 3 (Table 13); the official
+        # LSDC hard-codes 6: WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a decision_transformer/LSDC.py#L23
         layers = dict(layers, kernel=ARCH_DEFAULTS["dc"]["kernel"])
     changes = {k: v for k, v in layers.items() if k not in kept and getattr(cfg, k) != v}
-    return dataclasses.replace(cfg, **changes), changes
+    return replace(cfg, **changes), changes
 
 
 def settings_source(cfg):
@@ -553,8 +490,7 @@ def settings_source(cfg):
 
 
 def check_model(cfg, changes=()):
-    """LSDT's own flags, after the paper's row and --arch (paper_settings, whose `changes` are named where they take
-    part in the problem): one sentence (DataError) about the first bad one."""
+    """LSDT's own flags, after paper_settings (its `changes` named where they take part): one sentence (DataError)."""
     def why(*names):
         set_by = ", ".join(f"--{k.replace('_', '-')} {changes[k]}" for k in names if k in changes)
         return f" ({set_by} from {settings_source(cfg)}; override with flags)" if set_by else ""
@@ -567,15 +503,12 @@ def check_model(cfg, changes=()):
             (not 0.0 <= cfg.conv_ratio <= 1.0, f"--conv-ratio must lie in [0, 1], got {cfg.conv_ratio}"),
             (cfg.kernel < 1, f"--kernel must be a positive number of taps, got {cfg.kernel}"),
             (not 0.0 <= cfg.dropkey < 1.0, f"--dropkey must lie in [0, 1), got {cfg.dropkey}"),
-            (cfg.routing != "split" and cfg.arch != "lsdt",
-             f"--routing {cfg.routing} is an LSDT variant (App. B.10, Table 8) and --arch {cfg.arch} has its own "
-             f"mixers; use --routing {cfg.routing} with --arch lsdt"),
-            (weight and cfg.fusion != "hfm",
-             f"--routing weight joins its branches by its own learned weighted sum, so --fusion {cfg.fusion} has "
-             f"nothing to join; drop --fusion, or use --routing split or res"),
-            (cfg.dropkey and all(dc == cfg.n_embd for dc in dims) and not weight,
-             f"--dropkey acts on the attention branch, which this model does not have (--arch {cfg.arch}, conv "
-             f"ratio {cfg.conv_ratio}){why('conv_ratio')}")):
+            (cfg.routing != "split" and cfg.arch != "lsdt", f"--routing {cfg.routing} is an LSDT variant (App. B.10) "
+             f"and --arch {cfg.arch} has its own mixers; use --routing {cfg.routing} with --arch lsdt"),
+            (weight and cfg.fusion != "hfm", f"--routing weight joins its branches by its own weighted sum, so "
+             f"--fusion {cfg.fusion} has nothing to join; drop --fusion, or use --routing split or res"),
+            (cfg.dropkey and all(dc == cfg.n_embd for dc in dims) and not weight, f"--dropkey acts on the attention "
+             f"branch, which this model lacks (--arch {cfg.arch}, conv ratio {cfg.conv_ratio}){why('conv_ratio')}")):
         if bad:
             raise data_lib.DataError(problem)
     for dc in [cfg.n_embd] if weight else sorted(set(dims)):
@@ -592,15 +525,14 @@ def check_model(cfg, changes=()):
 
 
 def build_model(cfg, info):
-    """The state the model embeds: observation ++ goal (goal-state conditioning, Sec. 3.3), or the observation alone
-    with --no-goal-state (data.py puts the goal_dim goal entries last)."""
+    """The state embedded: observation ++ goal (Sec. 3.3; data.py puts it last), the goal cut by --no-goal-state."""
     return LSDT(cfg, info["obs_dim"] - (0 if cfg.goal_state else info["goal_dim"]), info["act_dim"],
                 info["max_ep_len"])
 
 
 def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup over --warmup-steps ((s + 1) / warmup, both codes), then LSDT: one
-    cosine cycle down to 0 at --steps (Table 13, official code); DC / DC_h: constant (Table 12, DC's code).
+    """Multiplier of --lr at step s: warmup ((s + 1) / warmup, both codes), then LSDT: a cosine to 0 at --steps (Table
+    13, its code); DC / DC_h: constant (Table 12, DC's code).
     WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER@1feb77a scripts/train.py#L28
     beanie00/Decision-ConvFormer@3db9b9e gym/utils.py#L101"""
     if s < cfg.warmup_steps or cfg.arch != "lsdt":
@@ -624,8 +556,7 @@ def loss_fn(model, batch, cfg):
 
 
 def policy(model):
-    """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step. The
-    state is cut to the width the model embeds (without the goal under --no-goal-state)."""
+    """For evaluate.evaluate: contexts -> the current step's action, the states cut to the width the model embeds."""
     n_state = model.embed_state.in_features
 
     def act(batch, live):
@@ -652,17 +583,15 @@ def evaluate(model, d, cfg, device):
 # training: dt.py's loop; LSDT's own are the model, the schedule (lr_factor) and the goal-state choice (get_batch)
 
 def train(cfg, run, d=None):
-    """Train LSDT (or, with --resume, continue the run) and evaluate it in the env. evaluate.Run keeps the folder,
-    log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`. -> the first target's final
-    evaluation (per-episode arrays)."""
+    """Train LSDT (or continue the run) and evaluate it. `run`: evaluate.Run (folder, log, checkpoint), or --bench's
+    timer with synthetic data `d`. -> the first target's final evaluation (per-episode arrays)"""
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
     ev.check_data(cfg, d)                                           # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()
-    branches = (f"routing weight (both branches on all {cfg.n_embd} channels, xi unused)" if cfg.routing == "weight"
-                else f"xi={cfg.conv_ratio} (conv channels per block {conv_dims(cfg)} of {cfg.n_embd})"
-                + ("" if cfg.routing == "split" else f", routing {cfg.routing}"))
-    print(f"{cfg.arch}: conv {cfg.conv}, {branches}, K={cfg.context}, k_m={cfg.kernel}, {cfg.fusion}, {cfg.norm}-LN, "
-          f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens"
+    share = (f"both branches on all {cfg.n_embd} channels, xi unused" if cfg.routing == "weight" else
+             f"xi={cfg.conv_ratio}: conv channels per block {conv_dims(cfg)} of {cfg.n_embd}")
+    print(f"{cfg.arch}: conv {cfg.conv}, routing {cfg.routing} ({share}), K={cfg.context}, k_m={cfg.kernel}, "
+          f"{cfg.fusion}, {cfg.norm}-LN, {'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens"
           + (f"; goal-state {'on' if cfg.goal_state else 'OFF'} ({d.goal_dim} goal dims)" if d.goal_dim else ""))
     template = get_batch(d, 2, cfg, np.random.default_rng(0))
     with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
@@ -699,14 +628,12 @@ def train(cfg, run, d=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# figures and analyses (read a run's checkpoint, never train)
+# figures and analyses (read a run's checkpoint, never train), --bench (times train() on synthetic data), main()
 
 def mixing_maps(model, batch, layer=0, index=0):
-    """What each branch of one block mixes, for window `index` of a batch (keys states, actions, rtg, timesteps, mask),
-    heads averaged: 'attention' = the long-term branch's P (L, L) (Fig. 3, 9); 'kernel' = the dynamic kernels alpha
-    laid out as a banded (L, L) matrix, row i holding the weights on tokens i-k_m+1 .. i (Fig. 3, 9); 'hfm' = the HFM
-    weights A (L, D) (Fig. 11), or under --routing weight the attention branch's share A_att (L, D). Branches the block
-    does not have are absent."""
+    """What the branches of one block mix in window `index` of a batch, heads averaged, for those the block has:
+    'attention' P (L, L) and 'kernel' alpha as a banded (L, L), row i weighting tokens i-k_m+1 .. i (Fig. 3, 9);
+    'hfm' A (L, D), or LSDT-weight's A_att (Fig. 11)."""
     was = model.training
     model.eval()
     model.keep_maps(True)
@@ -730,97 +657,85 @@ def mixing_maps(model, batch, layer=0, index=0):
     return maps
 
 
-def plot_mixing(model, batch, path, index=0):
-    """Fig. 3 / 9 / 11 for one window: block 1's attention P, dynamic kernels alpha (as L x L) and HFM weights A."""
+def load_model(cfg, given):
+    """An analysis's run from its checkpoint. -> (cfg, model in eval mode, its device, its dataset, its folder)"""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    device = ev.pick_device(cfg.device)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    return cfg, model.to(device).eval(), device, d, ev.run_folder(SCRIPT, cfg, PRESETS)
+
+
+def gif(cfg, given):
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
+    cfg, model, device, d, out = load_model(cfg, given)
+    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, out,
+                   f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+
+
+def mixing_analysis(cfg, given):
+    """--plot-mixing (Fig. 3, 9, 11): block 1's mixing_maps on the fullest of 8 windows of the data -> mixing.png."""
+    cfg, model, device, d, out = load_model(cfg, given)
+    b = {k: v.to(device) for k, v in get_batch(d, 8, cfg, np.random.default_rng(cfg.seed + 1)).items()}
+    index = int(b["mask"].sum(1).argmax())
+    maps = mixing_maps(model, b, index=index)
+    if not maps:
+        print("mixing maps: nothing to plot (no attention, dynamic conv or HFM)")
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    maps = mixing_maps(model, batch, index=index)
-    if not maps:
-        return None
+    mixer = model.blocks[0].mixer
     n = 3 if model.action_tokens else 2
-    real = int(batch["mask"][index].sum().item()) * n                              # tokens after the left padding
-    labels = ["R", "s", "a"][:n]
-    weighted = isinstance(model.blocks[0].mixer.fuse, BranchWeighting)          # --routing weight (B.10)
-    colorbar = {"attention": "attention weight P", "kernel": "dynamic-kernel weight alpha",
-                "hfm": "attention branch's weight A_att (conv: 1 - A_att)" if weighted else "HFM weight A"}
+    real = int(b["mask"][index].sum().item()) * n                                   # tokens after the left padding
+    weighted = mixer.routing == "weight"                                            # LSDT-weight (B.10)
+    keys = "key token (each timestep's R_i tick)"
+    text = {"attention": ("long-term branch: attention P", "attention weight P", keys),  # title, colour bar, x axis
+            "kernel": ("short-term branch: dynamic kernels", "dynamic-kernel weight alpha", keys),
+            "hfm": ("LSDT-weight's branch weights", "attention branch's weight A_att (conv: 1 - A_att)",
+                    "channel (both branches see all of them)") if weighted else
+                   ("HFM weights (tokens x channels)", "HFM weight A", "channel (attention | conv)")}
     fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 4.8), squeeze=False)
     for ax, (name, m) in zip(axes[0], maps.items()):
         m = m[-real:, -real:] if name != "hfm" else m[-real:]                      # drop left padding
         im = ax.imshow(m.float().numpy(), cmap="viridis", aspect="auto" if name == "hfm" else "equal")
         ticks = list(range(0, m.shape[0], n))
-        ax.set_yticks(ticks, [f"{labels[0]}{i}" for i in range(len(ticks))])
-        ax.set_ylabel("query token (R_i, s_i" + (", a_i)" if n == 3 else ")") + " of the window")
+        labels = [f"R{i}" for i in range(len(ticks))]                              # each timestep's R_i token
+        ax.set_yticks(ticks, labels)
         if name != "hfm":
-            ax.set_xticks(ticks, [f"{labels[0]}{i}" for i in range(len(ticks))], rotation=90)
-            ax.set_xlabel("key token (each timestep's R_i tick)")
-        elif weighted:
-            ax.set_xlabel("channel (both branches see all of them)")
-        else:
-            ax.axvline(model.blocks[0].mixer.da - 0.5, color="white", lw=1)
-            ax.set_xlabel("channel (attention | conv)")
-        ax.set_title({"attention": "long-term branch: attention P", "kernel": "short-term branch: dynamic kernels",
-                      "hfm": "LSDT-weight's branch weights" if weighted else "HFM weights (tokens x channels)"}[name]
-                     + " (block 1)")
-        fig.colorbar(im, ax=ax, label=colorbar[name])
-    mixer = model.blocks[0].mixer
-    xi = mixer.dc / (mixer.da + mixer.dc)                                           # block 1's conv share
-    absent = ([f"no attention panel: xi = {xi:g} gives every channel to the convolution"]
-              if mixer.attn is None else []) + \
-             ([f"no kernel panel: xi = {xi:g} leaves the convolution no channel"] if mixer.conv is None else []) + \
-             (["no HFM panel: " + ("HFM fuses two branches, and this block has one" if mixer.attn is None or
-                                   mixer.conv is None else "--fusion concat joins the branches without it")]
-              if mixer.fuse is None else [])
-    if absent:
-        fig.suptitle("\n".join(absent), fontsize=8)
+            ax.set_xticks(ticks, labels, rotation=90)
+        elif not weighted:
+            ax.axvline(mixer.da - 0.5, color="white", lw=1)                        # attention | conv channels
+        title, bar, xlabel = text[name]
+        ax.set(title=f"{title} (block 1)", xlabel=xlabel,
+               ylabel="query token (R_i, s_i" + (", a_i)" if n == 3 else ")") + " of the window")
+        fig.colorbar(im, ax=ax, label=bar)
+    if mixer.attn is None or mixer.conv is None:                                    # xi = 1 or 0
+        fig.suptitle(f"no {'attention' if mixer.attn is None else 'kernel'} or HFM panel: xi = "
+                     f"{mixer.dc / cfg.n_embd:g} leaves this block one branch", fontsize=8)
+    elif mixer.fuse is None:
+        fig.suptitle("no HFM panel: --fusion concat joins the branches without it", fontsize=8)
     fig.tight_layout()
+    path = os.path.join(out, "mixing.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return path
-
-
-def load_model(cfg, given):
-    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
-    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
-    model = build_model(cfg, ck["info"])
-    model.load_state_dict(ck["model"])
-    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
-
-
-def gif(cfg, given):
-    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
-    cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
-
-
-def mixing_analysis(cfg, given):
-    """--plot-mixing (Fig. 3, 9, 11): the run's maps on the fullest of 8 windows of its dataset -> mixing.png."""
-    cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    device = next(model.parameters()).device
-    b = {k: v.to(device) for k, v in get_batch(d, 8, cfg, np.random.default_rng(cfg.seed + 1)).items()}
-    path = plot_mixing(model, b, os.path.join(out, "mixing.png"), index=int(b["mask"].sum(1).argmax()))
-    print(f"mixing maps: {path}" if path else "mixing maps: nothing to plot (no attention, dynamic conv or HFM)")
+    print(f"mixing maps: {path}")
 
 
 def paths_analysis(cfg, given):
-    """--plot-paths (Fig. 8, B.1): --eval-episodes rollouts of the run's checkpoint in the maze, each episode's (x, y)
-    path (green: reached the goal) over the goals of the dataset's episodes (grey) and the eval goals (stars)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    """--plot-paths (Fig. 8, B.1): the checkpoint's --eval-episodes maze paths over the data's goals -> paths.png."""
+    cfg, model, device, d, out = load_model(cfg, given)
     if not d.goal_reaching:
-        raise data_lib.DataError(f"--plot-paths draws maze paths, and {d.dataset_id} is not a goal-reaching maze "
-                                 f"dataset")
+        raise data_lib.DataError(f"--plot-paths draws maze paths; {d.dataset_id} is not a goal-reaching maze dataset")
     seed, target = cfg.seed + 10_000, targets(cfg, d)[0]
-    res = ev.evaluate(policy(model), d, cfg.eval_episodes, target, seed, cfg.context, next(model.parameters()).device)
+    res = ev.evaluate(policy(model), d, cfg.eval_episodes, target, seed, cfg.context, device)
     data_goals = np.concatenate([e["observations"][:, -d.goal_dim:] for e in d.episodes])      # (N, 2) raw x, y
     env = d.make_env()
     eval_goals = np.array([env.reset(seed=seed + i)[0]["desired_goal"] for i in range(cfg.eval_episodes)])  # evaluate's
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 6))
     ax.scatter(*data_goals[:, :2].T, s=4, c="lightgrey", label="goals in the dataset")
     for path, ok in zip(res["positions"], res["success"]):
@@ -840,12 +755,8 @@ def paths_analysis(cfg, given):
     print(f"paths: {path} ({ev.summarize(res)})")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# --bench (times train() on synthetic data) and main()
-
 def bench(cfg):
-    """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape; nothing is written."""
+    """--bench: train()'s steps timed, eager vs compiled (and + bf16 on CUDA), on hopper-shaped synthetic data."""
     d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
     tokens = (3 if cfg.action_tokens else 2) * cfg.context * cfg.batch_size
     for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):

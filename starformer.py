@@ -14,9 +14,8 @@ not on a return-to-go: by default there is no target return.
     MINARI_DATASETS_PATH=<folder of local datasets> python starformer.py --dataset replica/hopper/medium-v0 --preset cpu
     python starformer.py --dataset dqn-replay/breakout/1pct-v0        # Atari: the image model, Table 6 + official code
 
-The paper's Gym numbers (Table 1) are on D4RL's expert datasets (its dataset statistics, Hopper 3511 +- 328.6, are
-hopper-expert-v2's), although its text calls the data sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert.
-The paper's variants, each a flag (tests/test_starformer.py checks the property each one claims):
+The paper's Gym numbers (Table 1) are on D4RL's expert data (its Hopper statistics, 3511 +- 328.6, are expert-v2's),
+though its text says sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert. Its variants, each a flag:
     --no-reward-token     Table 1, imitation: the Step group is (a_{t-1}, s_t), n = n_state + 1 tokens, no rewards
     --reward-input rtg    Table 2, "SF RTG": R_t in the reward slot instead of r_{t-1}, with a target return
     --state-token none    Table 3, "w/o conv": no h^0; h^l = F_seq^l(h^{l-1} + g^l) from h^0 = 0 (official 'xconv')
@@ -24,11 +23,8 @@ The paper's variants, each a flag (tests/test_starformer.py checks the property 
     --connection fusion   Table 4, "Fusion": h^l = F_seq^l(h^{l-1} + g^l), T tokens (official 'fusion')
     --connection stack    Table 4, "Stack": L Step layers, then g^L (beside h^0) through L Sequence layers
 (Table 3 is in the imitation setting: add --no-reward-token. Table 5's "DT with ViT" is a DT variant, and Fig. 3 is
---context 10/20/30 on Atari, 5/10/15/20 on Gym.)
-Atari data (image states, discrete actions: data.py's convert-dqn-replay, the replica Breakout set) gets the image
-model: 7x7 patches of the 4x84x84 frame stack (144 tokens, official Atari code), h^0 from DQN's conv torso, the
-action as an embedding with the extra null index |A|, logits and cross-entropy; its paper setting is Table 6 with
-the official Atari code's batch, epochs and schedule (ATARI below), and --preset cpu has a small one (ATARI_CPU).
+--context 10/20/30 on Atari, 5/10/15/20 on Gym.) Atari data (image states, discrete actions) gets the image model:
+7x7 patches of the 4x84x84 frames, h^0 from DQN's conv torso, the action as an embedding, logits, cross-entropy.
 
 Glossary (paper symbol -> code name, shape; B and mask as in dt.py):
     T          context: the timesteps the model sees                      Config.context
@@ -41,7 +37,7 @@ Glossary (paper symbol -> code name, shape; B and mask as in dt.py):
     R_t        return-to-go (times return_scale), --reward-input rtg     rtg (B, T, 1)
     n_state    state tokens per group: obs_dim, or (H/p)(W/p) patches     n_state
     n          tokens per group: n_state + 2 (+ 1 without reward tokens)  n_tok
-    z_{s_t^i}  state token of dimension/patch i, FC(s_t^i) + e_i^spatial  embed_patch(...) + e_spatial (B, T, n_state, d)
+    z_{s_t^i}  state token of dimension/patch i, FC(s_t^i) + e_i^spatial  embed_patch(.) + e_spatial (B, T, n_state, d)
     z_{a_{t-1}}, z_{r_{t-1}}  action token FC(a), reward token Tanh(FC(r))  embed_action, embed_reward (B, T, 1, d)
     Z_t^l      group t's Step Transformer tokens after layer l (Z^0: input) Z (B, T, n, d)
     e^temporal learned temporal embedding, shared by g^l (all l) and h^0  e_temporal (T, D)
@@ -55,9 +51,7 @@ One layer l at one timestep t:
     Sequence Transformer (causal)  over {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}         -> keep h      Eq. (2)
     action                         a_t = Tanh(FC(h_t^L)) (Gym) or logits (Atari)                         Sec. 3.3.3
 
-Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the paper's pieces (data,
-schedule, loss, policy) -> train(), the loop, as in dt.py -> --bench -> main(). The run folder, checkpoint and exact
-resume are evaluate.py's (the run record). Outputs go to runs/starformer/<env>/<variant>/seed<N>/.
+Layout: Config -> the model (copy it alone) -> the paper's pieces -> train(), as in dt.py -> --gif, --bench, main().
 
 Departures from the paper and the official code (#Lnn alone: a line of atari_and_dmc/starformer.py above):
  1. Gym: lr 1e-4, decay 1e-4, clip 0.25, 10k warmup, as the official gym code (gym/experiment.py#L365); Table 6's
@@ -101,24 +95,21 @@ import evaluate as ev
 
 
 def arg(default, help, run=False):
-    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
-    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    """A Config field and flag. run=True: not what is trained (not in the variant name, may differ on --resume)."""
     return field(default=default, metadata={"help": help, "run": run})
 
 
 @dataclass
 class Config:
     # --- the paper's settings (what is trained): data, optimisation, the model (Table 6), the variants (Tables 1-4)
-    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
-                                      "evaluation (the delayed-return setting: DT Table 5, DeMa Table 13); the score "
-                                      "is still the env's own return")
+    delayed_reward: bool = arg(False, "rewards paid at an episode's last step, in data and evaluation (DT Table 5)")
     batch_size: int = arg(64, "windows per batch")
     context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1: 20 for Gym, 30 for Atari)")
     # Gym: DT-Gym optimisation, as the official gym code (departure 1); Atari: ATARI below
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
-    lr_decay: bool = arg(False, "after warmup, cosine-decay the lr to a tenth by --steps (official Atari code; as dt.py; resume with the same --steps)")
+    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (official Atari code, as dt.py)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
     preset: str = arg("", "'cpu': the small configuration for a 2-core machine; 'code': the official gym code's sizes")
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
@@ -129,64 +120,50 @@ class Config:
     step_embd: int = arg(64, "d, Step Transformer width")
     step_head: int = arg(4, "Step Transformer heads")
     dropout: float = arg(0.1, "dropout on tokens, attention and residuals")
-    state_mlp: bool = arg(False, "h^0 = 2-layer MLP(s_t) (Sec. 3.3.1: 'multiple FC layers') instead of one Linear (code)")
+    state_mlp: bool = arg(False, "h^0 = 2-layer MLP(s_t) (Sec. 3.3.1), not one Linear (code; departure 9)")
     reward_scale: float = arg(1.0, "the reward slot gets Tanh(FC(reward_scale * r)); 1 = raw rewards, as the code")
     patch_size: int = arg(7, "image states: p x p patches (7 on 4x84x84 -> 144 tokens, official Atari code)")
-    reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: groups (a_{t-1}, s_t), Table 1's imitation setting")
-    prev_action: bool = arg(True, "a_{t-1} in each group (the method); --no-prev-action: every group gets the null "
-                                  "action an episode starts with (--preset cpu on mazes, whose noisy actions make "
-                                  "a_{t-1} a guide to copy rather than to use)")
-    reward_input: str = arg("reward", "what fills the reward slot of group t: 'reward' r_{t-1} (the method) or "
-                                      "'rtg' the return-to-go R_t (Table 2; evaluated with --target-return)")
-    state_token: str = arg("conv", "Table 3, the integrated state token h^0 of the Sequence Transformer: 'conv' "
-                                   "Conv(s_t) on images, FC(s_t) on vectors (the method); 'none' no h^0, g^l summed "
-                                   "into one stream ('w/o conv'); 'patch' a second, unshared patch embedding "
-                                   "('conv -> ViT')")
-    connection: str = arg("layerwise", "Table 4, Step -> Sequence: 'layerwise' g^l interleaved with h^{l-1} in "
-                                       "Sequence layer l (the method); 'fusion' g^l summed into h^{l-1}; 'stack' only "
-                                       "the last Step layer's g^L, into the first Sequence layer")
+    reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: groups (a_{t-1}, s_t), Table 1's imitation")
+    prev_action: bool = arg(True, "a_{t-1} in each group; --no-prev-action: every group gets the null action a_0")
+    reward_input: str = arg("reward", "the reward slot of group t: reward (r_{t-1}, the method) | rtg (R_t, Table 2)")
+    state_token: str = arg("conv", "Table 3, h^0: conv (Conv(s_t) or FC(s_t), the method) | none ('w/o conv') | "
+                                   "patch ('conv -> ViT')")
+    connection: str = arg("layerwise", "Table 4, Step -> Sequence: layerwise (the method) | fusion | stack")
     # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (official gym code: 10 iterations x 10k)", run=True)
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official gym "
-                                  "code: every 10k-step epoch)", run=True)
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps and at the end (code: 10k)", run=True)
     eval_episodes: int = arg(100, "episodes per evaluation, run in parallel (official gym code: 100)", run=True)
-    target_return: float = arg(None, "--reward-input rtg only: return-to-go prompt in raw return units; default: the "
-                                     "dataset's targets", run=True)
+    target_return: float = arg(None, "with --reward-input rtg: return-to-go prompt, raw units; default: the data's",
+                               run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/starformer/<env>/<variant>/seed<N>", run=True)
     resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     bench: bool = arg(False, "time training steps (eager vs compiled, AMP on CUDA) on synthetic data; exit", run=True)
-    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; Atari in colour; reads the checkpoint, never trains)", run=True)
-    greedy: bool = arg(False, "Atari: act with the most likely action instead of a draw from the softmax (the official "
-                              "code draws). Greedy play can stall: a policy that never presses FIRE after a lost life "
-                              "waits out the 108k-frame limit (27k steps)", run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the checkpoint at its first target", run=True)
+    greedy: bool = arg(False, "Atari: the argmax action, not a softmax draw as the code (greedy can stall)", run=True)
 
 
-# Atari (data.is_atari), laid under the flags as the paper's setting (the preset ""): Table 6 (lr 6e-4, betas (0.9,
-# 0.95), clip 1.0, weight decay 0.1; its sizes are Config's) with T=30 (Sec. 5.1). Where the paper is silent, the
-# official Atari code: batch 64, 10 epochs over 500k steps of 1% DQN-replay (7,813 steps each) with 10 evaluation
-# episodes after each, decay on Linear/Conv weights only, warmup over 512 x 20 tokens (6 steps of 64 x 30), then a
-# cosine to a tenth at the end (the code clamps max(0.1, cos); lr_factor lifts it, 0.1 + 0.9 cos, as dt.py).
+# Atari, the paper's setting (the preset ""): Table 6 (lr 6e-4, betas (0.9, 0.95), clip 1.0, decay 0.1; Config's
+# sizes), T=30 (Sec. 5.1); where the paper is silent, the official Atari code: batch 64, 10 epochs over 1% DQN-replay's
+# 500k steps (7,813 each) with 10 episodes after each, warmup over 512 x 20 tokens (6 steps of 64 x 30), a cosine to a
+# tenth (the code clamps max(0.1, cos); lr_factor: 0.1 + 0.9 cos, as dt.py).
 # elicassion/StARformer@c4a537e atari_and_dmc/run_star_atari.py#L415
 ATARI = dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0, warmup_steps=6, lr_decay=True,
              steps=78_130, eval_every=7_813, eval_episodes=10)
-# The classroom Atari model (--preset cpu on replica/breakout/mixed-v0, 2 cores, ~20 minutes): one Step head of 16
-# (SDPA's CPU kernel pays per head), no dropout (its masks doubled a step), K=6. Return-to-go in the reward slot
-# (Table 2's variant): this data mixes a controller with random play episode by episode, and r_{t-1} cannot ask for
-# the good episodes where a return can (r_{t-1} stayed below the data's median return).
+# --preset cpu on Atari (replica/breakout/mixed-v0, 2 cores, ~20 minutes): one Step head (SDPA's CPU kernel pays per
+# head), no dropout, K=6; R_t in the reward slot (Table 2), as r_{t-1} cannot ask this mix of a controller and random
+# play for the good episodes (it stayed below the data's median return).
 ATARI_CPU = dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6, batch_size=32, lr=6e-4,
                  warmup_steps=100, steps=3600, eval_every=1200, eval_episodes=10, dropout=0.0, reward_input="rtg")
 PRESETS = {
     "": dict(atari=ATARI),
-    # A small StARformer for a 2-core CPU at dt.py's cpu-preset budget: no dropout (its masks cost ~27% of a step),
-    # cosine decay so the last checkpoint is settled. Mazes: no a_{t-1} (the data's actions carry N(0, 0.5^2)
-    # noise, and every group holds a_{t-1} at any K: medium-dense, seed 0: 2% reach the goal with it, 92% without)
+    # A small StARformer for 2 CPU cores (dt.py's cpu budget): no dropout (~27% of a step), cosine decay to a settled
+    # last checkpoint. Mazes: no noisy a_{t-1} to copy (medium-dense, seed 0: 2% reach the goal with it, 92% without)
     "cpu": dict(n_layer=2, n_embd=64, n_head=1, step_embd=16, step_head=2, context=10, batch_size=64, lr=1e-3,
                 warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10, dropout=0.0,
                 mazes=dict(prev_action=False, eval_episodes=50), atari=ATARI_CPU),
@@ -305,13 +282,10 @@ NULL_ACTION = -10.0   # Gym null action a_0 in every dimension, following DT (A.
 
 
 def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_action=NULL_ACTION):
-    """The (a_{t-1}, r_{t-1}) of every group of a window (Sec. 2.2: group t is (a_{t-1}, r_{t-1}, s_t)), from data.py's
-    window: actions (B,T,A) [discrete: (B,T) long], rewards (B,T,1) are the window's own a_t, r_t; prev_action (B,A)
-    [(B,)], prev_reward (B,1) the step before the window. At an episode's first step (timesteps == 0) the group gets
-    the null action and r_0 = 0 (fn. 1, A.2): -10 per dimension, or the extra index |A| for discrete actions (data.py
-    gives 0 there, which on Atari is NOOP, a real action). Left padding only ever precedes an episode's first step,
-    so the first real step after it gets the null action; elsewhere a group holds the real a_{t-1} (departure 4).
-    -> prev_a (B,T,A) [(B,T) long], prev_r (B,T,1)."""
+    """(a_{t-1}, r_{t-1}) of every group (Sec. 2.2) from data.py's window: actions (B,T,A) [discrete: (B,T) long] and
+    rewards (B,T,1) are its own a_t, r_t; prev_action (B,A) [(B,)], prev_reward (B,1) the step before it. An episode's
+    first step (timesteps == 0; left padding only precedes one) gets the null action (-10 per dimension, or index |A|:
+    data.py's 0 is Atari's NOOP) and r_0 = 0 (fn. 1, A.2; departure 4). -> prev_a (B,T,A) [(B,T)], prev_r (B,T,1)"""
     prev_a = torch.cat([prev_action.unsqueeze(1), actions[:, :-1]], dim=1)   # a_{t-1}: (B,T,A) [(B,T)]
     prev_r = torch.cat([prev_reward.unsqueeze(1), rewards[:, :-1]], dim=1)   # r_{t-1}: (B,T,1)
     start = timesteps == 0                                                   # (B,T) an episode's first step
@@ -331,16 +305,13 @@ def sequence_mask(real, n):
 
 
 class StARformer(nn.Module):
-    """
-    obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, uint8 frames, patch tokens).
-    act_dim:   action dimension (continuous, Tanh head, MSE) or number of discrete actions (discrete=True,
-               logits head, cross-entropy; the null action is the extra index act_dim, A.2).
-    The ablations of Sec. 5.4 (cfg.state_token, Table 3; cfg.connection, Table 4) are a few lines each, marked below.
-    """
+    """obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, uint8 frames, patch tokens).
+    act_dim: action dimension (continuous: Tanh head, MSE) or number of discrete actions (discrete=True: logits head,
+    cross-entropy; the null action is the extra index act_dim, A.2). Sec. 5.4's ablations (cfg.state_token, Table 3;
+    cfg.connection, Table 4) are a few lines each, marked below."""
 
     def __init__(self, cfg, obs_shape, act_dim, discrete=False):
         super().__init__()
-        self.act_dim, self.discrete = act_dim, discrete
         self.image = not isinstance(obs_shape, int)
         self.reward_token, self.reward_input, self.reward_scale = cfg.reward_token, cfg.reward_input, cfg.reward_scale
         self.patch_size = cfg.patch_size
@@ -470,9 +441,8 @@ class StARformer(nn.Module):
 # the paper's pieces: data, learning-rate schedule, loss, policy
 
 SCRIPT = "starformer"
-REWARD_INPUTS = ("reward", "rtg")
-STATE_TOKENS = ("conv", "none", "patch")           # Table 3
-CONNECTIONS = ("layerwise", "fusion", "stack")     # Table 4
+CHOICES = dict(reward_input=("reward", "rtg"), state_token=("conv", "none", "patch"),   # Tables 2, 3
+               connection=("layerwise", "fusion", "stack"))                             # Table 4
 
 
 def check_model(cfg):
@@ -481,12 +451,14 @@ def check_model(cfg):
         if getattr(cfg, name) <= 0:
             raise data_lib.DataError(f"--{name.replace('_', '-')} must be a positive whole number, got "
                                      f"{getattr(cfg, name)}")
+    for name, ok in CHOICES.items():
+        if getattr(cfg, name) not in ok:
+            raise data_lib.DataError(f"--{name.replace('_', '-')} must be one of {', '.join(ok)}, got "
+                                     f"'{getattr(cfg, name)}'")
     for bad, why in (
             (cfg.step_embd % cfg.step_head, f"--step-head {cfg.step_head} does not divide --step-embd {cfg.step_embd}"),
             (cfg.reward_scale <= 0, f"--reward-scale must be > 0, got {cfg.reward_scale} (--no-reward-token drops the "
                                     f"rewards)"),
-            (cfg.reward_input not in REWARD_INPUTS, f"--reward-input must be one of {', '.join(REWARD_INPUTS)}, got "
-                                                    f"'{cfg.reward_input}'"),
             # (the cpu preset's Atari setting reads R_t; its --no-reward-token run simply has no reward slot to fill)
             (cfg.reward_input == "rtg" and not cfg.reward_token and ev.preset_values(
                 PRESETS, cfg.preset, cfg.dataset or cfg.env).get("reward_input") != "rtg",
@@ -494,10 +466,6 @@ def check_model(cfg):
             (cfg.target_return is not None and (cfg.reward_input != "rtg" or not cfg.reward_token),
              "--target-return is read only with --reward-input rtg and the reward token (StARformer conditions on "
              "r_{t-1}, not on a target)"),
-            (cfg.state_token not in STATE_TOKENS, f"--state-token must be one of {', '.join(STATE_TOKENS)}, got "
-                                                  f"'{cfg.state_token}'"),
-            (cfg.connection not in CONNECTIONS, f"--connection must be one of {', '.join(CONNECTIONS)}, got "
-                                                f"'{cfg.connection}'"),
             (cfg.state_mlp and cfg.state_token != "conv", f"--state-mlp shapes the FC(s_t) of --state-token conv; "
                                                           f"--state-token {cfg.state_token} has none")):
         if bad:
@@ -515,9 +483,7 @@ def check_model_data(cfg, d):
 
 
 def build_model(cfg, info):
-    """The model the data's spaces call for: image states and discrete actions (Atari: patch tokens, the DQN
-    torso's h^0, the action as an embedding, logits) where info says discrete, vector states and continuous actions
-    otherwise."""
+    """The model the data's spaces call for: the image model where info says discrete (Atari), else the vector one."""
     if info.get("discrete"):
         return StARformer(cfg, tuple(info["obs_shape"]), info["act_dim"], discrete=True)
     return StARformer(cfg, info["obs_dim"], info["act_dim"])
@@ -550,9 +516,8 @@ def loss_fn(model, batch, cfg):
 
 
 def policy(model):
-    """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step (on
-    Atari its logits; evaluate draws the action from their softmax, as the official code, or takes the argmax with
-    --greedy). Group t holds r_{t-1} (Sec. 3.4): the current step's reward in the batch (0, unknown) is never read.
+    """For evaluate.evaluate: contexts -> the current step's action (Atari: logits, sampled, or argmax with --greedy).
+    Group t holds r_{t-1} (Sec. 3.4): the current step's reward in the batch (0, unknown) is never read.
     elicassion/StARformer@c4a537e atari_and_dmc/run_star_atari.py#L62"""
     def act(batch, live):
         return predict(model, batch)[:, -1]
@@ -580,9 +545,8 @@ def evaluate(model, d, cfg, device):
 # training: dt.py's loop; StARformer's own are the model, AdamW's parameter groups and betas, and predict()
 
 def train(cfg, run, d=None):
-    """Train StARformer (or, with --resume, continue the run) and evaluate it in the env. The run record
-    (evaluate.Run) keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
-    -> the first target's final evaluation (per-episode arrays)."""
+    """Train StARformer (or continue the run) and evaluate it. `run`: evaluate.Run (folder, log, checkpoint), or
+    --bench's timer with synthetic data `d`. -> the first target's final evaluation (per-episode arrays)"""
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
     ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
     check_model_data(cfg, d)
@@ -624,26 +588,21 @@ def train(cfg, run, d=None):
 # ----------------------------------------------------------------------------------------------------------------
 # --gif (reads a run's checkpoint, never trains), --bench (times train() on synthetic data) and main()
 
-def load_model(cfg, given):
-    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
-    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
-    model = build_model(cfg, ck["info"])
-    model.load_state_dict(ck["model"])
-    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
-
-
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
-    cfg, model, out = load_model(cfg, given)
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    device = ev.pick_device(cfg.device)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    model = model.to(device).eval()
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device,
+                   ev.run_folder(SCRIPT, cfg, PRESETS), f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 
 def bench(cfg):
-    """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (--bench --env
-    breakout-expert: the image model); nothing is written. Tokens: the Sequence Transformer's (g_t, h_t) per step."""
+    """--bench: train()'s steps timed, eager vs compiled (and + bf16 on CUDA), on synthetic data of hopper's shape, or
+    Atari's where the dataset is Atari (the image model). Tokens: the Sequence Transformer's (g_t, h_t) per step."""
     length = max(200, 2 * cfg.context)
     d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env) else
          data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))

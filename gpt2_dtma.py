@@ -77,7 +77,6 @@ import math
 import os
 import shutil
 import socket
-import struct
 import sys
 import urllib.parse
 from dataclasses import dataclass, field
@@ -120,8 +119,7 @@ class Config:
     dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (DT, LaMo; the paper is silent)")
     moa: bool = arg(True, "the Mixture-of-Attention gate (GPT2-DTMA, Eqs. 6-7); --no-moa gives GPT2-DT")
     markov_penalty: float = arg(0.0, "alpha of Eq. 9: penalise the Markov heads' layer-0 gate (GPT2-P: 0.1)")
-    markov_r: float = arg(20.0, "threshold r of Def. 4.1 (ii) for the Markov heads of a checkpoint other than GPT-2 "
-                                "small (whose are 1, 5, 10: Tab. 1)")
+    markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of checkpoints other than GPT-2 small's")
     freeze_attention: bool = arg(False, "fine-tune only the embeddings and FFNs (App. F's GPT2-DT (part))")
     # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
@@ -137,17 +135,13 @@ class Config:
     resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     bench: bool = arg(False, "time training steps (eager, compiled, AMP on CUDA) on synthetic data, and exit", run=True)
-    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint as ckpt_step<STEP>.pt (for --attention-distance)",
-                            run=True)
+    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (ckpt_step<STEP>.pt, for Figs. 1/7)", run=True)
     # analyses (each reads the run's checkpoint, prints a table and writes a PNG in the run folder; none trains)
-    markov: bool = arg(False, "Markov-matrix test of the layer-0 heads (Tab. 1, Fig. 3); without a run: --init alone",
-                       run=True)
+    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: --init's", run=True)
     attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)", run=True)
-    attention_distance: bool = arg(False, "attention mass by token distance at step 0, --keep-ckpt-at and the end "
-                                          "(Figs. 1/7)", run=True)
+    attention_distance: bool = arg(False, "attention by token distance, early and late (Figs. 1/7)", run=True)
     importance: bool = arg(False, "head importance by zeroing each head during rollouts (Figs. 2, 8)", run=True)
-    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target",
-                    run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint", run=True)
     # checks of the GPT-2 weights alone (no run needed)
     text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text, Markov heads marked", run=True)
     sample: str = arg("", "PROMPT: print GPT-2's continuation, the proof that the real weights loaded", run=True)
@@ -199,8 +193,7 @@ class CausalSelfAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop,
                                                is_causal=attn_mask is None)   # (B, N, T, D)
         if self.moa:
-            g = F.softmax(F.linear(x, self.gate_weight, self.gate_bias), dim=-1)   # (B, T, N)  Eq. 7, per token
-            aux["gate"] = g
+            g = aux["gate"] = F.softmax(F.linear(x, self.gate_weight, self.gate_bias), dim=-1)   # (B, T, N) Eq. 7
             o = o * (N * g).transpose(1, 2).unsqueeze(-1)                 # (B, N, T, D)  Eq. 6, times N
         y = o.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C): heads side by side
         return self.resid_drop(self.c_proj(y)), aux
@@ -336,8 +329,7 @@ class GPT2(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def forward(self, idx, need_probs=False):
-        """idx (B,T) token ids -> logits (B,T,vocab), and the per-layer attention probabilities (B,N,T,T) with
-        need_probs."""
+        """idx (B,T) token ids -> logits (B,T,vocab); with need_probs also each layer's probabilities (B,N,T,T)."""
         T = idx.shape[1]
         assert T <= self.cfg.n_positions, f"{T} tokens are more than n_positions={self.cfg.n_positions}"
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))      # (B, T, C)
@@ -469,8 +461,7 @@ def check_model(cfg):
     """This file's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first."""
     if cfg.init.lower() in GPTJ_NAMES:
         raise data_lib.DataError(f"--init {cfg.init}: GPT-J (6B parameters, 24 GB of fp32 weights, 28 layers of width "
-                                 f"4096 with rotary position embeddings) is out of a laptop's reach, so this file "
-                                 f"does not load it; [P-new] Tab. 7's GPTJ-DT column is the paper's alone")
+                                 f"4096) is out of a laptop's reach, so this file does not load it")
     if cfg.init == "random":   # GPT-2 small's shape unless given, within the bounds a GPT-2 config.json is held to
         for name in ("n_embd", "n_head", "n_layer"):
             if (getattr(cfg, name) or 0) > GPT2_LIMITS[name]:
@@ -480,15 +471,12 @@ def check_model(cfg):
     else:                      # a hub name's own config, else the checkpoint's config.json
         g = config_of(cfg.init, allow_download=False)
         if (cfg.sample or cfg.text_attention) and g.activation == "quick_gelu":      # CLIP's text tower
-            raise data_lib.DataError(f"--{'sample' if cfg.sample else 'text-attention'} checks GPT-2's language model "
-                                     f"on GPT-2's tokens; CLIP's text tower (--init {cfg.init}) has no language-model "
-                                     f"head: try --markov")
+            raise data_lib.DataError(f"--{'sample' if cfg.sample else 'text-attention'} needs GPT-2's language model; "
+                                     f"CLIP's text tower (--init {cfg.init}) has no language-model head: try --markov")
         if cfg.n_embd is not None and cfg.n_embd != g.n_embd:
-            raise data_lib.DataError(f"--n-embd {cfg.n_embd}: the checkpoint's width is {g.n_embd} (pretrained blocks "
-                                     f"bring their own)")
+            raise data_lib.DataError(f"--n-embd {cfg.n_embd}: the checkpoint's width is {g.n_embd}")
         if cfg.n_head is not None and cfg.n_head != g.n_head:
-            raise data_lib.DataError(f"--n-head {cfg.n_head}: the checkpoint has {g.n_head} heads (pretrained blocks "
-                                     f"bring their own)")
+            raise data_lib.DataError(f"--n-head {cfg.n_head}: the checkpoint has {g.n_head} heads")
         if cfg.n_layer is not None and cfg.n_layer > g.n_layer:
             raise data_lib.DataError(f"--n-layer {cfg.n_layer}: the checkpoint has {g.n_layer} blocks")
     n_embd, n_head = cfg.n_embd or g.n_embd, cfg.n_head or g.n_head
@@ -499,18 +487,15 @@ def check_model(cfg):
     if cfg.markov_penalty and not cfg.moa:
         raise data_lib.DataError("--markov-penalty penalises the MoA gate (Eq. 9), so it needs the gate: drop --no-moa")
     if cfg.markov_penalty and cfg.init == "random" and n_head <= max(MARKOV_HEADS):
-        raise data_lib.DataError(f"--markov-penalty with --init random penalises the paper's heads 1, 5, 10 (random "
-                                 f"weights have no Markov heads to test for), which needs more than 10 heads, not "
-                                 f"{n_head}")
+        raise data_lib.DataError(f"--markov-penalty with --init random penalises the paper's heads 1, 5, 10, which "
+                                 f"needs more than 10 heads, not {n_head}")
     if cfg.freeze_attention and cfg.init == "random":
-        raise data_lib.DataError("--freeze-attention keeps the pretrained attention as loaded; with --init random "
-                                 "there is none")
+        raise data_lib.DataError("--freeze-attention keeps the pretrained attention; with --init random there is none")
     if cfg.markov_r <= 0:
         raise data_lib.DataError(f"--markov-r must be > 0, got {cfg.markov_r}")
     if cfg.keep_ckpt_at < 0 or cfg.keep_ckpt_at > cfg.steps or cfg.keep_ckpt_at % cfg.eval_every:
-        raise data_lib.DataError(f"--keep-ckpt-at {cfg.keep_ckpt_at} must be a step of the run (0 to --steps "
-                                 f"{cfg.steps}) at which it checkpoints, i.e. a multiple of --eval-every "
-                                 f"{cfg.eval_every}")
+        raise data_lib.DataError(f"--keep-ckpt-at {cfg.keep_ckpt_at} must be a step that the run checkpoints: 0 to "
+                                 f"--steps {cfg.steps}, a multiple of --eval-every {cfg.eval_every}")
 
 
 def build_model(cfg, info):
@@ -545,25 +530,20 @@ def build_model(cfg, info):
     if sd is not None:
         model.load_gpt2_blocks(sd)
     model.markov_heads = tuple(info["markov_heads"])
+    # --freeze-attention (App. F, Tab. 8: GPT2-DT (part) "only fine-tune[s] the parameters in embedding layer and FFN
+    # layer"): the pretrained attention (c_attn, c_proj) and LayerNorms (ln_1, ln_2, ln_f) keep their values
+    frozen = ("ln_f.", ".attn.c_attn.", ".attn.c_proj.", ".ln_1.", ".ln_2.")
     for name, p in model.named_parameters():
-        p.requires_grad_(not (cfg.freeze_attention and is_frozen(name)))
+        p.requires_grad_(not (cfg.freeze_attention and any(part in name for part in frozen)))
     return model
 
 
 def shape_of(cfg):
-    """A new run's blocks, before any weight is read: --init's config (for 'random': GPT-2 small's with --n-embd and
-    --n-head), the first --n-layer blocks."""
+    """A new run's blocks before any weight is read: --init's config ('random': GPT-2 small's), --n-layer of them."""
     g = (GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12) if cfg.init == "random" else
          config_of(cfg.init, allow_download=False))
     return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer, eps=g.layer_norm_epsilon,
                 activation=g.activation)
-
-
-def is_frozen(name):
-    """--freeze-attention (App. F, Tab. 8: GPT2-DT (part) "only fine-tune[s] the parameters in embedding layer and FFN
-    layer"): the pretrained attention (c_attn, c_proj) and LayerNorms (ln_1, ln_2, ln_f) keep their values."""
-    return name.startswith("ln_f.") or name.startswith("blocks.") and any(
-        f".{part}." in name for part in ("attn.c_attn", "attn.c_proj", "ln_1", "ln_2"))
 
 
 def param_groups(model):
@@ -618,10 +598,9 @@ def g_markov(model, probe):
     """G_Markov (Fig. 9, Tabs. 5-6) on a fixed batch in eval mode, for log.csv; {} without a gate or Markov heads."""
     if not (model.blocks[0].attn.moa and model.markov_heads):
         return {}
-    was = model.training
     model.eval()
     gates = model(probe["states"], probe["actions"], probe["rtg"], probe["timesteps"], probe["mask"])[1]["gates"]
-    model.train(was)
+    model.train()
     return {"g_markov": f"{markov_gate_mass(gates[0], probe['mask'], model.markov_heads).item():.4f}"}
 
 
@@ -921,13 +900,9 @@ def gif(cfg, run):
                    next(model.parameters()).device, run["out"], f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
 
-def load_lm(cfg):
-    return load_gpt2_lm("gpt2" if cfg.init == "random" else cfg.init).eval()   # CLIP: refused by check_model
-
-
 def sample_text(cfg, max_new_tokens=40):
     """--sample PROMPT: GPT-2's continuation, the proof that the real weights loaded."""
-    model, enc = load_lm(cfg), tiktoken_gpt2()
+    model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
     ids = enc.encode(cfg.sample) or [enc.eot_token]
     g = torch.Generator().manual_seed(cfg.seed)
     out = model.generate(torch.tensor([ids]), max_new_tokens, generator=g)           # (1, T + new)
@@ -937,7 +912,7 @@ def sample_text(cfg, max_new_tokens=40):
 def text_attention(cfg):
     """--text-attention TEXT: GPT-2's layer 0 on real text: how much each head attends to the token itself (the
     'last input token' of Thm 4.3), to the previous one and to the first one; GPT-2 small's Markov heads marked."""
-    model, enc = load_lm(cfg), tiktoken_gpt2()
+    model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
     ids = enc.encode(cfg.text_attention)[: model.cfg.n_positions]
     if len(ids) < 2:
         raise data_lib.DataError("--text-attention needs a text of at least two tokens")
@@ -1001,16 +976,17 @@ def hub(init):
 
 def find_weights(init="gpt2", allow_download=True):
     """--init -> its model.safetensors. A hub name: the Hugging Face cache, else downloaded once into it with its
-    config.json (huggingface_hub shows the progress; offline, one sentence). A path: the file, or its folder."""
+    config.json (huggingface_hub shows the progress; offline, one sentence), else None if not allow_download. A path:
+    the file, or its folder."""
     if h := hub(init):
         for repo in h["repos"]:
             path = try_to_load_from_cache(repo, "model.safetensors")
             if isinstance(path, str):
                 return path
+        if not allow_download:
+            return None
         repo = h["repos"][0]
         how = f"`hf download {repo} model.safetensors config.json`"
-        if not allow_download:
-            raise CheckpointError(f"{h['what']} weights are not in the Hugging Face cache; get them with {how}")
         print(f"downloading {h['what']} ({repo}) once into the Hugging Face cache", flush=True)
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
         try:
@@ -1036,14 +1012,11 @@ def find_weights(init="gpt2", allow_download=True):
 def config_of(init, allow_download=True):
     """The config of --init's checkpoint: the config.json beside it, else the hub name's own (GPT-2 small's for a file
     without one). allow_download=False (flag checks, a run's shape): a hub name not on disk yet gives its own."""
-    own = hub(init)["config"] if hub(init) else GPT2Config()
-    try:
-        cfg_path = os.path.join(os.path.dirname(find_weights(init, allow_download)), "config.json")
-    except CheckpointError:
-        if hub(init) and not allow_download:
-            return own
-        raise
-    return config_from_json(cfg_path) if os.path.isfile(cfg_path) else own
+    path = find_weights(init, allow_download)                   # None: a hub name not on disk yet
+    cfg_path = os.path.join(os.path.dirname(path), "config.json") if path else ""
+    if os.path.isfile(cfg_path):
+        return config_from_json(cfg_path)
+    return hub(init)["config"] if hub(init) else GPT2Config()
 
 
 def load_checkpoint(init="gpt2"):
@@ -1051,20 +1024,20 @@ def load_checkpoint(init="gpt2"):
     shape: GPT-2's (also wte and wpe), or CLIP's text tower mapped onto the same names."""
     cfg, path = config_of(init), find_weights(init)
     if cfg.activation == "quick_gelu":            # CLIP's text tower
-        return cfg, clip_state_from_hf(read_safetensors(path, keep=is_clip_text_block), cfg)
+        return cfg, clip_state_from_hf(read_safetensors(path, keep=CLIP_TEXT_BLOCKS), cfg)
     return cfg, gpt2_state_from_hf(read_safetensors(path), cfg)
 
 
 def load_gpt2_lm(init="gpt2"):
-    """The GPT-2 language model with its pretrained weights (built on the meta device: no init work)."""
-    cfg, sd = load_checkpoint(init)
+    """The GPT-2 language model with its pretrained weights ('random': GPT-2 small's), in eval mode."""
+    cfg, sd = load_checkpoint("gpt2" if init == "random" else init)
     if cfg.activation == "quick_gelu":
         raise CheckpointError(f"{init} is CLIP's text tower, which has no language-model head: GPT-2's text checks "
                               f"need a GPT-2 checkpoint")
-    with torch.device("meta"):
+    with torch.device("meta"):                  # no init work: the weights are assigned
         model = GPT2(cfg)
     model.load_state_dict(sd, strict=True, assign=True)
-    return model
+    return model.eval()
 
 
 def tiktoken_gpt2():
@@ -1091,8 +1064,8 @@ CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings",
 CLIP_MODEL_TYPES = ("clip", "clip_text_model")   # config.json's model_type of CLIPModel (text_config) / CLIPTextModel
 
 
-def read_safetensors(path, keep=None):
-    """Parse a .safetensors file by hand -> dict[str, torch.Tensor] (CPU); keep(name): read only those tensors (every
+def read_safetensors(path, keep=""):
+    """Parse a .safetensors file by hand -> dict[str, torch.Tensor] (CPU), only the names that start with keep (every
     entry is checked all the same). Layout: u64 little-endian header length n; n bytes of JSON {name: {dtype, shape,
     data_offsets: [a, b]}, "__metadata__"?}; the raw little-endian tensor bytes, offsets from the data start. All is
     checked against the file size first: a hostile file fails fast and allocates no more than the file holds."""
@@ -1104,7 +1077,7 @@ def read_safetensors(path, keep=None):
     with f:
         if size < 8:
             raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", f.read(8))
+        n = int.from_bytes(f.read(8), "little")
         if n < 2 or n > min(MAX_HEADER_BYTES, size - 8):
             raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes); truncated or not "
                                   f"a safetensors file")
@@ -1140,19 +1113,17 @@ def read_safetensors(path, keep=None):
                 raise CheckpointError(f"{path}: tensors '{n0}' and '{n1}' overlap in the data")
         out = {}
         for a, b, name in spans:
-            if keep is not None and not keep(name):
+            if not name.startswith(keep):
                 continue
-            info = header[name]
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            dtype = SAFETENSORS_DTYPES[header[name]["dtype"]]
             f.seek(8 + n + a)
             buf = bytearray(f.read(b - a))
             if len(buf) != b - a:
                 raise CheckpointError(f"{path}: file ended while reading '{name}'")
-            t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-            t = t.view(dtype) if dtype != torch.uint8 else t
+            t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
             if sys.byteorder == "big":      # the data are little-endian
                 t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtype)
-            out[name] = t.reshape(info["shape"])
+            out[name] = t.reshape(header[name]["shape"])
         return out
 
 
@@ -1194,16 +1165,14 @@ def gpt2_state_from_hf(sd, cfg):
     return {k: sd[k].float().contiguous() for k in shapes}
 
 
+# the tensors CLIP-DT reads from a CLIP file (CLIPModel's names or CLIPTextModel's): the text tower's layers and final
+# LayerNorm; not its embeddings (DT replaces them, as GPT-2's wte and wpe), text_projection, the vision tower
+CLIP_TEXT_BLOCKS = ("text_model.encoder.layers.", "text_model.final_layer_norm.", "encoder.layers.",
+                    "final_layer_norm.")
 # CLIP's text tower -> the blocks: each HF CLIPEncoderLayer's tensors (nn.Linear layout, as the blocks', so nothing is
 # transposed) under the block's own names; q_proj, k_proj and v_proj are stacked as c_attn's rows W^q, W^k, W^v
 CLIP_TO_BLOCK = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.c_proj": "self_attn.out_proj",
                  "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-
-
-def is_clip_text_block(name):
-    """The tensors CLIP-DT takes from a CLIP file: the text tower's layers and final LayerNorm (not its embeddings,
-    which DT replaces as it does GPT-2's wte and wpe, nor text_projection, the vision tower or logit_scale)."""
-    return name.removeprefix("text_model.").startswith(("encoder.layers.", "final_layer_norm."))
 
 
 def clip_names(name):

@@ -147,9 +147,8 @@ class Config:
     sample: str = arg("", "PROMPT: print GPT-2's continuation, the proof that the real weights loaded", run=True)
 
 
-# 2 CPU cores, minutes: the first GPT-2 block (width 768, so the pretrained weights fit; layer 0 holds the Markov
-# heads), K=10 (Tab. 6: 77.1 on hopper-medium), a short warmup, one evaluation: a demonstration, not a reproduction.
-# Mazes: dt.py's K=1 without dropout, 50 episodes (the goal in 72% of episodes, 24% with K=10; the paper's K: 50).
+# 2 CPU cores, minutes: the first GPT-2 block (768 wide, so the pretrained weights fit; layer 0 holds the Markov heads),
+# K=10, a short warmup, one evaluation; mazes: dt.py's K=1 without dropout, 50 episodes. A demonstration only.
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
                        eval_episodes=10, log_every=25, mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
@@ -200,8 +199,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The block's 4x wide feed-forward layer: 'gelu_new' (GPT-2's tanh GELU) or 'quick_gelu' (CLIP's
-    x * sigmoid(1.702 x)), the one place where CLIP's text tower and GPT-2 differ."""
+    """The 4x wide feed-forward layer: 'gelu_new' (GPT-2's tanh GELU) or 'quick_gelu' (CLIP's x * sigmoid(1.702 x))."""
 
     def __init__(self, n_embd, dropout=0.0, activation="gelu_new"):
         super().__init__()
@@ -268,8 +266,7 @@ class DecisionTransformer(nn.Module):
 
     @torch.no_grad()
     def load_gpt2_blocks(self, sd):
-        """Copy the first len(self.blocks) blocks and ln_f of a load_checkpoint state dict (h.<i>.*, ln_f.*); the
-        embeddings, the action head and the gates stay new."""
+        """Copy the first len(self.blocks) blocks and ln_f of load_checkpoint's state dict; the rest stays new."""
         for name, p in self.named_parameters():
             if name.startswith(("blocks.", "ln_f.")) and ".gate_" not in name:
                 p.copy_(sd[name.replace("blocks.", "h.", 1)])
@@ -499,9 +496,8 @@ def check_model(cfg):
 
 
 def build_model(cfg, info):
-    """GPT2-DT(MA) with the first n_layer blocks of --init, or the same shape from scratch (--init random). A new build
-    loads the weights and records in info what a rebuild (--resume, analyses) needs without them: the shape and the
-    layer-0 Markov heads."""
+    """GPT2-DT(MA) with the first n_layer blocks of --init, or their shape from scratch (--init random). A new build
+    records in info what a rebuild (--resume, analyses) needs without the weights: the shape and the Markov heads."""
     sd = None
     if "shape" not in info:
         s = info["shape"] = shape_of(cfg)
@@ -872,14 +868,13 @@ def importance_analysis(cfg, run, n_contexts=64):
     pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(allc["mask"]))[:n_contexts])
     imp = head_importance(model, {k: v[pick.to(v.device)] for k, v in allc.items()})   # (L, N)
     L, N = imp.shape
-    heads = model.markov_heads
     print(f"head importance ||a' - a'_-head||_2 on {len(pick)} rollout contexts (rows: layers, columns: heads)")
     table(["layer", *range(N)], [[layer, *imp[layer].tolist()] for layer in range(L)], fmt=".4f")
     top = torch.topk(imp.flatten(), min(5, imp.numel())).indices.tolist()
     print("most important heads (layer, head): " + ", ".join(f"({i // N}, {i % N})" for i in top))
     fig, ax = plt_agg().subplots(figsize=(max(6, 0.16 * L * N), 3.8))
     ax.bar(range(L * N), imp.flatten().numpy(),
-           color=["tab:red" if i // N == 0 and i % N in heads else "tab:blue" for i in range(L * N)])
+           color=["tab:red" if i // N == 0 and i % N in model.markov_heads else "tab:blue" for i in range(L * N)])
     ax.set_xticks(range(L * N), [str(i % N) for i in range(L * N)], fontsize=6)
     for layer in range(L):
         if layer:
@@ -887,7 +882,7 @@ def importance_analysis(cfg, run, n_contexts=64):
         ax.text(layer * N + N / 2 - 0.5, 1.0, f"layer {layer}", transform=ax.get_xaxis_transform(), ha="center",
                 va="bottom", fontsize=7)
     ax.set(xlabel="head (grouped by layer)", ylabel="||a' - a'_-head||_2 (action units)")
-    ax.set_title(f"head importance (red: layer-0 Markov heads {label(heads)})", pad=14)
+    ax.set_title(f"head importance (red: layer-0 Markov heads {label(model.markov_heads)})", pad=14)
     save_figure(fig, os.path.join(run["out"], "head_importance.png"))
     return imp
 
@@ -1061,7 +1056,6 @@ GPT2_LIMITS = dict(vocab_size=1_000_000, n_positions=65_536, n_embd=12_288, n_la
 CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings", n_embd="hidden_size",
                  n_layer="num_hidden_layers", n_head="num_attention_heads",   # CLIP's config.json names, same limits
                  layer_norm_epsilon="layer_norm_eps")
-CLIP_MODEL_TYPES = ("clip", "clip_text_model")   # config.json's model_type of CLIPModel (text_config) / CLIPTextModel
 
 
 def read_safetensors(path, keep=""):
@@ -1228,7 +1222,7 @@ def config_from_json(path):
         raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 or CLIP config.json") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} is not a JSON object")
-    if hf.get("model_type") not in CLIP_MODEL_TYPES:
+    if hf.get("model_type") not in ("clip", "clip_text_model"):   # CLIPModel's (text_config) / CLIPTextModel's
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(f"{path}: activation {str(act)[:30]!r} is not GPT-2's tanh GELU")

@@ -13,19 +13,10 @@ gate weighs every layer's heads (Eqs. 6-8), so that fine-tuning can turn the Mar
     python gpt2_dtma.py --sample "The meaning of life is"     # proof that the real GPT-2 weights loaded
     python gpt2_dtma.py --env hopper-medium --importance      # an analysis of the run's checkpoint (never trains)
 
-What reproduces what (flags of a training run, then analyses that read a run's checkpoint):
-    --no-moa                    GPT2-DT, the columns of Tabs. 2-4 (full fine-tuning, as App. F states)
-    (default)                   GPT2-DTMA, Tabs. 3-4; its log.csv column g_markov and gates.png: Fig. 9, Tabs. 5-6
-    --init random [--no-moa]    DTMA / DT of Tabs. 3-4: the same architecture without pretraining
-    --init clip --no-moa        CLIP-DT of Tab. 7 ([P-old] Tab. 3): CLIP ViT-B/32's text tower (605 MB); GPTJ-DT refused
-    --markov-penalty 0.1        GPT2-P of Tab. 3 and Sec. 6.1 (Eq. 9)
-    --freeze-attention --no-moa GPT2-DT (part) of App. F, Tab. 8: only the embeddings and the FFNs are fine-tuned
-    --context 10 ... 50         the context sweeps of Tabs. 5-6
-    --markov                    Tab. 1 ([P-old] Tab. 2; --init clip: Tab. 8) and Fig. 3; without a run: --init alone
-    --attention-maps            Fig. 4: layer-0 attention before and after fine-tuning
-    --attention-distance        Figs. 1 and 7: attention by token distance, early (--keep-ckpt-at) vs late (DT, GPT2-DT)
-    --importance                Fig. 2 (Hopper) and Fig. 8 (PointMaze): head importance by zeroing heads
-    --text-attention, --sample  checks of the loaded GPT-2 on real text (no paper figure)
+The paper's variants are flags, each help naming its tables: --no-moa (GPT2-DT), --init random (DT, DTMA), --init clip
+--no-moa (CLIP-DT), --markov-penalty 0.1 (GPT2-P), --freeze-attention --no-moa (GPT2-DT (part)), --context; log.csv's
+g_markov and gates.png give Fig. 9. Analyses of a run's checkpoint: --markov, --attention-maps, --attention-distance,
+--importance; --sample and --text-attention check the loaded GPT-2 on real text.
 
 Glossary (paper symbol -> code name, shape):
     R^_t        return-to-go (Eq. 2), times the return scale      rtg (B, K, 1)
@@ -104,23 +95,23 @@ class Config:
     delayed_reward: bool = arg(False, "every reward paid at its episode's last step, in the data and in evaluation "
                                       "(DT Table 5, DeMa Table 13); the score is still the env's own return")
     batch_size: int = arg(64, "windows per batch (App. C)")
-    context: int = arg(None, "K; default: 20 on MuJoCo, 50 on mazes (Tabs. 5-6's rows that equal Tabs. 3-4)")
+    context: int = arg(None, "K (Tabs. 5-6); default: 20 on MuJoCo, 50 on mazes (the rows that equal Tabs. 3-4)")
     lr: float = arg(1e-4, "AdamW learning rate (App. C)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C, Remark 4.9)")
     grad_clip: float = arg(0.25, "gradient-norm clip (the DT and LaMo code; the paper is silent)")
     preset: str = arg("", "'cpu': the first GPT-2 block, batch 32, K=10, 300 steps: for a 2-core machine")
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
-    init: str = arg("gpt2", "'gpt2', 'clip' (CLIP ViT-B/32's text tower: CLIP-DT), a model.safetensors or its folder, "
-                            "or 'random' (DT / DTMA); 'gptj' is refused")
+    init: str = arg("gpt2", "'gpt2', 'clip' (CLIP ViT-B/32's text tower: CLIP-DT, Tab. 7), a model.safetensors or its "
+                            "folder, or 'random' (DT / DTMA of Tabs. 3-4); 'gptj' (GPTJ-DT, 6B) is refused")
     n_layer: int = arg(None, "keep the first N blocks (layer 0 holds the Markov heads); default: all (12)")
     n_embd: int = arg(None, "width; default: the checkpoint's (768, also for --init random)")
     n_head: int = arg(None, "heads per layer; default: the checkpoint's (12, also for --init random)")
     dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (DT, LaMo; the paper is silent)")
-    moa: bool = arg(True, "the Mixture-of-Attention gate (GPT2-DTMA, Eqs. 6-7); --no-moa gives GPT2-DT")
-    markov_penalty: float = arg(0.0, "alpha of Eq. 9: penalise the Markov heads' layer-0 gate (GPT2-P: 0.1)")
+    moa: bool = arg(True, "the Mixture-of-Attention gate (GPT2-DTMA, Eqs. 6-7); --no-moa: GPT2-DT (Tabs. 2-4)")
+    markov_penalty: float = arg(0.0, "alpha of Eq. 9: penalise the Markov heads' layer-0 gate (GPT2-P of Tab. 3: 0.1)")
     markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of checkpoints other than GPT-2 small's")
-    freeze_attention: bool = arg(False, "fine-tune only the embeddings and FFNs (App. F's GPT2-DT (part))")
+    freeze_attention: bool = arg(False, "fine-tune only the embeddings and FFNs (GPT2-DT (part): App. F, Tab. 8)")
     # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
@@ -137,7 +128,8 @@ class Config:
     bench: bool = arg(False, "time training steps (eager, compiled, AMP on CUDA) on synthetic data, and exit", run=True)
     keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (ckpt_step<STEP>.pt, for Figs. 1/7)", run=True)
     # analyses (each reads the run's checkpoint, prints a table and writes a PNG in the run folder; none trains)
-    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: --init's", run=True)
+    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3; CLIP: [P-old] Tab. 8); without a "
+                              "run: --init's", run=True)
     attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)", run=True)
     attention_distance: bool = arg(False, "attention by token distance, early and late (Figs. 1/7)", run=True)
     importance: bool = arg(False, "head importance by zeroing each head during rollouts (Figs. 2, 8)", run=True)
@@ -516,9 +508,8 @@ def build_model(cfg, info):
         print(f"blocks from {source}: {s['n_layer']} of width {s['n_embd']} with {s['n_head']} heads "
               f"({s['activation']}); layer-0 Markov heads {label(heads)} ({why})")
         if cfg.markov_penalty and not heads:
-            raise data_lib.DataError(f"--markov-penalty: the Markov test (Def. 4.1, r={cfg.markov_r:g}) finds no "
-                                     f"Markov head in layer 0 of {source}, so there is nothing to penalise; try a "
-                                     f"smaller --markov-r")
+            raise data_lib.DataError(f"--markov-penalty: Def. 4.1 (r={cfg.markov_r:g}) finds no Markov head in layer 0 "
+                                     f"of {source}, so there is nothing to penalise; try a smaller --markov-r")
     s = info["shape"]
     model = DecisionTransformer(dataclasses.replace(cfg, n_embd=s["n_embd"], n_head=s["n_head"], n_layer=s["n_layer"]),
                                 info["obs_dim"], info["act_dim"], info["max_ep_len"], eps=s["eps"],
@@ -736,14 +727,14 @@ def markov_analysis(cfg, run=None):
     header, cells, found = ["head"], [[h] for h in range(n_head)], []
     for lab, rows in tables.items():
         for lay, name in (("model", "C x C"), ("head", "D x D")):
-            markov = {r: [x["head"] for x in rows if x[f"{lay}_i"] and x[f"{lay}_ratio"] > r] for r in (8, 20)}
-            mine = [x["head"] for x in rows if x[f"{lay}_i"] and x[f"{lay}_ratio"] > cfg.markov_r]
+            rs = (8, 20, cfg.markov_r)
+            markov = {r: [x["head"] for x in rows if x[f"{lay}_i"] and x[f"{lay}_ratio"] > r] for r in rs}
             header += [f"{lab} {name.replace(' ', '')} (i)", "ratio", "Markov r=8/20"]
             for h, row in enumerate(rows):
                 cells[h] += ["✓" if row[f"{lay}_i"] else "×", f"{row[f'{lay}_ratio']:.2f}",
                              "/".join("✓" if h in markov[r] else "×" for r in (8, 20))]
             found.append(f"{lab}, {name}: Markov heads r=8 {label(markov[8])}, r=20 {label(markov[20])}, "
-                         f"--markov-r {cfg.markov_r:g} {label(mine)}")
+                         f"--markov-r {cfg.markov_r:g} {label(markov[cfg.markov_r])}")
     table(header, cells)
     print("\n".join(found))
     C = W0.shape[1]
@@ -970,9 +961,8 @@ def hub(init):
 
 
 def find_weights(init="gpt2", allow_download=True):
-    """--init -> its model.safetensors. A hub name: the Hugging Face cache, else downloaded once into it with its
-    config.json (huggingface_hub shows the progress; offline, one sentence), else None if not allow_download. A path:
-    the file, or its folder."""
+    """--init -> its model.safetensors: a path's (the file, or its folder), a hub name's from the Hugging Face cache,
+    else downloaded once into it with its config.json (offline: one sentence), or None if not allow_download."""
     if h := hub(init):
         for repo in h["repos"]:
             path = try_to_load_from_cache(repo, "model.safetensors")
@@ -1040,13 +1030,10 @@ def tiktoken_gpt2():
         import tiktoken
         return tiktoken.get_encoding("gpt2")
     except Exception as e:   # offline: tiktoken fetches its BPE files once (requests / urllib errors, by version)
-        raise CheckpointError(f"tiktoken's GPT-2 encoding is not available ({type(e).__name__}: it downloads its BPE "
-                              f"files once; run with a network, or set TIKTOKEN_CACHE_DIR to a folder holding "
-                              f"them)") from None
+        raise CheckpointError(f"tiktoken's GPT-2 encoding is not available ({type(e).__name__}); it downloads its BPE "
+                              f"files once: run with a network, or set TIKTOKEN_CACHE_DIR to their folder") from None
 
 
-# reading and checking them: a hand-written safetensors reader (no pickle; every offset and shape checked against the
-# file's size first), config.json within bounds, HF's names mapped onto the blocks'
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}
@@ -1192,9 +1179,27 @@ def clip_state_from_hf(sd, cfg):
     return {name: torch.cat([sd[k] for k in clip_names(name)]).float().contiguous() for name in block_shapes(cfg)}
 
 
-def checked_config(path, hf, default, keys):
-    """default (GPT2Config() or CLIP_TEXT) with the values of the HF config dict hf; keys: our field -> hf's name.
-    Types, ranges and sane upper bounds are checked before anything is allocated (n_layer 10**9 is refused at once)."""
+def config_from_json(path):
+    """HF config.json -> GPT2Config: GPT-2's, or CLIP's text tower where its model_type says so (CLIPModel's
+    text_config, or a CLIPTextModel's own fields), GPT-2 small's or CLIP_TEXT's values where it is silent. Types,
+    ranges and sane upper bounds are checked before anything is allocated (n_layer 10**9 is refused at once)."""
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:   # ValueError: bad JSON, or an int of > 4300 digits
+        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 or CLIP config.json") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    clip = hf.get("model_type") in ("clip", "clip_text_model")     # CLIPModel's (text_config) / CLIPTextModel's
+    if clip:
+        hf = (hf.get("text_config") or {}) if hf["model_type"] == "clip" else hf
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{path}: text_config is not a JSON object")
+        if hf.get("hidden_act", "quick_gelu") != "quick_gelu":
+            raise CheckpointError(f"{path}: hidden_act {str(hf['hidden_act'])[:30]!r} is not OpenAI CLIP's quick_gelu")
+    elif hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: activation {str(hf['activation_function'])[:30]!r} is not GPT-2's tanh GELU")
+    default, keys = (CLIP_TEXT, CLIP_KEYS) if clip else (GPT2Config(), {})     # keys: our field -> the file's name
     values = {}
     for name, top in GPT2_LIMITS.items():
         key = keys.get(name, name)
@@ -1209,35 +1214,10 @@ def checked_config(path, hf, default, keys):
     if values["n_embd"] % values["n_head"]:
         raise CheckpointError(f"{path}: {keys.get('n_embd', 'n_embd')} {values['n_embd']} is not divisible by "
                               f"{keys.get('n_head', 'n_head')} {values['n_head']}")
+    if clip and hf.get("intermediate_size", 4 * values["n_embd"]) != 4 * values["n_embd"]:
+        raise CheckpointError(f"{path}: intermediate_size {str(hf['intermediate_size'])[:30]} is not 4 x hidden_size "
+                              f"{values['n_embd']}, the blocks' MLP width")
     return dataclasses.replace(default, **values, layer_norm_epsilon=float(eps))
-
-
-def config_from_json(path):
-    """HF config.json -> GPT2Config: GPT-2's, or CLIP's text tower where its model_type is CLIP's (CLIPModel's
-    text_config, or a CLIPTextModel's own fields)."""
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:   # ValueError: bad JSON, or an int of > 4300 digits
-        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 or CLIP config.json") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    if hf.get("model_type") not in ("clip", "clip_text_model"):   # CLIPModel's (text_config) / CLIPTextModel's
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise CheckpointError(f"{path}: activation {str(act)[:30]!r} is not GPT-2's tanh GELU")
-        return checked_config(path, hf, GPT2Config(), {})
-    text = (hf.get("text_config") or {}) if hf["model_type"] == "clip" else hf
-    if not isinstance(text, dict):
-        raise CheckpointError(f"{path}: text_config is not a JSON object")
-    act = text.get("hidden_act", "quick_gelu")
-    if act != "quick_gelu":
-        raise CheckpointError(f"{path}: hidden_act {str(act)[:30]!r} is not OpenAI CLIP's quick_gelu")
-    g = checked_config(path, text, CLIP_TEXT, CLIP_KEYS)
-    if text.get("intermediate_size", 4 * g.n_embd) != 4 * g.n_embd:
-        raise CheckpointError(f"{path}: intermediate_size {str(text['intermediate_size'])[:30]} is not 4 x hidden_size "
-                              f"{g.n_embd}, the blocks' MLP width")
-    return g
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -334,9 +334,8 @@ class GPT2(nn.Module):
         """nanoGPT sampling: idx (1,T) -> (1,T+max_new_tokens)."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.n_positions:])[:, -1, :] / temperature   # (1, vocab)
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]     # (1, 1): keep the top k
+            logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
@@ -890,8 +889,7 @@ def sample_text(cfg, max_new_tokens=40):
     """--sample PROMPT: GPT-2's continuation, the proof that the real weights loaded."""
     model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
     ids = enc.encode(cfg.sample) or [enc.eot_token]
-    g = torch.Generator().manual_seed(cfg.seed)
-    out = model.generate(torch.tensor([ids]), max_new_tokens, generator=g)           # (1, T + new)
+    out = model.generate(torch.tensor([ids]), max_new_tokens, generator=torch.Generator().manual_seed(cfg.seed))
     print(cfg.sample + enc.decode(out[0, len(ids):].tolist()))
 
 
@@ -908,8 +906,7 @@ def text_attention(cfg):
     mass = torch.stack([diagonal_attention_mass(probs),                            # (N, 3): to the token itself,
                         P.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1),          # to token t-1,
                         P[:, 1:, 0].mean(-1)], dim=1).tolist()                     # to the first token
-    small = (model.cfg.n_embd, model.cfg.n_head) == (768, 12)
-    markov = [h for h in MARKOV_HEADS if small]
+    markov = MARKOV_HEADS if (model.cfg.n_embd, model.cfg.n_head) == (768, 12) else ()   # GPT-2 small's
     print(f"GPT-2 layer 0 on {len(ids)} tokens: mean attention to the token itself / the previous / the first token")
     table(["head", "self", "previous", "first", "GPT-2 small's Markov head"],
           [[h, *mass[h], "yes" if h in markov else ""] for h in range(P.shape[0])])
@@ -1150,8 +1147,7 @@ def gpt2_state_from_hf(sd, cfg):
 # LayerNorm; not its embeddings (DT replaces them, as GPT-2's wte and wpe), text_projection, the vision tower
 CLIP_TEXT_BLOCKS = ("text_model.encoder.layers.", "text_model.final_layer_norm.", "encoder.layers.",
                     "final_layer_norm.")
-# CLIP's text tower -> the blocks: each HF CLIPEncoderLayer's tensors (nn.Linear layout, as the blocks', so nothing is
-# transposed) under the block's own names; q_proj, k_proj and v_proj are stacked as c_attn's rows W^q, W^k, W^v
+# the blocks' names -> HF CLIPEncoderLayer's (whose nn.Linear layout is the blocks': nothing is transposed)
 CLIP_TO_BLOCK = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.c_proj": "self_attn.out_proj",
                  "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
 

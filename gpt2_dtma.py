@@ -4,32 +4,19 @@ Learning"; [P-old] is its earlier version, "Enhancing Cross-domain Pre-Trained D
 Attention", arXiv 2409.06985): a Decision Transformer whose body is pretrained GPT-2 small, a Mixture-of-Attention gate
 over each layer's heads, and the Markov-head analysis.
 
-GPT-2's first attention layer holds Markov heads (Def. 4.1-4.2): heads whose W_q W_k^T is strongly diagonal, so that
-they attend to the last input token (the current state s_t) whatever the embeddings (Thm 4.3) and however long the
-fine-tuning (Thm 4.5). That helps short-horizon MuJoCo and hurts long-horizon mazes. GPT2-DTMA lets a per-token
-softmax gate G(e) weigh the heads of every layer (Eqs. 6-8), so that fine-tuning can turn the Markov heads down.
+GPT-2's first layer holds Markov heads (Def. 4.1-4.2, Thms 4.3-4.5): they attend to the current state s_t whatever
+the embeddings and the fine-tuning, which helps MuJoCo and hurts long-horizon mazes. GPT2-DTMA's per-token softmax
+gate weighs every layer's heads (Eqs. 6-8), so that fine-tuning can turn the Markov heads down.
 
     python gpt2_dtma.py --env hopper-medium                   # GPT2-DTMA; downloads GPT-2 small once (548 MB)
     python gpt2_dtma.py --env hopper-medium --preset cpu      # the first GPT-2 block, 300 steps: a 2-core CPU
     python gpt2_dtma.py --sample "The meaning of life is"     # proof that the real GPT-2 weights loaded
     python gpt2_dtma.py --env hopper-medium --importance      # an analysis of the run's checkpoint (never trains)
 
-What reproduces what (flags of a training run, then analyses that read a run's checkpoint):
-    --no-moa                    GPT2-DT, the columns of Tabs. 2-4 (full fine-tuning, as App. F states)
-    (default)                   GPT2-DTMA, Tabs. 3-4; its log.csv column g_markov and gates.png: Fig. 9, Tabs. 5-6
-    --init random [--no-moa]    DTMA / DT of Tabs. 3-4: the same architecture without pretraining
-    --init clip --no-moa        CLIP-DT of Tab. 7 ([P-old] Tab. 3): CLIP ViT-B/32's text tower as the blocks (12 x 512,
-                                8 heads, QuickGELU; downloaded once, 605 MB); --init gptj (GPTJ-DT) is refused: 6B
-    --markov-penalty 0.1        GPT2-P of Tab. 3 and Sec. 6.1 (Eq. 9)
-    --freeze-attention --no-moa GPT2-DT (part) of App. F, Tab. 8: only the embeddings and the FFNs are fine-tuned
-    --context 10 ... 50         the context sweeps of Tabs. 5-6
-    --markov                    Tab. 1 ([P-old] Tab. 2 with the ratios) and Fig. 3; without a run: GPT-2 alone;
-                                with --init clip: [P-old] Tab. 8 (init; on a CLIP-DT run also fine-tuned)
-    --attention-maps            Fig. 4: layer-0 attention before and after fine-tuning
-    --attention-distance        Figs. 1 and 7: attention mass against token distance, early (--keep-ckpt-at) vs late;
-                                run it on an --init random --no-moa run (DT) and a --no-moa run (GPT2-DT)
-    --importance                Fig. 2 (Hopper) and Fig. 8 (PointMaze): head importance by zeroing heads
-    --text-attention, --sample  checks of the loaded GPT-2 on real text (no paper figure)
+The paper's variants are flags, each help naming its tables: --no-moa (GPT2-DT), --init random (DT, DTMA), --init clip
+--no-moa (CLIP-DT), --markov-penalty 0.1 (GPT2-P), --freeze-attention --no-moa (GPT2-DT (part)), --context; log.csv's
+g_markov and gates.png give Fig. 9. Analyses of a run's checkpoint: --markov, --attention-maps, --attention-distance,
+--importance; --sample and --text-attention check the loaded GPT-2 on real text.
 
 Glossary (paper symbol -> code name, shape):
     R^_t        return-to-go (Eq. 2), times the return scale      rtg (B, K, 1)
@@ -46,9 +33,8 @@ Glossary (paper symbol -> code name, shape):
     G_Markov    layer-0 gate weight of the Markov heads (Tabs. 5-6)          markov_gate_mass(...), log column g_markov
     alpha       GPT2-P's penalty weight (Eq. 9)                   Config.markov_penalty
 
-Layout: Config -> the model (copy it alone) -> the Markov-head quantities -> the paper's pieces -> train(), as in
-dt.py -> figures and analyses -> the pretrained weights -> --bench and main(). Outputs: runs/gpt2_dtma/<env>/<variant>/
-seed<N>/ (the run folder, checkpoint and exact resume are evaluate.py's).
+Layout: Config -> the model (copy it alone) -> the Markov-head quantities -> the paper's pieces -> train() -> figures
+and analyses -> the pretrained weights -> --bench and main(). Outputs: runs/gpt2_dtma/<env>/<variant>/seed<N>/.
 
 The papers publish no code. GPT2-DT names LaMo (Shi et al. 2024) as its implementation; the lines marked LaMo follow
 https://github.com/srzer/LaMo-2023/blob/3e4fcc8a7e68916882033a0cef110370c0144022/experiment-d4rl/decision_transformer/models/decision_transformer.py#L102-L199
@@ -61,9 +47,9 @@ Departures from the paper and the official code:
  2. One AdamW group at App. C's lr 1e-4 and weight decay 1e-4 (the gate without decay, which pulls it to uniform);
     LaMo gives the pretrained weights lr 1e-5 and no decay, AdamW eps 1e-6 (utils.py#L6-L62), warmup 2500.
  3. The timestep embedding is added before embed_ln, as in DT; LaMo adds it after (decision_transformer.py#L174-L176).
- 4. The MoA gate's place, scale and init are open in the paper; here, as in MoH, it reads the LN1 output and scales
-    each head before the pretrained c_proj, times N, from zero: GPT2-DTMA equals GPT2-DT at step 0 (Eq. 6 read
-    literally has no output projection and would shrink every head to 1/N). Every layer is gated.
+ 4. The MoA gate's place, scale and init are open in the paper; here, as in MoH (Jin et al. 2024), it reads the LN1
+    output and scales each head before the pretrained c_proj, times N, from zero: GPT2-DTMA equals GPT2-DT at step 0
+    (a literal Eq. 6 has no output projection and would shrink every head to 1/N). Every layer is gated.
  5. Eq. 7's single linear gate adds 0.13% parameters to GPT-2 small (12 x 9,228), not Sec. 5.2's "approximately 3%".
  6. Eq. 8's d_k is the head width, 64, as in GPT-2 (the paper: "the dimension of the embedding layer", which would
     change the pretrained function).
@@ -82,7 +68,6 @@ import math
 import os
 import shutil
 import socket
-import struct
 import sys
 import urllib.parse
 from dataclasses import dataclass, field
@@ -110,68 +95,52 @@ class Config:
     delayed_reward: bool = arg(False, "every reward paid at its episode's last step, in the data and in evaluation "
                                       "(DT Table 5, DeMa Table 13); the score is still the env's own return")
     batch_size: int = arg(64, "windows per batch (App. C)")
-    context: int = arg(None, "K; default: 20 on MuJoCo (Tab. 6's k=20 row is Tab. 3's), 50 on mazes (Tab. 5's k=50 "
-                             "row is Tab. 4's)")
+    context: int = arg(None, "K (Tabs. 5-6); default: 20 on MuJoCo, 50 on mazes (the rows that equal Tabs. 3-4)")
     lr: float = arg(1e-4, "AdamW learning rate (App. C)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C, Remark 4.9)")
     grad_clip: float = arg(0.25, "gradient-norm clip (the DT and LaMo code; the paper is silent)")
     preset: str = arg("", "'cpu': the first GPT-2 block, batch 32, K=10, 300 steps: for a 2-core machine")
     amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
-    init: str = arg("gpt2", "'gpt2' (the Hugging Face cache, else downloaded once), 'clip' (CLIP ViT-B/32's text "
-                            "tower: CLIP-DT of Tab. 7), a model.safetensors or its folder (CLIP's where its "
-                            "config.json says so), or 'random' (DT / DTMA without pretraining); 'gptj' is refused")
+    init: str = arg("gpt2", "'gpt2', 'clip' (CLIP ViT-B/32's text tower: CLIP-DT, Tab. 7), a model.safetensors or its "
+                            "folder, or 'random' (DT / DTMA of Tabs. 3-4); 'gptj' (GPTJ-DT, 6B) is refused")
     n_layer: int = arg(None, "keep the first N blocks (layer 0 holds the Markov heads); default: all (12)")
     n_embd: int = arg(None, "width; default: the checkpoint's (768, also for --init random)")
     n_head: int = arg(None, "heads per layer; default: the checkpoint's (12, also for --init random)")
     dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (DT, LaMo; the paper is silent)")
-    moa: bool = arg(True, "the Mixture-of-Attention gate (GPT2-DTMA, Eqs. 6-7); --no-moa gives GPT2-DT")
-    markov_penalty: float = arg(0.0, "alpha of Eq. 9: penalise the Markov heads' layer-0 gate (GPT2-P: 0.1)")
-    markov_r: float = arg(20.0, "threshold r of Def. 4.1 (ii) that picks the Markov heads of a checkpoint other than "
-                                "GPT-2 small (GPT-2 small: heads 1, 5, 10 as in Tab. 1); --markov shows r=8 and 20 too")
-    freeze_attention: bool = arg(False, "fine-tune only the embeddings and FFNs (App. F's GPT2-DT (part)): the "
-                                        "pretrained attention and LayerNorms stay as loaded")
+    moa: bool = arg(True, "the Mixture-of-Attention gate (GPT2-DTMA, Eqs. 6-7); --no-moa: GPT2-DT (Tabs. 2-4)")
+    markov_penalty: float = arg(0.0, "alpha of Eq. 9: penalise the Markov heads' layer-0 gate (GPT2-P of Tab. 3: 0.1)")
+    markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of checkpoints other than GPT-2 small's")
+    freeze_attention: bool = arg(False, "fine-tune only the embeddings and FFNs (GPT2-DT (part): App. F, Tab. 8)")
     # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (App. C: 100K)", run=True)
-    eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (App. C: 500)",
-                          run=True)
+    eval_every: int = arg(500, "evaluate (and checkpoint) every this many steps, and at the end (App. C)", run=True)
     eval_episodes: int = arg(20, "episodes per target return, run in parallel (App. C: 20)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets",
-                               run=True)
+    target_return: float = arg(None, "return-to-go prompt, raw units; default: the dataset's targets", run=True)
     log_every: int = arg(100, "print and log the training loss and G_Markov every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/gpt2_dtma/<env>/<variant>/seed<N>", run=True)
-    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)",
-                       run=True)
+    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
-                      run=True)
-    keep_ckpt_at: int = arg(0, "also keep the checkpoint of this step as ckpt_step<STEP>.pt (for "
-                               "--attention-distance, Figs. 1/7); a multiple of --eval-every", run=True)
+    bench: bool = arg(False, "time training steps (eager, compiled, AMP on CUDA) on synthetic data, and exit", run=True)
+    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (ckpt_step<STEP>.pt, for Figs. 1/7)", run=True)
     # analyses (each reads the run's checkpoint, prints a table and writes a PNG in the run folder; none trains)
-    markov: bool = arg(False, "Markov-matrix test of the layer-0 heads (Def. 4.1, Tab. 1) and W_q W_k^T heatmaps "
-                              "(Fig. 3), at the start and after fine-tuning; without a run: the --init weights alone",
-                       run=True)
-    attention_maps: bool = arg(False, "layer-0 attention on dataset windows before and after fine-tuning (Fig. 4)",
-                               run=True)
-    attention_distance: bool = arg(False, "attention mass against token distance at step 0, at --keep-ckpt-at and at "
-                                          "the end (Figs. 1/7)", run=True)
-    importance: bool = arg(False, "head importance by zeroing each head during rollouts (Fig. 2, Fig. 8)", run=True)
-    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; reads the checkpoint, never trains)", run=True)
+    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3; CLIP: [P-old] Tab. 8); without a "
+                              "run: --init's", run=True)
+    attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)", run=True)
+    attention_distance: bool = arg(False, "attention by token distance, early and late (Figs. 1/7)", run=True)
+    importance: bool = arg(False, "head importance by zeroing each head during rollouts (Figs. 2, 8)", run=True)
+    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint", run=True)
     # checks of the GPT-2 weights alone (no run needed)
-    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text (tiktoken), Markov heads marked",
-                              run=True)
-    sample: str = arg("", "PROMPT: print GPT-2's continuation (tiktoken), the proof that the real weights loaded",
-                      run=True)
+    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text, Markov heads marked", run=True)
+    sample: str = arg("", "PROMPT: print GPT-2's continuation, the proof that the real weights loaded", run=True)
 
 
-# 2 CPU cores, minutes: the first GPT-2 block (width 768, so the pretrained weights fit; layer 0 holds the Markov
-# heads), K=10 (Tab. 6: 77.1 on hopper-medium), a short warmup, one evaluation: a demonstration, not a reproduction.
-# Mazes: dt.py's K=1 without dropout, 50 episodes (the goal in 72% of episodes, 24% with K=10; the paper's K: 50).
+# 2 CPU cores, minutes: the first GPT-2 block (768 wide, so the pretrained weights fit; layer 0 holds the Markov heads),
+# K=10, a short warmup, one evaluation; mazes: dt.py's K=1 without dropout, 50 episodes. A demonstration only.
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
                        eval_episodes=10, log_every=25, mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
@@ -183,10 +152,8 @@ class CausalSelfAttention(nn.Module):
         Head_i(e) = softmax((e W_i^q)(E W_i^k)^T / sqrt(d_k)) (E W_i^v)                                     (Eq. 8)
         G_i(e)    = softmax_i(W_g e): a weight per head and token, summing to 1 over the layer's N heads      (Eq. 7)
         y(e)      = sum_i G_i(e) Head_i(e)                                                                  (Eq. 6)
-    The gate's place, scale and init are open in the paper; chosen as in MoH (Jin et al. 2024, which it cites): the
-    gate reads the heads' input e (the LN1 output) and scales each head's output before the pretrained c_proj (Eq. 6
-    has none, but the heads must return to the residual width), times N, from zero: N * 1/N = 1, so GPT2-DTMA equals
-    GPT2-DT at step 0 (a literal Eq. 6 would shrink every pretrained head to 1/N)."""
+    The gate reads the LN1 output and scales each head before the pretrained c_proj, times N, from zero (departure 4):
+    N * 1/N = 1, so GPT2-DTMA equals GPT2-DT at step 0."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, moa=False):
         super().__init__()
@@ -213,20 +180,18 @@ class CausalSelfAttention(nn.Module):
             allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if attn_mask is None else attn_mask
             aux["probs"] = F.softmax(att.masked_fill(~allowed, float("-inf")), dim=-1)   # (B, N, T, T)
             o = F.dropout(aux["probs"], p_drop, self.training) @ v          # (B, N, T, D)
-        else:  # Eq. 8, d_k = the head width as in GPT-2 (not the paper's "dimension of the embedding layer")
+        else:  # Eq. 8, d_k = the head width as in GPT-2 (departure 6)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop,
                                                is_causal=attn_mask is None)   # (B, N, T, D)
         if self.moa:
-            g = F.softmax(F.linear(x, self.gate_weight, self.gate_bias), dim=-1)   # (B, T, N)  Eq. 7, per token
-            aux["gate"] = g
+            g = aux["gate"] = F.softmax(F.linear(x, self.gate_weight, self.gate_bias), dim=-1)   # (B, T, N) Eq. 7
             o = o * (N * g).transpose(1, 2).unsqueeze(-1)                 # (B, N, T, D)  Eq. 6, times N
         y = o.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C): heads side by side
         return self.resid_drop(self.c_proj(y)), aux
 
 
 class MLP(nn.Module):
-    """The block's feed-forward layer, 4x wide. activation: 'gelu_new' (GPT-2's tanh GELU) or 'quick_gelu' (CLIP's
-    x * sigmoid(1.702 x), Hugging Face's names for both): the one place where CLIP's text tower and GPT-2 differ."""
+    """The 4x wide feed-forward layer: 'gelu_new' (GPT-2's tanh GELU) or 'quick_gelu' (CLIP's x * sigmoid(1.702 x))."""
 
     def __init__(self, n_embd, dropout=0.0, activation="gelu_new"):
         super().__init__()
@@ -243,8 +208,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """GPT-2 block: pre-LayerNorm attention and MLP, each with a residual connection. CLIP's text-tower layer is the
-    same block (causal, pre-LN) with activation='quick_gelu'."""
+    """GPT-2 block: pre-LN attention and MLP, each residual; with activation='quick_gelu', CLIP's text-tower layer."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, eps=1e-5, moa=False, activation="gelu_new"):
         super().__init__()
@@ -268,9 +232,8 @@ def _init_weights(m):
 
 class DecisionTransformer(nn.Module):
     """GPT2-DT / GPT2-DTMA: DT's embeddings and action head around GPT-2 blocks (App. C: "GPT2-small pretrained
-    parameters to initialize DT transformer layer"; load_gpt2_blocks copies them in). cfg.moa gates every layer's
-    heads (Eqs. 6-7). cfg.n_embd and cfg.n_head must be set (build_model takes them from the checkpoint).
-    activation='quick_gelu' gives CLIP-DT's blocks (CLIP's text tower, [P-new] Tab. 7)."""
+    parameters to initialize DT transformer layer"), every layer gated with cfg.moa (Eqs. 6-7). cfg.n_embd and
+    cfg.n_head must be set (build_model takes them from the checkpoint); activation='quick_gelu': CLIP-DT (Tab. 7)."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5, activation="gelu_new"):
         super().__init__()
@@ -295,14 +258,10 @@ class DecisionTransformer(nn.Module):
 
     @torch.no_grad()
     def load_gpt2_blocks(self, sd):
-        """Copy GPT-2's first len(self.blocks) blocks and its ln_f from a GPT2 state dict (names h.<i>.*, ln_f.*,
-        nn.Linear layout, as gpt2_state_from_hf makes it; clip_state_from_hf maps CLIP's text tower onto the same
-        names, its final_layer_norm as ln_f). The embeddings, the action head and the gates stay new."""
+        """Copy the first len(self.blocks) blocks and ln_f of load_checkpoint's state dict; the rest stays new."""
         for name, p in self.named_parameters():
-            src = "h." + name[len("blocks."):] if name.startswith("blocks.") else name
             if name.startswith(("blocks.", "ln_f.")) and ".gate_" not in name:
-                p.copy_(sd[src])
-        return self
+                p.copy_(sd[name.replace("blocks.", "h.", 1)])
 
     def forward(self, states, actions, rtg, timesteps, mask, need_probs=False):
         """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions (B,K,act), and
@@ -335,7 +294,7 @@ class DecisionTransformer(nn.Module):
 
 
 @dataclass
-class GPT2Config:
+class GPT2Config:     # GPT-2 small's; CLIP_TEXT below holds CLIP's text tower under the same names
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768
@@ -359,8 +318,7 @@ class GPT2(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def forward(self, idx, need_probs=False):
-        """idx (B,T) token ids -> logits (B,T,vocab), and the per-layer attention probabilities (B,N,T,T) with
-        need_probs."""
+        """idx (B,T) token ids -> logits (B,T,vocab); with need_probs also each layer's probabilities (B,N,T,T)."""
         T = idx.shape[1]
         assert T <= self.cfg.n_positions, f"{T} tokens are more than n_positions={self.cfg.n_positions}"
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))      # (B, T, C)
@@ -376,9 +334,8 @@ class GPT2(nn.Module):
         """nanoGPT sampling: idx (1,T) -> (1,T+max_new_tokens)."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.n_positions:])[:, -1, :] / temperature   # (1, vocab)
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]     # (1, 1): keep the top k
+            logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
@@ -395,10 +352,9 @@ CLIP_TAB8 = ((True, 2.26), (True, 1.67), (False, 5.89), (False, 6.49), (True, 2.
 
 
 def head_qk_matrix(c_attn_weight, n_head, i, layout="model"):
-    """A_i = W_i^q (W_i^k)^T of head i (Def. 4.2); biases and the LN1 gain ignored, as in the paper.
-    c_attn_weight (3C, C) in nn.Linear layout, so head i's query of a token x (C,) is Wq_i @ x with Wq_i (D, C).
-    layout 'model': the C x C bilinear form, q_i . k_j = x_i A x_j^T (Def. 4.1 and Thm 4.3 read literally);
-    layout 'head': the D x D product Wq_i Wk_i^T (Remark 4.7 says d = 64). The paper does not say which: both shown."""
+    """A_i = W_i^q (W_i^k)^T of head i (Def. 4.2) from c_attn_weight (3C, C), biases and the LN1 gain ignored as in the
+    paper: layout 'model' the C x C bilinear form q_i . k_j = x_i A x_j^T (Def. 4.1, Thm 4.3), 'head' the D x D
+    product Wq_i Wk_i^T (Remark 4.7's d = 64): the paper does not say which (departure 8)."""
     C = c_attn_weight.shape[1]
     D = C // n_head
     Wq = c_attn_weight.detach()[i * D:(i + 1) * D].double()                # (D, C)
@@ -407,28 +363,25 @@ def head_qk_matrix(c_attn_weight, n_head, i, layout="model"):
 
 
 def markov_stats(A, r=20.0, eps=1e-8):
-    """Def. 4.1: A is Markov iff (i) every A_ii > 0 and (ii) mean_i |A_ii| / mean_{i!=j} |A_ij| > r. eps in the
-    denominator: [P-old] Remark 3. r: the paper sets 8 (Remark 4.7), [P-old] 20; [P-old] Tab. 2 gives head 9 a ratio
-    of 15.37 yet the paper's Tab. 1 marks its (ii) as failed, which only r = 20 explains: default 20."""
+    """Def. 4.1: A is Markov iff (i) every A_ii > 0 and (ii) mean_i |A_ii| / mean_{i!=j} |A_ij| > r; eps in the
+    denominator as in [P-old] Remark 3; r = 20, [P-old]'s, not the paper's 8 (departure 8)."""
     A = A.double()
     d = A.shape[0]
     diag = A.diagonal()
     mean_off = (A.abs().sum() - diag.abs().sum()) / (d * d - d)
     ratio = float(diag.abs().mean() / (mean_off + eps))
     cond_i = bool((diag > 0).all())
-    return {"cond_i": cond_i, "ratio": ratio, "cond_ii": ratio > r, "markov": cond_i and ratio > r}
+    return {"cond_i": cond_i, "ratio": ratio, "markov": cond_i and ratio > r}
 
 
-def markov_table(c_attn_weight, n_head, rs=(8.0, 20.0)):
-    """Per head of one layer: (i), the ratio and Markov-ness for both layouts and each r. -> list of dict rows."""
+def markov_table(c_attn_weight, n_head):
+    """Per head of one layer, for both layouts: condition (i) and the ratio of (ii). -> list of dict rows."""
     rows = []
     for i in range(n_head):
         row = {"head": i}
         for layout in ("model", "head"):
             st = markov_stats(head_qk_matrix(c_attn_weight, n_head, i, layout))
             row[f"{layout}_i"], row[f"{layout}_ratio"] = st["cond_i"], st["ratio"]
-            for r in rs:
-                row[f"{layout}_markov_r{r:g}"] = st["cond_i"] and st["ratio"] > r
         rows.append(row)
     return rows
 
@@ -447,28 +400,25 @@ def markov_gate_mass(gates, mask, heads):
 
 
 def diagonal_attention_mass(probs, mask=None):
-    """Mean attention a token pays to itself, per head: probs (B,N,T,T) -> (N,). A Markov head attends to the last
-    input token, the diagonal (Thm 4.3, Fig. 4). Row 0 is left out: a causal first token can only attend to itself
-    (always 1). mask (B,T): the rows to average (1 = keep), e.g. the real tokens."""
+    """Mean attention a token pays to itself (Thm 4.3, Fig. 4), per head: probs (B,N,T,T) -> (N,); mask (B,T): the
+    rows to average. Row 0 is left out: a causal first token can only attend to itself."""
     d = probs.diagonal(dim1=-2, dim2=-1)[..., 1:]                           # (B, N, T-1)
     m = torch.ones_like(d[:, :1]) if mask is None else mask[:, None, 1:].to(d.dtype)   # (B, 1, T-1)
     return (d * m).sum(dim=(0, 2)) / (m.sum() * 1.0).clamp_min(1.0)
 
 
 def attention_by_distance(probs, query):
-    """Figs. 1/7: the attention of token `query` to the tokens `distance` back, distance 0..query, averaged over
-    layers, windows and heads. probs: list of (B,N,T,T) per layer (e.g. forward's aux['probs']). -> (query+1,),
-    summing to 1 (the softmax row of a causal query)."""
+    """Figs. 1/7: the attention of token `query` to the tokens 0..query back, averaged over layers, windows and heads.
+    probs: list of (B,N,T,T) per layer. -> (query+1,), summing to 1."""
     P = torch.stack(list(probs))[..., query, :query + 1]                    # (L, B, N, query+1): keys 0..query
     return P.flip(-1).mean(dim=(0, 1, 2))                                   # (query+1,): distance 0 = itself
 
 
 @torch.no_grad()
 def head_importance(model, batch):
-    """Sec. 4.1.2 / Fig. 2: the importance of head (l, i) is ||a' - a'_{-(l,i)}||_2, the change of the action predicted
-    at the last step when that head's output is replaced by zeros (before c_proj) on the same context, averaged over
-    the batch. -> (L, N) on the CPU. The N ablations of a layer ride in one batch: replica h has head h zeroed by a
-    forward pre-hook on that layer's c_proj (whose input is the N head outputs side by side), removed afterwards."""
+    """Sec. 4.1.2 / Fig. 2: the importance of head (l, i) is ||a' - a'_{-(l,i)}||_2, the change of the last step's
+    action when that head's output is zeroed, averaged over the batch. -> (L, N) on the CPU. A layer's N ablations
+    ride in one batch: replica h has head h zeroed by a forward pre-hook on c_proj (input: the heads side by side)."""
     model.eval()
     s, a, R, t, m = (batch[k] for k in ("states", "actions", "rtg", "timesteps", "mask"))
     base = model(s, a, R, t, m)[0][:, -1]                                   # (B, act)
@@ -492,88 +442,73 @@ def head_importance(model, batch):
 # the paper's pieces: the blocks and their Markov heads, optimiser groups, context, loss, policy, G_Markov
 
 SCRIPT = "gpt2_dtma"
-GPT2_NAMES = ("gpt2", "openai-community/gpt2")
-CLIP_NAMES = ("clip", "openai/clip-vit-base-patch32")     # CLIP-DT ([P-new] Tab. 7, [P-old] Tab. 3): the text tower
-GPTJ_NAMES = ("gptj", "gpt-j", "gpt-j-6b", "eleutherai/gpt-j-6b")   # GPTJ-DT ([P-new] Tab. 7): refused (model_problem)
+GPTJ_NAMES = ("gptj", "gpt-j", "gpt-j-6b", "eleutherai/gpt-j-6b")   # GPTJ-DT ([P-new] Tab. 7): refused (check_model)
 
 
 def check_model(cfg):
     """This file's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first."""
-    problem = model_problem(cfg)
-    if problem:
-        raise data_lib.DataError(problem)
-
-
-def model_problem(cfg):
     if cfg.init.lower() in GPTJ_NAMES:
-        return (f"--init {cfg.init}: GPT-J (6B parameters, 24 GB of fp32 weights, 28 layers of width 4096 with rotary "
-                f"position embeddings) is out of a laptop's reach, so this file does not load it; [P-new] Tab. 7's "
-                f"GPTJ-DT column is the paper's alone")
+        raise data_lib.DataError(f"--init {cfg.init}: GPT-J (6B parameters, 24 GB of fp32 weights, 28 layers of width "
+                                 f"4096) is out of a laptop's reach, so this file does not load it")
     if cfg.init == "random":   # GPT-2 small's shape unless given, within the bounds a GPT-2 config.json is held to
         for name in ("n_embd", "n_head", "n_layer"):
             if (getattr(cfg, name) or 0) > GPT2_LIMITS[name]:
-                return (f"--{name.replace('_', '-')} {getattr(cfg, name)}: a GPT-2 has at most {GPT2_LIMITS[name]} "
-                        f"(the bound its config.json is held to)")
-    if cfg.init == "random":
-        g = GPT2Config()                                 # GPT-2 small (the shape --init random copies)
-    else:                                                # a hub name's own, else the checkpoint's config.json
-        try:
-            g = config_of(cfg.init, allow_download=False)
-        except data_lib.DataError as e:
-            return str(e)
-    if (cfg.sample or cfg.text_attention) and isinstance(g, CLIPTextConfig):
-        return (f"--{'sample' if cfg.sample else 'text-attention'} checks GPT-2's language model on GPT-2's tokens; "
-                f"CLIP's text tower (--init {cfg.init}) has no language-model head: try --markov")
-    if cfg.n_embd is not None and cfg.init != "random" and cfg.n_embd != g.n_embd:
-        return f"--n-embd {cfg.n_embd}: the checkpoint's width is {g.n_embd} (pretrained blocks bring their own)"
-    if cfg.n_head is not None and cfg.init != "random" and cfg.n_head != g.n_head:
-        return f"--n-head {cfg.n_head}: the checkpoint has {g.n_head} heads (pretrained blocks bring their own)"
-    if cfg.n_layer is not None and cfg.init != "random" and cfg.n_layer > g.n_layer:
-        return f"--n-layer {cfg.n_layer}: the checkpoint has {g.n_layer} blocks"
+                raise data_lib.DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: a GPT-2 has at most "
+                                         f"{GPT2_LIMITS[name]} (the bound its config.json is held to)")
+        g = GPT2Config()
+    else:                      # a hub name's own config, else the checkpoint's config.json
+        g = config_of(cfg.init, allow_download=False)
+        if (cfg.sample or cfg.text_attention) and g.activation == "quick_gelu":      # CLIP's text tower
+            raise data_lib.DataError(f"--{'sample' if cfg.sample else 'text-attention'} needs GPT-2's language model; "
+                                     f"CLIP's text tower (--init {cfg.init}) has no language-model head: try --markov")
+        if cfg.n_embd is not None and cfg.n_embd != g.n_embd:
+            raise data_lib.DataError(f"--n-embd {cfg.n_embd}: the checkpoint's width is {g.n_embd}")
+        if cfg.n_head is not None and cfg.n_head != g.n_head:
+            raise data_lib.DataError(f"--n-head {cfg.n_head}: the checkpoint has {g.n_head} heads")
+        if cfg.n_layer is not None and cfg.n_layer > g.n_layer:
+            raise data_lib.DataError(f"--n-layer {cfg.n_layer}: the checkpoint has {g.n_layer} blocks")
     n_embd, n_head = cfg.n_embd or g.n_embd, cfg.n_head or g.n_head
     if n_embd % n_head:
-        return f"--n-embd {n_embd} is not divisible by --n-head {n_head}"
+        raise data_lib.DataError(f"--n-embd {n_embd} is not divisible by --n-head {n_head}")
     if cfg.markov_penalty < 0:
-        return f"--markov-penalty must be >= 0, got {cfg.markov_penalty}"
+        raise data_lib.DataError(f"--markov-penalty must be >= 0, got {cfg.markov_penalty}")
     if cfg.markov_penalty and not cfg.moa:
-        return "--markov-penalty penalises the MoA gate (Eq. 9), so it needs the gate: drop --no-moa"
+        raise data_lib.DataError("--markov-penalty penalises the MoA gate (Eq. 9), so it needs the gate: drop --no-moa")
     if cfg.markov_penalty and cfg.init == "random" and n_head <= max(MARKOV_HEADS):
-        return (f"--markov-penalty with --init random penalises the paper's heads 1, 5, 10 (random weights have no "
-                f"Markov heads to test for), which needs more than 10 heads, not {n_head}")
+        raise data_lib.DataError(f"--markov-penalty with --init random penalises the paper's heads 1, 5, 10, which "
+                                 f"needs more than 10 heads, not {n_head}")
     if cfg.freeze_attention and cfg.init == "random":
-        return "--freeze-attention keeps the pretrained attention as loaded; with --init random there is none"
+        raise data_lib.DataError("--freeze-attention keeps the pretrained attention; with --init random there is none")
     if cfg.markov_r <= 0:
-        return f"--markov-r must be > 0, got {cfg.markov_r}"
+        raise data_lib.DataError(f"--markov-r must be > 0, got {cfg.markov_r}")
     if cfg.keep_ckpt_at < 0 or cfg.keep_ckpt_at > cfg.steps or cfg.keep_ckpt_at % cfg.eval_every:
-        return (f"--keep-ckpt-at {cfg.keep_ckpt_at} must be a step of the run (0 to --steps {cfg.steps}) at which it "
-                f"checkpoints, i.e. a multiple of --eval-every {cfg.eval_every}")
-    return None
+        raise data_lib.DataError(f"--keep-ckpt-at {cfg.keep_ckpt_at} must be a step that the run checkpoints: 0 to "
+                                 f"--steps {cfg.steps}, a multiple of --eval-every {cfg.eval_every}")
 
 
 def build_model(cfg, info):
-    """GPT2-DT(MA) with the first n_layer blocks of --init, or the same shape from scratch (--init random). A new build
-    loads the weights and records in info what a rebuild (--resume, analyses) needs without them: the shape and the
-    layer-0 Markov heads (GPT-2 small: Tab. 1's 1, 5, 10; another checkpoint: Def. 4.1 with --markov-r; random: the
-    paper's 1, 5, 10 by definition where there are more than 10 heads, else none)."""
+    """GPT2-DT(MA) with the first n_layer blocks of --init, or their shape from scratch (--init random). A new build
+    records in info what a rebuild (--resume, analyses) needs without the weights: the shape and the Markov heads."""
     sd = None
     if "shape" not in info:
-        info["shape"] = shape_of(cfg)
+        s = info["shape"] = shape_of(cfg)
         if cfg.init == "random":
-            g, source = GPT2Config(n_embd=info["shape"]["n_embd"], n_head=info["shape"]["n_head"]), "random init"
-            heads = MARKOV_HEADS if g.n_head > max(MARKOV_HEADS) else ()
+            source, why = "random init", "the paper's, by definition: random weights have none"
+            heads = MARKOV_HEADS if s["n_head"] > max(MARKOV_HEADS) else ()
         else:                                  # GPT-2's blocks, or CLIP's text tower mapped onto them
-            g, sd, source = *load_checkpoint(cfg.init), find_weights(cfg.init)
-            small = isinstance(g, GPT2Config) and (g.n_embd, g.n_head) == (768, 12)
-            heads = MARKOV_HEADS if small else find_markov_heads(sd["h.0.attn.c_attn.weight"], g.n_head, cfg.markov_r)
+            g, sd = load_checkpoint(cfg.init)
+            source = find_weights(cfg.init)
+            if g.activation == "gelu_new" and (g.n_embd, g.n_head) == (768, 12):
+                heads, why = MARKOV_HEADS, "GPT-2 small's, Tab. 1"
+            else:
+                heads = find_markov_heads(sd["h.0.attn.c_attn.weight"], g.n_head, cfg.markov_r)
+                why = f"Def. 4.1 with r={cfg.markov_r:g} on these weights"
         info["markov_heads"] = list(heads)
-        why = ("the paper's, by definition: random weights have none" if sd is None else
-               "GPT-2 small's, Tab. 1" if small else f"Def. 4.1 with r={cfg.markov_r:g} on these weights")
-        print(f"blocks from {source}: {info['shape']['n_layer']} of width {g.n_embd} with {g.n_head} heads "
-              f"({g.activation}); layer-0 Markov heads {label(heads)} ({why})")
+        print(f"blocks from {source}: {s['n_layer']} of width {s['n_embd']} with {s['n_head']} heads "
+              f"({s['activation']}); layer-0 Markov heads {label(heads)} ({why})")
         if cfg.markov_penalty and not heads:
-            raise data_lib.DataError(f"--markov-penalty: the Markov test (Def. 4.1, r={cfg.markov_r:g}) finds no "
-                                     f"Markov head in layer 0 of {source}, so there is nothing to penalise; try a "
-                                     f"smaller --markov-r")
+            raise data_lib.DataError(f"--markov-penalty: Def. 4.1 (r={cfg.markov_r:g}) finds no Markov head in layer 0 "
+                                     f"of {source}, so there is nothing to penalise; try a smaller --markov-r")
     s = info["shape"]
     model = DecisionTransformer(dataclasses.replace(cfg, n_embd=s["n_embd"], n_head=s["n_head"], n_layer=s["n_layer"]),
                                 info["obs_dim"], info["act_dim"], info["max_ep_len"], eps=s["eps"],
@@ -581,26 +516,20 @@ def build_model(cfg, info):
     if sd is not None:
         model.load_gpt2_blocks(sd)
     model.markov_heads = tuple(info["markov_heads"])
+    # --freeze-attention (App. F, Tab. 8: GPT2-DT (part) "only fine-tune[s] the parameters in embedding layer and FFN
+    # layer"): the pretrained attention (c_attn, c_proj) and LayerNorms (ln_1, ln_2, ln_f) keep their values
+    frozen = ("ln_f.", ".attn.c_attn.", ".attn.c_proj.", ".ln_1.", ".ln_2.")
     for name, p in model.named_parameters():
-        p.requires_grad_(not (cfg.freeze_attention and is_frozen(name)))
+        p.requires_grad_(not (cfg.freeze_attention and any(part in name for part in frozen)))
     return model
 
 
 def shape_of(cfg):
-    """A new run's blocks, before any weight is read: --init's config (GPT-2 small's for 'gpt2', CLIP ViT-B/32's text
-    tower for 'clip'; for 'random', GPT-2 small's with --n-embd / --n-head), the first --n-layer blocks."""
+    """A new run's blocks before any weight is read: --init's config ('random': GPT-2 small's), --n-layer of them."""
     g = (GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12) if cfg.init == "random" else
          config_of(cfg.init, allow_download=False))
     return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer, eps=g.layer_norm_epsilon,
                 activation=g.activation)
-
-
-def is_frozen(name):
-    """--freeze-attention (App. F, Tab. 8: GPT2-DT (part) "only fine-tune[s] the parameters in embedding layer and FFN
-    layer"): every pretrained tensor that is neither, i.e. the attention (c_attn, c_proj) and the LayerNorms ln_1,
-    ln_2 and ln_f, keeps GPT-2's values. New layers (embeddings, embed_ln, the action head, the gate) are trained."""
-    return name.startswith("ln_f.") or name.startswith("blocks.") and any(
-        f".{part}." in name for part in ("attn.c_attn", "attn.c_proj", "ln_1", "ln_2"))
 
 
 def param_groups(model):
@@ -613,15 +542,13 @@ def param_groups(model):
 
 
 def paper_context(cfg, d):
-    """The paper's K when --context is not given: 20 on MuJoCo (Tab. 6's k=20 row equals Tab. 3), 50 on the mazes
-    (Tab. 5's k=50 row equals Tab. 4)."""
+    """The paper's K when --context is not given: 20 on MuJoCo, 50 on the mazes (departure 9)."""
     return cfg if cfg.context is not None else dataclasses.replace(cfg, context=50 if d.goal_reaching else 20)
 
 
 def loss_fn(model, batch, cfg):
-    """Eq. 3's squared error, a mean over the real steps (Eq. 3's sum is only a scale) + GPT2-P's alpha * G_Markov
-    (Eq. 9), G_Markov averaged over the real tokens (the paper sums it for one input x). Under --amp autocast keeps the
-    LayerNorms and softmaxes in fp32, and the error is reduced in fp32."""
+    """Eq. 3's squared error over the real steps + GPT2-P's alpha * G_Markov (Eq. 9), both means (departure 7). Under
+    --amp autocast keeps the LayerNorms and softmaxes in fp32, and the error is reduced in fp32."""
     pred, aux = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
     # srzer/LaMo-2023@3e4fcc8 experiment-d4rl/decision_transformer/training/seq_trainer.py#L32-L44
     err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                       # (B, K)
@@ -654,14 +581,12 @@ def evaluate(model, d, cfg, device):
 
 @torch.no_grad()
 def g_markov(model, probe):
-    """G_Markov (Fig. 9, Tabs. 5-6) on a fixed batch, in eval mode, as log.csv's g_markov; {} when the model has no
-    gate or no Markov heads."""
+    """G_Markov (Fig. 9, Tabs. 5-6) on a fixed batch in eval mode, for log.csv; {} without a gate or Markov heads."""
     if not (model.blocks[0].attn.moa and model.markov_heads):
         return {}
-    was = model.training
     model.eval()
     gates = model(probe["states"], probe["actions"], probe["rtg"], probe["timesteps"], probe["mask"])[1]["gates"]
-    model.train(was)
+    model.train()
     return {"g_markov": f"{markov_gate_mass(gates[0], probe['mask'], model.markov_heads).item():.4f}"}
 
 
@@ -670,9 +595,8 @@ def g_markov(model, probe):
 # G_Markov in the log (Fig. 9) with gates.png
 
 def train(cfg, run, d=None):
-    """Fine-tune GPT2-DT(MA) (or, with --resume, continue the run) and evaluate it in the env. The run record
-    (evaluate.Run) keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
-    -> the first target's final evaluation (per-episode arrays)."""
+    """Fine-tune GPT2-DT(MA) (or continue the run) and evaluate it in the env; `run` (evaluate.Run, or --bench's timer)
+    keeps the folder, log and checkpoint. -> the first target's final evaluation (per-episode arrays)."""
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
     cfg = paper_context(cfg, d)                                     # K: 20 on MuJoCo, 50 on mazes (Tabs. 5-6)
     ev.check_data(cfg, d)                                           # a context or target that means nothing here
@@ -743,6 +667,19 @@ def save_figure(fig, path, say=True):
         print(f"wrote {path}")
 
 
+def heatmap(fig, ax, A, cbar="attention probability", cmap="viridis", vmin=0, vmax=1, **labels):
+    """The matrix A (numpy) on ax with its colour bar; labels go to ax.set (xlabel, title, ticks...)."""
+    fig.colorbar(ax.imshow(A, cmap=cmap, vmin=vmin, vmax=vmax), ax=ax, fraction=0.046, label=cbar)
+    ax.set(**labels)
+
+
+def table(header, rows, fmt=".3f"):
+    """Print a markdown table, float cells in format fmt."""
+    print("| " + " | ".join(map(str, header)) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(f"{x:{fmt}}" if isinstance(x, float) else str(x) for x in row) + " |")
+
+
 def label(heads):
     return "{" + ", ".join(map(str, heads)) + "}"
 
@@ -752,9 +689,8 @@ def plot_gates(rows, path, heads, n_head, title):
     pts = [(int(r["step"]), float(r["g_markov"])) for r in rows if r.get("g_markov", "") != ""]
     if not pts:
         return
-    plt = plt_agg()
     s, g = zip(*pts)
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = plt_agg().subplots(figsize=(6.5, 3.8))
     ax.plot(s, g, color="tab:red", label=f"Markov heads {label(heads)}")
     ax.plot(s, [1 - x for x in g], color="tab:blue", label=f"the other {n_head - len(heads)} heads")
     ax.axhline(len(heads) / n_head, ls=":", color="gray", label=f"uniform gate ({len(heads)}/{n_head})")
@@ -765,169 +701,137 @@ def plot_gates(rows, path, heads, n_head, title):
 
 
 def start_model(cfg, info, device="cpu"):
-    """The model the run started from, rebuilt as train() builds it (same seed; the pretrained weights loaded
-    again): 'before fine-tuning' in the figures."""
+    """The model the run started from ('before fine-tuning'), rebuilt as train() builds it: same seed and weights."""
     torch.manual_seed(cfg.seed)
     fresh = {k: info[k] for k in ("obs_dim", "act_dim", "max_ep_len", "goal_dim")}
     return build_model(cfg, fresh).to(device).eval()
 
 
-def format_markov_table(tables, rs=(8.0, 20.0)):
-    """tables: {label: rows of markov_table} -> a markdown table, one column group per label and layout."""
-    labels = list(tables)
-    head = "| head | " + " | ".join(f"{lab} {lay} (i) | ratio | Markov r={'/'.join(f'{r:g}' for r in rs)}"
-                                     for lab in labels for lay in ("CxC", "DxD")) + " |"
-    lines = [head, "|" + "---|" * (1 + 3 * 2 * len(labels))]
-    for i in range(len(tables[labels[0]])):
-        cells = [str(i)]
-        for lab in labels:
-            row = tables[lab][i]
-            for lay in ("model", "head"):
-                cells += ["✓" if row[f"{lay}_i"] else "×", f"{row[f'{lay}_ratio']:.2f}",
-                          "/".join("✓" if row[f"{lay}_markov_r{r:g}"] else "×" for r in rs)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def markov_analysis(cfg, run=None):
     """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for A read
-    as C x C and D x D and r = 8 and 20 (Tab. 1; [P-old] Tab. 2's ratios: heads 1, 5, 10 at 23.61 / 29.67 / 23.7, head
-    9 15.37 but failing (i)); Fig. 3's heatmaps. --init clip: [P-old] Tab. 8's values printed beside."""
-    g = None
+    as C x C and D x D and r = 8 and 20 (Tab. 1, [P-old] Tab. 2's ratios; --init clip: [P-old] Tab. 8); Fig. 3."""
+    clip = False
     if cfg.init == "random":   # the run's own random start (without a run: a random init of the default shape)
-        info = run["ck"]["info"] if run else dict(obs_dim=1, act_dim=1, max_ep_len=1, goal_dim=0)
-        W0 = start_model(cfg, info).blocks[0].attn.c_attn.weight.detach()
-        n_head = info.get("shape", {}).get("n_head", cfg.n_head or 12)
+        start = start_model(cfg, run["ck"]["info"] if run else dict(obs_dim=1, act_dim=1, max_ep_len=1, goal_dim=0))
+        W0, n_head = start.blocks[0].attn.c_attn.weight.detach(), start.blocks[0].attn.n_head
     else:
         g, sd = load_checkpoint(cfg.init)                   # GPT-2's blocks, or CLIP's text tower mapped onto them
-        W0, n_head = sd["h.0.attn.c_attn.weight"], g.n_head   # (3C, C): W^q, W^k, W^v rows; the config's head count
-    tables, weights = {"init": markov_table(W0, n_head)}, {"init": W0}
+        W0, n_head, clip = sd["h.0.attn.c_attn.weight"], g.n_head, g.activation == "quick_gelu"   # W0 (3C, C)
+    weights = {"init": W0}
     if run is not None:
-        W1 = run["model"].blocks[0].attn.c_attn.weight.detach().cpu()
-        tables["fine-tuned"], weights["fine-tuned"] = markov_table(W1, n_head), W1
-    clip = isinstance(g, CLIPTextConfig)
-    out = run["out"] if run else cfg.out or os.path.join("runs", SCRIPT, "clip" if clip else "gpt2")
+        weights["fine-tuned"] = run["model"].blocks[0].attn.c_attn.weight.detach().cpu()
+    tables = {lab: markov_table(W, n_head) for lab, W in weights.items()}
     print(f"Markov-matrix test of the layer-0 heads (Def. 4.1) of {cfg.init}" +
           (f", at the start and after fine-tuning ({run['out']})" if run else ""))
-    print(format_markov_table(tables))
+    header, cells, found = ["head"], [[h] for h in range(n_head)], []
     for lab, rows in tables.items():
         for lay, name in (("model", "C x C"), ("head", "D x D")):
-            sets = {r: [x["head"] for x in rows if x[f"{lay}_markov_r{r:g}"]] for r in (8.0, 20.0)}
-            mine = [x["head"] for x in rows if x[f"{lay}_i"] and x[f"{lay}_ratio"] > cfg.markov_r]
-            print(f"{lab}, {name}: Markov heads r=8 {label(sets[8.0])}, r=20 {label(sets[20.0])}, "
-                  f"--markov-r {cfg.markov_r:g} {label(mine)}")
+            rs = (8, 20, cfg.markov_r)
+            markov = {r: [x["head"] for x in rows if x[f"{lay}_i"] and x[f"{lay}_ratio"] > r] for r in rs}
+            header += [f"{lab} {name.replace(' ', '')} (i)", "ratio", "Markov r=8/20"]
+            for h, row in enumerate(rows):
+                cells[h] += ["✓" if row[f"{lay}_i"] else "×", f"{row[f'{lay}_ratio']:.2f}",
+                             "/".join("✓" if h in markov[r] else "×" for r in (8, 20))]
+            found.append(f"{lab}, {name}: Markov heads r=8 {label(markov[8])}, r=20 {label(markov[20])}, "
+                         f"--markov-r {cfg.markov_r:g} {label(markov[cfg.markov_r])}")
+    table(header, cells)
+    print("\n".join(found))
     C = W0.shape[1]
     print(f"Remark 4.7's bound r > ln(d-1)+1: {math.log(C // n_head - 1) + 1:.2f} for d={C // n_head}, "
           f"{math.log(C - 1) + 1:.2f} for d={C}; GPT-2 small's Markov heads (Tab. 1): {label(MARKOV_HEADS)}")
     if clip and n_head == len(CLIP_TAB8):
         print("[P-old] Tab. 8, CLIP's text tower at init, (i) and ratio per head: " +
               ", ".join(f"{h} {'✓' if i else '×'} {r}" for h, (i, r) in enumerate(CLIP_TAB8)) + "; no Markov head")
-    marked = [x["head"] for x in tables["init"] if x["model_i"] and x["model_ratio"] > cfg.markov_r]
-    shown = [next((h for h in range(n_head) if h not in marked), 0)] + marked[:1]   # a non-Markov and a Markov head
-    plt = plt_agg()
-    fig, axes = plt.subplots(len(weights), 1 + 2 * len(shown), figsize=(4 * (1 + 2 * len(shown)), 3.6 * len(weights)),
-                             squeeze=False)
+    # Fig. 3: the ratio per head, and A of a non-Markov and a Markov head (at init, --markov-r)
+    marked = find_markov_heads(W0, n_head, cfg.markov_r)
+    shown = [next((h for h in range(n_head) if h not in marked), 0), *marked[:1]]
+    cols = 1 + 2 * len(shown)
+    fig, axes = plt_agg().subplots(len(weights), cols, figsize=(4 * cols, 3.6 * len(weights)), squeeze=False)
     for row, (lab, W) in enumerate(weights.items()):
         ax = axes[row, 0]
-        ratios = [x["model_ratio"] for x in tables[lab]]
-        ax.bar(range(n_head), ratios, color=["tab:red" if h in marked else "tab:blue" for h in range(n_head)])
+        ax.bar(range(n_head), [x["model_ratio"] for x in tables[lab]],
+               color=["tab:red" if h in marked else "tab:blue" for h in range(n_head)])
         ax.axhline(cfg.markov_r, ls=":", color="gray", label=f"r = {cfg.markov_r:g}")
-        ax.set(xlabel="layer-0 head", ylabel="mean|A_ii| / mean|A_ij| (C x C)", yscale="log")
-        ax.set_title(f"{lab}: Def. 4.1 (ii) ratio per head\n" + (f"red: Markov at init (r = {cfg.markov_r:g})" if marked
-                     else f"no head is Markov at init (r = {cfg.markov_r:g})"), fontsize=9)
-        ax.set_xticks(range(n_head))
+        ax.set(xlabel="layer-0 head", ylabel="mean|A_ii| / mean|A_ij| (C x C)", yscale="log", xticks=range(n_head))
+        ax.set_title(f"{lab}: Def. 4.1 (ii) ratio per head\n" + ("red: Markov at init" if marked else
+                     "no head is Markov at init") + f" (r = {cfg.markov_r:g})", fontsize=9)
         ax.legend(fontsize=7)
         for j, h in enumerate(shown):
             for k, (lay, crop) in enumerate((("model", 64), ("head", None))):
                 A = head_qk_matrix(W, n_head, h, lay)[:crop, :crop].numpy()
                 v = np.percentile(np.abs(A), 99) or 1.0
                 ax = axes[row, 1 + 2 * j + k]
-                im = ax.imshow(A, cmap="RdBu_r", vmin=-v, vmax=v)
-                fig.colorbar(im, ax=ax, fraction=0.046, label="A_ij")
-                ax.set(xlabel="key dimension j", ylabel="query dimension i")
+                heatmap(fig, ax, A, "A_ij", "RdBu_r", -v, v, xlabel="key dimension j", ylabel="query dimension i")
                 ax.set_title(f"{lab}, head {h}{' (Markov)' if h in marked else ''}: "
                              f"{'C×C, first 64 rows/cols' if lay == 'model' else 'D×D'}\n"
                              f"ratio {tables[lab][h][lay + '_ratio']:.2f}", fontsize=9)
+    out = run["out"] if run else cfg.out or os.path.join("runs", SCRIPT, "clip" if clip else "gpt2")
     os.makedirs(out, exist_ok=True)
     save_figure(fig, os.path.join(out, "markov_heads.png"))
     return tables
 
 
-def full_windows(d, n, K, seed):
-    """n training windows without left padding (for attention maps), from a fixed RNG."""
-    rng = np.random.default_rng(seed)
-    got = []
+def windows_and_start(cfg, run, n=32):
+    """n windows of the run's dataset without left padding (a fixed draw), and the run's starting model."""
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    rng, got = np.random.default_rng(cfg.seed + 30_000), []
     while sum(len(b["mask"]) for b in got) < n:
-        b = d.sample(4 * n, K, rng)
+        b = d.sample(4 * n, cfg.context, rng)
         keep = b["mask"].all(dim=1)
         got.append({k: v[keep] for k, v in b.items()})
-    return {k: torch.cat([b[k] for b in got])[:n] for k in got[0]}
+    windows = {k: torch.cat([b[k] for b in got])[:n] for k in got[0]}
+    return windows, start_model(cfg, run["ck"]["info"], next(run["model"].parameters()).device)
 
 
+@torch.no_grad()
 def attention_probs(model, b):
     """The per-layer attention probabilities of `model` on the windows b: list of (B,N,3K,3K) on the CPU."""
     dev = next(model.parameters()).device
-    with torch.no_grad():
-        aux = model(*(b[k].to(dev) for k in ("states", "actions", "rtg", "timesteps", "mask")), need_probs=True)[1]
+    aux = model(*(b[k].to(dev) for k in ("states", "actions", "rtg", "timesteps", "mask")), need_probs=True)[1]
     return [p.cpu() for p in aux["probs"]]
 
 
 def attention_maps(cfg, run):
-    """--attention-maps, Fig. 4: layer-0 attention probabilities (3K x 3K, averaged over 32 dataset windows) of the
-    model before fine-tuning (pretrained body + fresh DT embeddings, the 'random embedding' premise of Thm 4.3) and
-    after (the run's checkpoint). A Markov head shows a bright diagonal."""
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    dev = next(run["model"].parameters()).device
-    models = {"before": start_model(cfg, run["ck"]["info"], dev), "after": run["model"]}
-    b = full_windows(d, 32, cfg.context, cfg.seed + 30_000)
-    P = {lab: attention_probs(m, b)[0].mean(0) for lab, m in models.items()}   # (N, 3K, 3K) layer 0
-    heads, n_head = run["model"].markov_heads, P["before"].shape[0]
+    """--attention-maps, Fig. 4: layer-0 attention (3K x 3K, mean of 32 windows) before fine-tuning (fresh DT
+    embeddings: Thm 4.3's 'random embedding') and after. A Markov head shows a bright diagonal."""
+    b, start = windows_and_start(cfg, run)
+    P = {lab: attention_probs(m, b)[0].mean(0) for lab, m in (("before", start), ("after", run["model"]))}
+    heads, n_head = run["model"].markov_heads, P["before"].shape[0]                  # P: (N, 3K, 3K) of layer 0
+    diag = {lab: diagonal_attention_mass(p[None]).tolist() for lab, p in P.items()}
     print(f"layer-0 attention of each token to itself (rows 1.. of the diagonal), {len(b['mask'])} windows of "
           f"K={cfg.context}; Markov heads {label(heads)}")
-    print("| head | before | after | Markov head |\n|---|---|---|---|")
-    for h in range(n_head):
-        print(f"| {h} | " + " | ".join(f"{diagonal_attention_mass(p[None])[h]:.3f}" for p in P.values()) +
-              f" | {'yes' if h in heads else ''} |")
+    table(["head", "before", "after", "Markov head"],
+          [[h, diag["before"][h], diag["after"][h], "yes" if h in heads else ""] for h in range(n_head)])
     shown = [*heads, next((h for h in range(n_head) if h not in heads), 0)]
     ticks = range(0, 3 * cfg.context, 3 * max(1, cfg.context // 8))    # at R_t tokens
-    plt = plt_agg()
-    fig, axes = plt.subplots(2, len(shown), figsize=(3.6 * len(shown), 6.6), squeeze=False)
+    fig, axes = plt_agg().subplots(2, len(shown), figsize=(3.6 * len(shown), 6.6), squeeze=False)
     for r, (lab, p) in enumerate(P.items()):
         for c, h in enumerate(shown):
-            im = axes[r, c].imshow(p[h].numpy(), cmap="viridis", vmin=0, vmax=1)
-            fig.colorbar(im, ax=axes[r, c], fraction=0.046, label="attention probability")
-            axes[r, c].set(xlabel="key token (R_1, s_1, a_1, R_2, ...)", ylabel="query token",
-                           title=f"{lab} fine-tuning: head {h}" + (" (Markov)" if h in heads else ""),
-                           xticks=ticks, yticks=ticks)
+            heatmap(fig, axes[r, c], p[h].numpy(), xlabel="key token (R_1, s_1, a_1, R_2, ...)", ylabel="query token",
+                    title=f"{lab} fine-tuning: head {h}" + (" (Markov)" if h in heads else ""), xticks=ticks,
+                    yticks=ticks)
     save_figure(fig, os.path.join(run["out"], "attention_maps.png"))
     return P
 
 
 def attention_distance(cfg, run):
-    """--attention-distance, Figs. 1/7: how the attention of the last state token s_K (the one that predicts the
-    action) spreads over the tokens before it, by distance, averaged over heads, layers and 32 dataset windows, at
-    step 0 (rebuilt), at each kept early checkpoint (--keep-ckpt-at) and at the end. GPT2-DT is local early on; DT
-    (--init random --no-moa) learns it later."""
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    dev = next(run["model"].parameters()).device
-    models = {0: start_model(cfg, run["ck"]["info"], dev)}
+    """--attention-distance, Figs. 1/7: the attention of the last state token s_K by distance, mean of heads, layers
+    and 32 windows, at step 0, at each --keep-ckpt-at checkpoint and at the end (GPT2-DT is local early, DT later)."""
+    b, start = windows_and_start(cfg, run)
+    models = {0: start}
     for path in glob.glob(os.path.join(run["out"], "ckpt_step*.pt")):
         ck = ev.read_checkpoint(path, SCRIPT)
         m = build_model(cfg, ck["info"])
         m.load_state_dict(ck["model"])
-        models[ck["step"]] = m.to(dev).eval()
+        models[ck["step"]] = m.to(next(start.parameters()).device).eval()
     models[run["ck"]["step"]] = run["model"]
-    b = full_windows(d, 32, cfg.context, cfg.seed + 30_000)
     query = 3 * cfg.context - 2                                             # s_K: the last state token
     curves = {step: attention_by_distance(attention_probs(m, b), query) for step, m in sorted(models.items())}
     shown = min(query + 1, 16)
     print(f"attention of s_K by distance in tokens (0 = itself, 1 = R_K, 2 = a_(K-1), 3 = s_(K-1), ...), mean over "
           f"heads, layers and {len(b['mask'])} windows")
-    print("| step | " + " | ".join(map(str, range(shown))) + " |\n|---|" + "---|" * shown)
-    for step, c in curves.items():
-        print(f"| {step} | " + " | ".join(f"{x:.3f}" for x in c[:shown].tolist()) + " |")
-    plt = plt_agg()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    table(["step", *range(shown)], [[step, *c[:shown].tolist()] for step, c in curves.items()])
+    fig, ax = plt_agg().subplots(figsize=(6, 3.8))
     for step, c in curves.items():
         ax.plot(range(len(c)), c.numpy(), "o-", ms=3, label=f"step {step}")
     ax.set(xlabel="distance from s_K (tokens; 3 = one timestep)", ylabel="attention probability",
@@ -942,29 +846,25 @@ def importance_analysis(cfg, run, n_contexts=64):
     acted on, then zero each of the L x N heads in turn on those same contexts and measure ||a' - a'_{-head}||_2."""
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     model = run["model"]
-    device = next(model.parameters()).device
     seen, decide = [], policy(model)
 
     def act(batch, live):
         seen.append({k: v.clone() for k, v in batch.items()})
         return decide(batch, live)
     with torch.no_grad():
-        ev.evaluate(act, d, min(cfg.eval_episodes, 5), targets(cfg, d)[0], cfg.seed + 40_000, cfg.context, device)
+        ev.evaluate(act, d, min(cfg.eval_episodes, 5), targets(cfg, d)[0], cfg.seed + 40_000, cfg.context,
+                    next(model.parameters()).device)
     allc = {k: torch.cat([s[k] for s in seen]) for k in seen[0]}
     pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(allc["mask"]))[:n_contexts])
     imp = head_importance(model, {k: v[pick.to(v.device)] for k, v in allc.items()})   # (L, N)
     L, N = imp.shape
-    heads = model.markov_heads
     print(f"head importance ||a' - a'_-head||_2 on {len(pick)} rollout contexts (rows: layers, columns: heads)")
-    print("| layer | " + " | ".join(map(str, range(N))) + " |\n|---|" + "---|" * N)
-    for layer in range(L):
-        print(f"| {layer} | " + " | ".join(f"{x:.4f}" for x in imp[layer].tolist()) + " |")
+    table(["layer", *range(N)], [[layer, *imp[layer].tolist()] for layer in range(L)], fmt=".4f")
     top = torch.topk(imp.flatten(), min(5, imp.numel())).indices.tolist()
     print("most important heads (layer, head): " + ", ".join(f"({i // N}, {i % N})" for i in top))
-    plt = plt_agg()
-    fig, ax = plt.subplots(figsize=(max(6, 0.16 * L * N), 3.8))
-    red = [i // N == 0 and i % N in heads for i in range(L * N)]
-    ax.bar(range(L * N), imp.flatten().numpy(), color=["tab:red" if x else "tab:blue" for x in red])
+    fig, ax = plt_agg().subplots(figsize=(max(6, 0.16 * L * N), 3.8))
+    ax.bar(range(L * N), imp.flatten().numpy(),
+           color=["tab:red" if i // N == 0 and i % N in model.markov_heads else "tab:blue" for i in range(L * N)])
     ax.set_xticks(range(L * N), [str(i % N) for i in range(L * N)], fontsize=6)
     for layer in range(L):
         if layer:
@@ -972,7 +872,7 @@ def importance_analysis(cfg, run, n_contexts=64):
         ax.text(layer * N + N / 2 - 0.5, 1.0, f"layer {layer}", transform=ax.get_xaxis_transform(), ha="center",
                 va="bottom", fontsize=7)
     ax.set(xlabel="head (grouped by layer)", ylabel="||a' - a'_-head||_2 (action units)")
-    ax.set_title(f"head importance (red: layer-0 Markov heads {label(heads)})", pad=14)
+    ax.set_title(f"head importance (red: layer-0 Markov heads {label(model.markov_heads)})", pad=14)
     save_figure(fig, os.path.join(run["out"], "head_importance.png"))
     return imp
 
@@ -985,47 +885,37 @@ def gif(cfg, run):
                    next(model.parameters()).device, run["out"], f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
 
-def load_lm(cfg):
-    return load_gpt2_lm("gpt2" if cfg.init == "random" else cfg.init).eval()   # CLIP: refused by model_problem
-
-
 def sample_text(cfg, max_new_tokens=40):
     """--sample PROMPT: GPT-2's continuation, the proof that the real weights loaded."""
-    model, enc = load_lm(cfg), tiktoken_gpt2()
+    model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
     ids = enc.encode(cfg.sample) or [enc.eot_token]
-    g = torch.Generator().manual_seed(cfg.seed)
-    out = model.generate(torch.tensor([ids]), max_new_tokens, generator=g)           # (1, T + new)
+    out = model.generate(torch.tensor([ids]), max_new_tokens, generator=torch.Generator().manual_seed(cfg.seed))
     print(cfg.sample + enc.decode(out[0, len(ids):].tolist()))
 
 
 def text_attention(cfg):
     """--text-attention TEXT: GPT-2's layer 0 on real text: how much each head attends to the token itself (the
     'last input token' of Thm 4.3), to the previous one and to the first one; GPT-2 small's Markov heads marked."""
-    model, enc = load_lm(cfg), tiktoken_gpt2()
+    model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
     ids = enc.encode(cfg.text_attention)[: model.cfg.n_positions]
     if len(ids) < 2:
         raise data_lib.DataError("--text-attention needs a text of at least two tokens")
     with torch.no_grad():
         probs = model(torch.tensor([ids]), need_probs=True)[1][0]                    # (1, N, T, T) layer 0
     P = probs[0]
-    self_mass = diagonal_attention_mass(probs)                                     # (N,)
-    prev_mass = P.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)                   # (N,) to token t-1
-    first_mass = P[:, 1:, 0].mean(-1)                                              # (N,) to the first token
-    small = (model.cfg.n_embd, model.cfg.n_head) == (768, 12)
+    mass = torch.stack([diagonal_attention_mass(probs),                            # (N, 3): to the token itself,
+                        P.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1),          # to token t-1,
+                        P[:, 1:, 0].mean(-1)], dim=1).tolist()                     # to the first token
+    markov = MARKOV_HEADS if (model.cfg.n_embd, model.cfg.n_head) == (768, 12) else ()   # GPT-2 small's
     print(f"GPT-2 layer 0 on {len(ids)} tokens: mean attention to the token itself / the previous / the first token")
-    print("| head | self | previous | first | GPT-2 small's Markov head |\n|---|---|---|---|---|")
-    for h in range(P.shape[0]):
-        print(f"| {h} | {self_mass[h]:.3f} | {prev_mass[h]:.3f} | {first_mass[h]:.3f} | "
-              f"{'yes' if small and h in MARKOV_HEADS else ''} |")
+    table(["head", "self", "previous", "first", "GPT-2 small's Markov head"],
+          [[h, *mass[h], "yes" if h in markov else ""] for h in range(P.shape[0])])
     heads = [h for h in (*MARKOV_HEADS, 0) if h < P.shape[0]]
     toks = [enc.decode([i]) for i in ids]
-    plt = plt_agg()
-    fig, axes = plt.subplots(1, len(heads), figsize=(3.8 * len(heads), 3.8), squeeze=False)
+    fig, axes = plt_agg().subplots(1, len(heads), figsize=(3.8 * len(heads), 3.8), squeeze=False)
     for ax, h in zip(axes[0], heads):
-        im = ax.imshow(P[h].numpy(), cmap="viridis", vmin=0, vmax=1)
-        fig.colorbar(im, ax=ax, fraction=0.046, label="attention probability")
-        ax.set(xlabel="key token", ylabel="query token",
-               title=f"head {h}" + (" (GPT-2 small's Markov head)" if small and h in MARKOV_HEADS else ""))
+        heatmap(fig, ax, P[h].numpy(), xlabel="key token", ylabel="query token",
+                title=f"head {h}" + (" (GPT-2 small's Markov head)" if h in markov else ""))
         if len(ids) <= 24:
             ax.set_xticks(range(len(ids)), toks, rotation=90, fontsize=6)
             ax.set_yticks(range(len(ids)), toks, fontsize=6)
@@ -1043,57 +933,43 @@ def load_model(cfg, given):
 
 
 ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attention_distance": attention_distance,
-            "importance": importance_analysis, "gif": gif}   # flag -> fn(cfg, run): reads the run's checkpoint, never trains
+            "importance": importance_analysis, "gif": gif}   # flag -> fn(cfg, run): reads the run's checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # pretrained weights (GPT-2, and CLIP's text tower for CLIP-DT): huggingface_hub finds them in its cache or downloads
 # them once; a hand-written safetensors reader and config.json parser check them; the names are mapped onto the blocks
 
-@dataclass
-class CLIPTextConfig:
-    """CLIP's text tower (ViT-B/32's: 12 causal pre-LN layers, width 512, 8 heads, QuickGELU), under GPT2Config's
-    field names, so that it builds the same blocks (activation 'quick_gelu'). The values are CLIPTextConfig's defaults
-    in Hugging Face, which are ViT-B/32's."""
-    vocab_size: int = 49408
-    n_positions: int = 77
-    n_embd: int = 512
-    n_layer: int = 12
-    n_head: int = 8
-    layer_norm_epsilon: float = 1e-5
-    activation: str = "quick_gelu"
+# CLIP ViT-B/32's text tower (12 causal pre-LN layers, width 512, 8 heads, QuickGELU: Hugging Face's CLIPTextConfig
+# defaults) under GPT2Config's names, so that it builds the same blocks
+CLIP_TEXT = GPT2Config(vocab_size=49408, n_positions=77, n_embd=512, n_layer=12, n_head=8, activation="quick_gelu")
+# --init's hub names (the key or a repo): the repos are looked up in the cache under each, downloaded from the first
+HUB = {"gpt2": dict(repos=("gpt2", "openai-community/gpt2"), what="GPT-2 small", config=GPT2Config()),
+       "clip": dict(repos=("openai/clip-vit-base-patch32",), what="CLIP ViT-B/32", config=CLIP_TEXT)}   # [P-new] Tab. 7
 
 
 class CheckpointError(data_lib.DataError):
-    """A GPT-2 or CLIP checkpoint that cannot be used (missing, truncated, malformed, wrong names, dtypes or shapes):
-    one sentence."""
+    """A GPT-2 or CLIP checkpoint that cannot be used (missing, truncated, malformed, wrong names, dtypes or shapes)."""
 
 
-# a hub name's repos on the Hugging Face hub: looked up in the cache under each name, downloaded from the first
-HUB = {"gpt2": dict(repos=("gpt2", "openai-community/gpt2"), what="GPT-2 small"),
-       "clip": dict(repos=("openai/clip-vit-base-patch32",), what="CLIP ViT-B/32")}   # 605 MB: both towers
-
-
-def hub_name(init):
-    """'gpt2' or 'clip' where --init names a hub checkpoint (see HUB), else None (a path, or 'random')."""
-    return "gpt2" if init in GPT2_NAMES else "clip" if init in CLIP_NAMES else None
+def hub(init):
+    """The HUB entry that --init names, else None (a path, or 'random')."""
+    return next((h for name, h in HUB.items() if init == name or init in h["repos"]), None)
 
 
 def find_weights(init="gpt2", allow_download=True):
-    """--init -> its model.safetensors. A hub name: the Hugging Face cache, else downloaded once into it with its
-    config.json (huggingface_hub shows the progress; offline, one sentence). A path: the file, or the folder
-    holding it."""
-    if name := hub_name(init):
-        hub = HUB[name]
-        for repo in hub["repos"]:
+    """--init -> its model.safetensors: a path's (the file, or its folder), a hub name's from the Hugging Face cache,
+    else downloaded once into it with its config.json (offline: one sentence), or None if not allow_download."""
+    if h := hub(init):
+        for repo in h["repos"]:
             path = try_to_load_from_cache(repo, "model.safetensors")
             if isinstance(path, str):
                 return path
-        repo = hub["repos"][0]
-        how = f"`hf download {repo} model.safetensors config.json`"
         if not allow_download:
-            raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache; get them with {how}")
-        print(f"downloading {hub['what']} ({repo}) once into the Hugging Face cache", flush=True)
+            return None
+        repo = h["repos"][0]
+        how = f"`hf download {repo} model.safetensors config.json`"
+        print(f"downloading {h['what']} ({repo}) once into the Hugging Face cache", flush=True)
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
         try:
             if not offline:             # no network: fail now, not after a minute of retries
@@ -1103,7 +979,7 @@ def find_weights(init="gpt2", allow_download=True):
         except OSError as e:            # huggingface_hub's errors (offline, HTTP) are OSErrors too
             why = ("HF_HUB_OFFLINE is set" if offline else
                    "no network" if isinstance(e, socket.gaierror) else type(e).__name__)
-            raise CheckpointError(f"{hub['what']} weights are not in the Hugging Face cache and could not be "
+            raise CheckpointError(f"{h['what']} weights are not in the Hugging Face cache and could not be "
                                   f"downloaded ({why}); with a network run {how} once, or pass --init PATH to a "
                                   f"local model.safetensors") from None
     p = os.path.expanduser(init)
@@ -1116,38 +992,34 @@ def find_weights(init="gpt2", allow_download=True):
 
 
 def config_of(init, allow_download=True):
-    """The config of --init's checkpoint: its config.json when there is one beside it (GPT-2's, or CLIP's if its
-    model_type says so), else the hub name's own (GPT-2 small's, CLIP ViT-B/32's text tower's; GPT-2 small's for a
-    file without one). allow_download=False (flag checks, a run's shape): a hub name not on disk yet gives its own."""
-    own = CLIPTextConfig() if hub_name(init) == "clip" else GPT2Config()
-    try:
-        cfg_path = os.path.join(os.path.dirname(find_weights(init, allow_download)), "config.json")
-    except CheckpointError:
-        if hub_name(init) and not allow_download:
-            return own
-        raise
-    return config_from_json(cfg_path) if os.path.isfile(cfg_path) else own
+    """The config of --init's checkpoint: the config.json beside it, else the hub name's own (GPT-2 small's for a file
+    without one). allow_download=False (flag checks, a run's shape): a hub name not on disk yet gives its own."""
+    path = find_weights(init, allow_download)                   # None: a hub name not on disk yet
+    cfg_path = os.path.join(os.path.dirname(path), "config.json") if path else ""
+    if os.path.isfile(cfg_path):
+        return config_from_json(cfg_path)
+    return hub(init)["config"] if hub(init) else GPT2Config()
 
 
 def load_checkpoint(init="gpt2"):
     """-> (config, the blocks' state dict: names h.<i>.*, ln_f.*, nn.Linear layout), checked name by name and shape by
-    shape: GPT-2's (GPT2Config, also wte and wpe), or CLIP's text tower mapped onto the same names (CLIPTextConfig)."""
+    shape: GPT-2's (also wte and wpe), or CLIP's text tower mapped onto the same names."""
     cfg, path = config_of(init), find_weights(init)
-    if isinstance(cfg, CLIPTextConfig):
-        return cfg, clip_state_from_hf(read_safetensors(path, keep=is_clip_text_block), cfg)
+    if cfg.activation == "quick_gelu":            # CLIP's text tower
+        return cfg, clip_state_from_hf(read_safetensors(path, keep=CLIP_TEXT_BLOCKS), cfg)
     return cfg, gpt2_state_from_hf(read_safetensors(path), cfg)
 
 
 def load_gpt2_lm(init="gpt2"):
-    """The GPT-2 language model with its pretrained weights (built on the meta device: no init work)."""
-    cfg, sd = load_checkpoint(init)
-    if not isinstance(cfg, GPT2Config):
+    """The GPT-2 language model with its pretrained weights ('random': GPT-2 small's), in eval mode."""
+    cfg, sd = load_checkpoint("gpt2" if init == "random" else init)
+    if cfg.activation == "quick_gelu":
         raise CheckpointError(f"{init} is CLIP's text tower, which has no language-model head: GPT-2's text checks "
                               f"need a GPT-2 checkpoint")
-    with torch.device("meta"):
+    with torch.device("meta"):                  # no init work: the weights are assigned
         model = GPT2(cfg)
     model.load_state_dict(sd, strict=True, assign=True)
-    return model
+    return model.eval()
 
 
 def tiktoken_gpt2():
@@ -1155,35 +1027,26 @@ def tiktoken_gpt2():
         import tiktoken
         return tiktoken.get_encoding("gpt2")
     except Exception as e:   # offline: tiktoken fetches its BPE files once (requests / urllib errors, by version)
-        raise CheckpointError(f"tiktoken's GPT-2 encoding is not available ({type(e).__name__}: it downloads its BPE "
-                              f"files once; run with a network, or set TIKTOKEN_CACHE_DIR to a folder holding "
-                              f"them)") from None
+        raise CheckpointError(f"tiktoken's GPT-2 encoding is not available ({type(e).__name__}); it downloads its BPE "
+                              f"files once: run with a network, or set TIKTOKEN_CACHE_DIR to their folder") from None
 
 
-# reading and checking them: a hand-written safetensors reader (no pickle; every offset and shape checked against the
-# file's size first), config.json within bounds, HF's names mapped onto the blocks'
-SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-                      "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
-                      "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1)}
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
 MAX_HEADER_BYTES = 100 * 1024 * 1024        # the format's own limit (safetensors rejects larger headers)
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# config.json: each GPT-2 field with its type and the largest value accepted, checked before anything is allocated
+# config.json: each GPT-2 field with the largest value accepted (a whole number from 1), checked before any allocation
 GPT2_LIMITS = dict(vocab_size=1_000_000, n_positions=65_536, n_embd=12_288, n_layer=96, n_head=256)
 CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings", n_embd="hidden_size",
-                 n_layer="num_hidden_layers", n_head="num_attention_heads")   # CLIP's config.json names, same limits
-CLIP_MODEL_TYPES = ("clip", "clip_text_model")   # config.json's model_type of CLIPModel (text_config) / CLIPTextModel
+                 n_layer="num_hidden_layers", n_head="num_attention_heads",   # CLIP's config.json names, same limits
+                 layer_norm_epsilon="layer_norm_eps")
 
 
-def read_safetensors(path, keep=None):
-    """Parse a .safetensors file by hand -> dict[str, torch.Tensor] (CPU, own memory). keep(name) -> bool: read only
-    those tensors (CLIP's text tower out of a file that also holds the vision tower); every entry is checked all the
-    same.
-
-    Layout: 8-byte little-endian u64 header length n; n bytes of JSON {name: {dtype, shape, data_offsets:[a,b]},
-    optional "__metadata__": {str: str}}; then the raw little-endian tensor bytes, offsets relative to the data start.
-    Everything is checked against the file size before a byte of tensor data is read, so a truncated or hostile
-    file fails fast with CheckpointError and never allocates more than the file holds. Nothing is executed (no pickle).
-    """
+def read_safetensors(path, keep=""):
+    """Parse a .safetensors file by hand -> dict[str, torch.Tensor] (CPU), only the names that start with keep (every
+    entry is checked all the same). Layout: u64 little-endian header length n; n bytes of JSON {name: {dtype, shape,
+    data_offsets: [a, b]}, "__metadata__"?}; the raw little-endian tensor bytes, offsets from the data start. All is
+    checked against the file size first: a hostile file fails fast and allocates no more than the file holds."""
     try:
         size = os.path.getsize(path)
         f = open(path, "rb")
@@ -1192,7 +1055,7 @@ def read_safetensors(path, keep=None):
     with f:
         if size < 8:
             raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", f.read(8))
+        n = int.from_bytes(f.read(8), "little")
         if n < 2 or n > min(MAX_HEADER_BYTES, size - 8):
             raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes); truncated or not "
                                   f"a safetensors file")
@@ -1218,7 +1081,7 @@ def read_safetensors(path, keep=None):
             if len(offs) != 2 or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1] <= data_len:
                 raise CheckpointError(f"{path}: tensor '{name}' has offsets {str(offs)[:60]} outside the data "
                                       f"({data_len} bytes); the file is truncated or corrupt")
-            if math.prod(shape) * SAFETENSORS_DTYPES[info["dtype"]][1] != offs[1] - offs[0]:
+            if math.prod(shape) * SAFETENSORS_DTYPES[info["dtype"]].itemsize != offs[1] - offs[0]:
                 raise CheckpointError(f"{path}: tensor '{name}' ({info['dtype']} {shape}) does not match its "
                                       f"{offs[1] - offs[0]} bytes of data")
             spans.append((offs[0], offs[1], name))
@@ -1228,25 +1091,22 @@ def read_safetensors(path, keep=None):
                 raise CheckpointError(f"{path}: tensors '{n0}' and '{n1}' overlap in the data")
         out = {}
         for a, b, name in spans:
-            if keep is not None and not keep(name):
+            if not name.startswith(keep):
                 continue
-            info = header[name]
-            dtype = SAFETENSORS_DTYPES[info["dtype"]][0]
+            dtype = SAFETENSORS_DTYPES[header[name]["dtype"]]
             f.seek(8 + n + a)
             buf = bytearray(f.read(b - a))
             if len(buf) != b - a:
                 raise CheckpointError(f"{path}: file ended while reading '{name}'")
-            t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-            t = t.view(dtype) if dtype != torch.uint8 else t
+            t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
             if sys.byteorder == "big":      # the data are little-endian
                 t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtype)
-            out[name] = t.reshape(info["shape"])
+            out[name] = t.reshape(header[name]["shape"])
         return out
 
 
 def check_tensors(sd, shapes, what):
-    """Every tensor of `shapes` is in sd, floating-point and of its shape, else one sentence naming the first that is
-    not: a checkpoint of another model is a CheckpointError, not a silent half-load."""
+    """Every tensor of `shapes` is in sd, floating-point and of its shape, else a CheckpointError, not a half-load."""
     missing = sorted(set(shapes) - set(sd))
     if missing:
         clip = what == "GPT-2" and any(k.endswith("encoder.layers.0.layer_norm1.weight") for k in sd)
@@ -1261,87 +1121,64 @@ def check_tensors(sd, shapes, what):
             raise CheckpointError(f"tensor '{k}' has shape {tuple(sd[k].shape)}, expected {s}")
 
 
-def gpt2_state_from_hf(sd, cfg):
-    """HF GPT-2 tensors (with or without the 'transformer.' prefix, Conv1D layout) -> GPT2 state dict (names
-    h.<i>.*, nn.Linear layout), checked name by name, dtype and shape."""
-    out = {}
-    for k, v in sd.items():
-        k = k[len("transformer."):] if k.startswith("transformer.") else k
-        if k == "lm_head.weight" or k.endswith(".attn.bias") or k.endswith(".attn.masked_bias"):
-            continue                             # tied to wte / HF's causal-mask buffers
-        out[k] = v.t() if k.endswith(CONV1D) and v.dim() == 2 else v   # Conv1D (in, out) -> nn.Linear (out, in)
-    C, V, P = cfg.n_embd, cfg.vocab_size, cfg.n_positions
-    shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
+def block_shapes(cfg):
+    """The tensors load_checkpoint returns for the blocks (names h.<i>.*, ln_f.*, nn.Linear layout) -> shape."""
+    C = cfg.n_embd
+    shapes = {"ln_f.weight": (C,), "ln_f.bias": (C,)}
     for i in range(cfg.n_layer):
-        p = f"h.{i}."
-        shapes.update({p + "ln_1.weight": (C,), p + "ln_1.bias": (C,), p + "ln_2.weight": (C,), p + "ln_2.bias": (C,),
-                       p + "attn.c_attn.weight": (3 * C, C), p + "attn.c_attn.bias": (3 * C,),
-                       p + "attn.c_proj.weight": (C, C), p + "attn.c_proj.bias": (C,),
-                       p + "mlp.c_fc.weight": (4 * C, C), p + "mlp.c_fc.bias": (4 * C,),
-                       p + "mlp.c_proj.weight": (C, 4 * C), p + "mlp.c_proj.bias": (C,)})
-    check_tensors(out, shapes, "GPT-2")
-    return {k: out[k].float().contiguous() for k in shapes}
+        for part, weight in (("ln_1", (C,)), ("ln_2", (C,)), ("attn.c_attn", (3 * C, C)), ("attn.c_proj", (C, C)),
+                             ("mlp.c_fc", (4 * C, C)), ("mlp.c_proj", (C, 4 * C))):
+            shapes[f"h.{i}.{part}.weight"], shapes[f"h.{i}.{part}.bias"] = weight, weight[:1]   # (out, in), (out,)
+    return shapes
 
 
-# CLIP's text tower -> the blocks: each HF CLIPEncoderLayer's tensors (nn.Linear layout, as the blocks', so nothing is
-# transposed) under the block's own names; q_proj, k_proj and v_proj are stacked as c_attn's rows W^q, W^k, W^v
+def gpt2_state_from_hf(sd, cfg):
+    """HF GPT-2 tensors (with or without the 'transformer.' prefix) -> GPT2's state dict, checked name by name, dtype
+    and shape. HF's Conv1D weights are (in, out): transposed to nn.Linear's (out, in)."""
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    sd = {k.removeprefix("transformer."): v.t() if k.endswith(conv1d) and v.dim() == 2 else v for k, v in sd.items()}
+    shapes = {"wte.weight": (cfg.vocab_size, cfg.n_embd), "wpe.weight": (cfg.n_positions, cfg.n_embd)}
+    shapes.update(block_shapes(cfg))            # lm_head is tied to wte; HF's attn.bias buffers are not read
+    check_tensors(sd, shapes, "GPT-2")
+    return {k: sd[k].float().contiguous() for k in shapes}
+
+
+# the tensors CLIP-DT reads from a CLIP file (CLIPModel's names or CLIPTextModel's): the text tower's layers and final
+# LayerNorm; not its embeddings (DT replaces them, as GPT-2's wte and wpe), text_projection, the vision tower
+CLIP_TEXT_BLOCKS = ("text_model.encoder.layers.", "text_model.final_layer_norm.", "encoder.layers.",
+                    "final_layer_norm.")
+# the blocks' names -> HF CLIPEncoderLayer's (whose nn.Linear layout is the blocks': nothing is transposed)
 CLIP_TO_BLOCK = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.c_proj": "self_attn.out_proj",
                  "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
 
 
-def is_clip_text_block(name):
-    """The tensors CLIP-DT takes from a CLIP file: the text tower's layers and its final LayerNorm. Not taken: its
-    token and position embeddings (DT embeds returns, states and actions itself, as it leaves GPT-2's wte and wpe
-    unused), text_projection (the contrastive head), the vision tower, logit_scale."""
-    name = name[len("text_model."):] if name.startswith("text_model.") else name
-    return name.startswith(("encoder.layers.", "final_layer_norm."))
+def clip_names(name):
+    """A tensor of block_shapes -> the CLIP text-tower tensors it is made of (c_attn: q_proj, k_proj, v_proj)."""
+    if name.startswith("ln_f."):
+        return ["final_layer_norm." + name.removeprefix("ln_f.")]
+    _, i, part = name.split(".", 2)                                     # h, <i>, e.g. attn.c_attn.weight
+    part, x = part.rsplit(".", 1)
+    if part == "attn.c_attn":
+        return [f"encoder.layers.{i}.self_attn.{q}_proj.{x}" for q in "qkv"]
+    return [f"encoder.layers.{i}.{CLIP_TO_BLOCK[part]}.{x}"]
 
 
 def clip_state_from_hf(sd, cfg):
     """HF CLIP text-tower tensors (CLIPModel's 'text_model.' prefix or CLIPTextModel's bare names) -> the blocks' state
-    dict (h.<i>.*, ln_f.*, as gpt2_state_from_hf makes it), checked name by name, dtype and shape."""
-    sd = {k[len("text_model."):] if k.startswith("text_model.") else k: v for k, v in sd.items()}
-    C = cfg.n_embd
-    shapes = {"final_layer_norm.weight": (C,), "final_layer_norm.bias": (C,)}
-    for i in range(cfg.n_layer):
-        p = f"encoder.layers.{i}."
-        for part, weight in (("layer_norm1", (C,)), ("layer_norm2", (C,)), ("self_attn.q_proj", (C, C)),
-                             ("self_attn.k_proj", (C, C)), ("self_attn.v_proj", (C, C)), ("self_attn.out_proj", (C, C)),
-                             ("mlp.fc1", (4 * C, C)), ("mlp.fc2", (C, 4 * C))):
-            shapes[f"{p}{part}.weight"], shapes[f"{p}{part}.bias"] = weight, weight[:1]   # nn.Linear: (out, in), (out,)
+    dict (as gpt2_state_from_hf makes it), checked name by name, dtype and shape."""
+    sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
+    shapes = {}
+    for name, (rows, *cols) in block_shapes(cfg).items():
+        for theirs in clip_names(name):
+            shapes[theirs] = (rows // len(clip_names(name)), *cols)       # c_attn's 3C rows: C each of q, k, v
     check_tensors(sd, shapes, "CLIP text-tower")
-    out = {"ln_f.weight": sd["final_layer_norm.weight"], "ln_f.bias": sd["final_layer_norm.bias"]}  # as GPT-2's ln_f
-    for i in range(cfg.n_layer):
-        src, dst = f"encoder.layers.{i}.", f"h.{i}."
-        for x in ("weight", "bias"):
-            out[f"{dst}attn.c_attn.{x}"] = torch.cat([sd[f"{src}self_attn.{q}_proj.{x}"] for q in "qkv"])  # (3C, ...)
-            out.update({f"{dst}{ours}.{x}": sd[f"{src}{theirs}.{x}"] for ours, theirs in CLIP_TO_BLOCK.items()})
-    return {k: v.float().contiguous() for k, v in out.items()}
-
-
-def checked_config(path, hf, cls, keys, eps_key):
-    """cls (GPT2Config or CLIPTextConfig) from the HF config dict hf, its defaults for what hf does not say. keys: our
-    field -> hf's name. Types, ranges and sane upper bounds are checked before anything is allocated, so a hostile
-    file (n_layer 10**9) is refused at once."""
-    d, values = cls(), {}
-    for name, top in GPT2_LIMITS.items():
-        key = keys.get(name, name)
-        v = hf.get(key, getattr(d, name))
-        if type(v) is not int or not 1 <= v <= top:
-            raise CheckpointError(f"{path}: {key} must be a whole number from 1 to {top:,}, got {str(v)[:30]}")
-        values[name] = v
-    eps = hf.get(eps_key, d.layer_norm_epsilon)
-    if type(eps) not in (int, float) or not (math.isfinite(eps) and 0 < eps < 1):
-        raise CheckpointError(f"{path}: {eps_key} must be a small positive number, got {str(eps)[:30]}")
-    if values["n_embd"] % values["n_head"]:
-        raise CheckpointError(f"{path}: {keys.get('n_embd', 'n_embd')} {values['n_embd']} is not divisible by "
-                              f"{keys.get('n_head', 'n_head')} {values['n_head']}")
-    return cls(**values, layer_norm_epsilon=float(eps))
+    return {name: torch.cat([sd[k] for k in clip_names(name)]).float().contiguous() for name in block_shapes(cfg)}
 
 
 def config_from_json(path):
-    """HF config.json -> GPT2Config, or CLIPTextConfig where its model_type is CLIP's (CLIPModel's text_config, or a
-    CLIPTextModel's own fields)."""
+    """HF config.json -> GPT2Config: GPT-2's, or CLIP's text tower where its model_type says so (CLIPModel's
+    text_config, or a CLIPTextModel's own fields), GPT-2 small's or CLIP_TEXT's values where it is silent. Types,
+    ranges and sane upper bounds are checked before anything is allocated (n_layer 10**9 is refused at once)."""
     try:
         with open(path) as f:
             hf = json.load(f)
@@ -1349,22 +1186,34 @@ def config_from_json(path):
         raise CheckpointError(f"cannot read {path} ({type(e).__name__}); not a GPT-2 or CLIP config.json") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} is not a JSON object")
-    if hf.get("model_type") not in CLIP_MODEL_TYPES:
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise CheckpointError(f"{path}: activation {str(act)[:30]!r} is not GPT-2's tanh GELU")
-        return checked_config(path, hf, GPT2Config, {}, "layer_norm_epsilon")
-    text = (hf.get("text_config") or {}) if hf["model_type"] == "clip" else hf
-    if not isinstance(text, dict):
-        raise CheckpointError(f"{path}: text_config is not a JSON object")
-    act = text.get("hidden_act", "quick_gelu")
-    if act != "quick_gelu":
-        raise CheckpointError(f"{path}: hidden_act {str(act)[:30]!r} is not OpenAI CLIP's quick_gelu")
-    g = checked_config(path, text, CLIPTextConfig, CLIP_KEYS, "layer_norm_eps")
-    if text.get("intermediate_size", 4 * g.n_embd) != 4 * g.n_embd:
-        raise CheckpointError(f"{path}: intermediate_size {str(text['intermediate_size'])[:30]} is not 4 x hidden_size "
-                              f"{g.n_embd}, the blocks' MLP width")
-    return g
+    clip = hf.get("model_type") in ("clip", "clip_text_model")     # CLIPModel's (text_config) / CLIPTextModel's
+    if clip:
+        hf = (hf.get("text_config") or {}) if hf["model_type"] == "clip" else hf
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{path}: text_config is not a JSON object")
+        if hf.get("hidden_act", "quick_gelu") != "quick_gelu":
+            raise CheckpointError(f"{path}: hidden_act {str(hf['hidden_act'])[:30]!r} is not OpenAI CLIP's quick_gelu")
+    elif hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: activation {str(hf['activation_function'])[:30]!r} is not GPT-2's tanh GELU")
+    default, keys = (CLIP_TEXT, CLIP_KEYS) if clip else (GPT2Config(), {})     # keys: our field -> the file's name
+    values = {}
+    for name, top in GPT2_LIMITS.items():
+        key = keys.get(name, name)
+        v = hf.get(key, getattr(default, name))
+        if type(v) is not int or not 1 <= v <= top:
+            raise CheckpointError(f"{path}: {key} must be a whole number from 1 to {top:,}, got {str(v)[:30]}")
+        values[name] = v
+    key = keys.get("layer_norm_epsilon", "layer_norm_epsilon")
+    eps = hf.get(key, default.layer_norm_epsilon)
+    if type(eps) not in (int, float) or not (math.isfinite(eps) and 0 < eps < 1):
+        raise CheckpointError(f"{path}: {key} must be a small positive number, got {str(eps)[:30]}")
+    if values["n_embd"] % values["n_head"]:
+        raise CheckpointError(f"{path}: {keys.get('n_embd', 'n_embd')} {values['n_embd']} is not divisible by "
+                              f"{keys.get('n_head', 'n_head')} {values['n_head']}")
+    if clip and hf.get("intermediate_size", 4 * values["n_embd"]) != 4 * values["n_embd"]:
+        raise CheckpointError(f"{path}: intermediate_size {str(hf['intermediate_size'])[:30]} is not 4 x hidden_size "
+                              f"{values['n_embd']}, the blocks' MLP width")
+    return dataclasses.replace(default, **values, layer_norm_epsilon=float(eps))
 
 
 # ----------------------------------------------------------------------------------------------------------------

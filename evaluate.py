@@ -993,10 +993,8 @@ def _mean_std(values, scale=1.0):
 
 
 def report(runs_dir="runs"):
-    """The markdown report of every run under runs_dir; also written to runs_dir/report.md, with runs_dir/report.png.
-    Per (dataset_id, script, variant) over its finished seeds: the last and the best evaluation of each seed's
-    headline target, the last evaluation's raw return (StARformer's tables are raw returns), and for goal-reaching
-    data the last evaluation's success rate and steps to the goal."""
+    """The markdown table over the seeds of every run under runs_dir (its first lines say what each column holds),
+    printed and written to runs_dir/report.md, with the figure runs_dir/report.png. -> the table's text."""
     if not os.path.isdir(runs_dir):
         raise DataError(f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
     # every folder under runs_dir (itself included) holding a run's file; read_run says why one is left out
@@ -1019,6 +1017,7 @@ def report(runs_dir="runs"):
              "seed); **last return** = the final evaluation's raw episode return, the same way; **target** = the "
              "headline target's return-to-go prompt (none for a model without one)."
              + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
+    # last return: StARformer's tables are raw returns
     columns = ["dataset", "script", "variant", "seeds", "steps", "target", "last score", "best score", "last return"]
     columns += ["success % (last)", "steps to goal (last)"] if goal else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -3,17 +3,15 @@ Rollouts and the run record: the only code besides data.py that the model files 
 
     res = evaluate(act, d, episodes=10, target_return=3600, seed=0, context=20)
 
-evaluate() runs the episodes in parallel in the dataset's own gymnasium env -> per-episode returns, lengths,
-normalised scores (and, for goal-reaching mazes, success and steps to the goal). `act(batch, live)` is model-agnostic:
+evaluate() runs the episodes in parallel in the dataset's own gymnasium env. `act(batch, live)` is model-agnostic:
 `batch` holds, for the envs that are still running, the last `context` steps ending at the current step t, in exactly
 the format of data.OfflineData.sample (states normalised, left padding, rtg scaled, prev_action/prev_reward with the
-same null values). The current step's action and reward are not known yet and are 0. `live` is the array of env
+same null values); the current step's action and reward are not known yet and are 0. `live` is the array of env
 indices the rows belong to (timesteps[:, -1] == 0 marks a fresh episode, where a recurrent model resets its state).
 It returns (len(live), act_dim) actions.
 
-Then, in this order: the --gif episode; the run record, which a model file's main() and train() call (flags and
-checks, the run folder and its lock, Run, StopSignal, the curve, --bench; the model file drives, nothing here calls
-back into it); `report`; the command line:
+Then the --gif episode, the run record (which a model file's main() and train() call; nothing here calls back) and
+`report`, the command line:
     python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure
 """
 import argparse
@@ -24,6 +22,7 @@ import errno
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -41,22 +40,18 @@ import data as data_lib
 from data import DataError, FlagParser, is_maze, resolve
 
 # ================================================================================================================
-# Rollouts: evaluate(), which a model file's train() calls at every --eval-every and its analyses on a finished run;
-# the rolling contexts it keeps; the one-episode-at-a-time reference that the tests compare it with.
+# Rollouts: evaluate() (a model file's train() calls it at every --eval-every), the rolling contexts it keeps, and the
+# one-episode-at-a-time reference.
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0,
              greedy=False):
     """Run `episodes` episodes in parallel (env i reset with seed + i), each to its own termination or truncation,
-    with the return-to-go prompt `target_return` (raw units; None for a model that takes none: the rtg column is
-    then 0). -> dict of per-episode arrays: returns, lengths, normalized; goal tasks add success, steps_to_goal (first
-    step with info['success'], the horizon when never reached) and positions (a list of (length + 1, 2) arrays: the
-    agent's x, y after reset and after each step, for drawing paths); seconds: the wall time it took; with
-    render_every > 0, frames: episode 0 rendered after reset and every render_every steps (and at its end, at most
-    GIF_FRAMES), as (step, return so far, RGB array) tuples.
-
-    Discrete actions (Atari): act() returns (L, n_actions) logits and the action is drawn from their softmax, as DT's
-    Atari code does (env i's draws from its own generator, seeded seed + i), or with greedy=True their argmax. An
-    episode ends at game over or at the horizon (108k frames on Atari).
+    with the return-to-go prompt `target_return` (raw units; None: the rtg column is 0). -> dict of per-episode arrays:
+    returns, lengths, normalized; goal tasks add success, steps_to_goal (first step with info['success'], else the
+    horizon) and positions ((length + 1, 2) arrays: x, y after reset and after each step); seconds: the wall time;
+    with render_every > 0, frames: (step, return so far, RGB array) of episode 0 after reset, every render_every
+    steps and at its end (at most GIF_FRAMES). Discrete actions (Atari): act() returns (L, n_actions) logits and
+    choose() picks the action (env i's draws from a generator seeded seed + i). Atari's horizon is 108k frames.
 
     The loop is the DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps count from 0 here):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False    # the RTG prompt at reset
@@ -76,7 +71,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
     positions = [[] for _ in range(n)]
     for i, env in enumerate(envs):
         obs, _ = env.reset(seed=seed + i)
-        contexts.start(i, obs, R[i])                                          # s_0 and R_0
+        contexts.begin(i, 0, obs, R[i])                                       # s_0 and R_0
         positions[i] += [_position(obs)] if d.goal_reaching else []
     frames = [(0, 0.0, envs[0].render())] if render_every else []
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
@@ -136,26 +131,22 @@ class Contexts:
         self.flat[self.key] = (np.zeros((rows, *d.obs_shape[1:]), np.uint8) if atari else
                                np.zeros((rows, d.obs_dim), np.float32))
 
-    def start(self, i, obs, rtg):
-        """Env i was reset: its step 0 begins."""
-        self._begin(i, 0, obs, rtg)
-
     def window(self, live, t):
         """Steps t-K+1 .. t of each live env (left padding before its step 0) -> dict of (L, K, ...) tensors."""
         return data_lib.gather_windows(self.flat, live * self.W, live * self.W + t, self.K, ring=self.W)
 
-    def append(self, i, t, action, reward, obs, rtg):
-        """Step t of env i ended with a_t and r_t; step t + 1 begins with s_{t+1} = obs and R_{t+1} = rtg."""
-        row = i * self.W + t % self.W
-        self.flat["actions"][row], self.flat["rewards"][row] = action, reward
-        self._begin(i, t + 1, obs, rtg)
-
-    def _begin(self, i, t, obs, rtg):
+    def begin(self, i, t, obs, rtg):
         """Step t of env i begins: s_t, R_t and t in its row; a_t and r_t are not known yet (0)."""
         f, row = self.flat, i * self.W + t % self.W
         f[self.key][row], f["rtg"][row] = self.d.observe(obs), rtg
         f["timesteps"][row] = min(t, self.d.max_ep_len - 1)                   # beyond the data's longest: its last
         f["actions"][row], f["rewards"][row] = 0, 0.0
+
+    def append(self, i, t, action, reward, obs, rtg):
+        """Step t of env i ended with a_t and r_t; step t + 1 begins with s_{t+1} = obs and R_{t+1} = rtg."""
+        row = i * self.W + t % self.W
+        self.flat["actions"][row], self.flat["rewards"][row] = action, reward
+        self.begin(i, t + 1, obs, rtg)
 
 
 def _as_numpy(a):
@@ -192,10 +183,10 @@ def summarize(res):
     return s
 
 
-def evaluate_sequential(act, d, episodes, target_return, seed, context, device="cpu", greedy=False):
+def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=False):
     """Reference: the same protocol, one episode at a time, windows built from plain Python lists (independent of
-    data.gather_windows and Contexts' ring; Atari states stacked here from the frame list). Slow; kept for the test that
-    the batched path gives the same episodes."""
+    data.gather_windows and Contexts' ring; Atari states stacked here from the frame list). Slow: for the tests and
+    --bench-eval."""
     n, H, K = episodes, d.horizon, context
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
@@ -227,8 +218,7 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, device="
                 prev_action=A[lo - 1] if lo > 0 else zero_a,
                 prev_reward=[R[lo - 1] if lo > 0 else 0.0],
             )
-            batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32), device=device)
-                     for k, v in batch.items()}
+            batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32)) for k, v in batch.items()}
             with torch.no_grad():
                 out = _as_numpy(act(batch, np.array([i])))[0]
             a = choose(out, rng, greedy) if d.discrete else np.clip(out, env.action_space.low, env.action_space.high)
@@ -249,20 +239,30 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, device="
     return _result(d, returns, lengths, success, steps_to_goal, positions)
 
 
+def compare_with_sequential(act, d, episodes, target_return, seed, context):
+    """dt.py's --bench-eval: one line with the batched and the sequential time and whether the returns agree."""
+    rb = evaluate(act, d, episodes, target_return, seed, context, progress=False)
+    t0 = time.time()
+    rs = evaluate_sequential(act, d, episodes, target_return, seed, context)
+    ts = time.time() - t0
+    print(f"{episodes} episodes, {rb['lengths'].sum()} env steps (lengths {rb['lengths'].tolist()}): batched "
+          f"{rb['seconds']:.2f}s, sequential {ts:.2f}s, speed-up {ts / rb['seconds']:.1f}x; same returns: "
+          f"{np.allclose(rb['returns'], rs['returns'])}")
+
+
 # ================================================================================================================
 # The --gif episode, which a model file's main() makes with --gif (after training, or from a finished run).
 
 GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
 
 
-def episode_gif(act, d, target_return, seed, context, device, out, title, max_frames=150, greedy=False):
-    """--gif: one evaluation episode rendered into <out>/episode.gif, the title, step and return so far drawn on each
-    frame; a line says what was written. MuJoCo: at most max_frames + 2 frames of 240 x 240 (every
-    ceil(horizon / max_frames) steps, at the env's own speed). Atari: the game's colour screen (not the 84 x 84
-    input), every second step, at most GIF_FRAMES. -> evaluate()'s result for the episode."""
+def episode_gif(act, d, target_return, seed, context, device, out, title, greedy=False):
+    """--gif: one evaluation episode -> <out>/episode.gif, with the title, step and return so far on each frame. MuJoCo:
+    at most 152 frames of 240 x 240, at the env's own speed. Atari: the game's colour screen (not the 84 x 84 input),
+    every second step, at most GIF_FRAMES. -> evaluate()'s result for the episode."""
     from PIL import Image, ImageDraw, ImageFont
     atari, path = d.family == "atari", os.path.join(out, "episode.gif")
-    backend, every = (None, 2) if atari else (pick_gl(), -(-d.max_ep_len // max_frames))
+    backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
     try:
         res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every,
                        greedy=greedy)
@@ -293,7 +293,8 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, max_fr
     images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
                    duration=max(20, int(round(every * dt * 100)) * 10))
     cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
-    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, {os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
+    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, {os.path.getsize(path) / 2 ** 20:.1f} MB -> "
+          f"{path}")
     return res
 
 
@@ -326,9 +327,8 @@ def pick_gl():
 
 
 # ================================================================================================================
-# The run record, which the model files call: main() reads the flags (parse_flags, check_flags) and opens a Run (or,
-# with --bench, bench_modes' Bench records), inside one_sentence_errors(); train() checks the data and one step's memory
-# (check_data, check_memory), then calls run.start / run.log / run.save / run.finish.
+# The run record: a model file's main() calls parse_flags, check_flags and opens a Run (with --bench, bench_modes'
+# Bench records) inside one_sentence_errors(); train() calls check_data, check_memory, run.start/log/save/finish.
 
 RUN_FILES = ("config.json", "log.csv", "ckpt.pt")      # a folder holding one of these holds a run
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
@@ -366,8 +366,7 @@ def parse_flags(Config, presets, argv, prog, description):
 
 
 def family_setting(presets, preset, dataset):
-    """A preset's "mazes" entry where the dataset is a maze (data.is_maze), its "atari" entry on Atari data
-    (data.is_atari), else none. The preset "" is the paper's configuration (a model file's Atari settings)."""
+    """A preset's entry for the dataset's family ("mazes" or "atari"), else {}. The preset "" is the paper's."""
     family = "mazes" if is_maze(dataset) else "atari" if data_lib.is_atari(dataset) else None
     return presets.get(preset, {}).get(family, {}) if family else {}
 
@@ -391,11 +390,8 @@ def check_flags(cfg, *one_of):
         if f.name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
                       "n_head") and v is not None and v <= 0:
             raise DataError(f"{flag} must be a positive whole number, got {v}")
-    for name, v, ok, rule in (("lr", cfg.lr, cfg.lr > 0, "> 0"), ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
-                              ("weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-                              ("warmup-steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0")):
-        if not ok:
-            raise DataError(f"--{name} must be {rule}, got {v}")
+        if f.name in ("lr", "grad_clip") and v <= 0 or f.name in ("weight_decay", "warmup_steps") and v < 0:
+            raise DataError(f"{flag} must be {'> 0' if f.name in ('lr', 'grad_clip') else '>= 0'}, got {v}")
     if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
         raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
     if not 0 <= cfg.seed <= MAX_SEED:
@@ -437,16 +433,15 @@ def check_data(cfg, d, atari=False):
     target, top = getattr(cfg, "target_return", None), float(np.abs(d.episode_returns).max())
     if target is not None and abs(target) > 100 * max(top, 1.0):   # (1e30 would also overflow float32 in the model)
         raise DataError(f"--target-return {target:g} is more than 100 times the largest episode return in "
-                        f"{d.dataset_id} ({top:.4g}), far outside anything the model saw; give a target near the data's")
+                        f"{d.dataset_id} ({top:.4g}), far outside what the model saw; give a target near the data's")
 
 
 def free_memory(device):
     """Bytes free on `device`: CUDA's count, else the OS's available memory (Linux; elsewhere the physical memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
@@ -459,14 +454,14 @@ def gb(n):
 
 
 def check_memory(model, loss, template, batch_size, device):
-    """What one training step needs, counted before anything is allocated: `model` built under torch.device("meta")
-    (shapes, no data) and `loss(batch)` run there on `batch_size` rows shaped like `template` (a real batch of a few
-    windows). The parameters count 4 times (gradients, AdamW's two moments), plus the tensors autograd keeps for the
-    backward and the batch. One sentence if that is more than the device has free; else the bytes."""
+    """The bytes one training step needs, counted on the meta device before anything is allocated: `loss(batch)` on
+    `batch_size` rows shaped like `template`; the parameters count 4 times (gradients, AdamW's two moments), plus the
+    tensors autograd keeps for the backward and the batch. One sentence if that is more than the device has free."""
     batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype, device="meta") for k, v in template.items()}
     kept = []
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: kept.append(0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(   # a parameter autograd keeps is counted once, below
+            lambda t: kept.append(0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t,
+            lambda t: t):
         loss(batch)
     params = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
     need = params + sum(kept) + 2 * sum(v.numel() * v.element_size() for v in batch.values())   # host + device copy
@@ -508,9 +503,8 @@ def read_checkpoint(path, script):
 
 
 def load_run(script, cfg, given, presets):
-    """The run in cfg's folder, read only (for --resume and the analyses): its settings with the flags given now on
-    top, and its checkpoint. A flag that would change what is trained (or the dataset, or the seed) and differs from the
-    checkpoint is refused in one sentence that names it, and so is a --steps below the step the run has reached."""
+    """The run in cfg's folder, read only (--resume, the analyses) -> (its settings under the flags given now, its
+    checkpoint). A given flag that changes what is trained, the data or the seed, or shortens the run, is refused."""
     path = os.path.join(run_folder(script, cfg, presets), "ckpt.pt")
     if not os.path.exists(path):
         raise DataError(f"no checkpoint at {path}; train the run first, or pass --out <run folder>")
@@ -548,15 +542,14 @@ def lock_folder(out):
         pid = f.read().strip() or "?"
         f.close()
         raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
-    f.seek(0)
-    f.truncate()
+    f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
 
 
 def refuse_occupied(out, script):
-    """A run starts only in a new or empty folder: one holding a run needs --resume; anything else is never written to."""
+    """A run starts only in a new or empty folder: one holding a run needs --resume; any other is never written to."""
     files = sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []
     if set(files) & set(RUN_FILES):
         owner = script if {"ckpt.pt", "log.csv"} & set(files) else None
@@ -569,7 +562,7 @@ def refuse_occupied(out, script):
             raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
     if files:
         raise DataError(f"{out} already holds files that are not a run of {script}.py ({', '.join(files[:3])}"
-                        f"{', ...' if len(files) > 3 else ''}); nothing there is overwritten, so pass a new or empty --out")
+                        f"{', ...' * (len(files) > 3)}); nothing there is overwritten, so pass a new or empty --out")
 
 
 def write_atomic(path, write):
@@ -590,13 +583,6 @@ def write_atomic(path, write):
         else:   # torch's own words, without its C++ source location
             reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1].split("] ")[-1][:100]
         raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
-
-
-def write_json(path, obj):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-    write_atomic(path, write)
 
 
 class StopSignal:
@@ -629,8 +615,7 @@ class Run:
     """One run's folder (runs/<script>/<env>/<variant>/seed<N>/, or --out): config.json, log.csv (a row per log step
     and one per evaluated target), ckpt.pt (all an exact resume needs) and curve.png. Run(...) writes nothing: it names
     the folder, refuses what must not happen there and, with --resume, takes the run's settings from its checkpoint
-    (self.cfg). start() creates and locks the folder, or restores the resumed run. A new folder that never got a log
-    line is removed again when the run fails."""
+    (self.cfg). start() creates and locks the folder, or restores the resumed run."""
 
     def __init__(self, script, cfg, given, presets, columns=()):
         self.script, self.ck, self.lock, self.made = script, None, None, False
@@ -648,7 +633,7 @@ class Run:
             try:
                 cfg, self.ck = load_run(script, cfg, given, presets)
             except BaseException:
-                self.close()
+                self.lock.close()
                 raise
         else:
             refuse_occupied(out, script)
@@ -659,12 +644,9 @@ class Run:
 
     def __exit__(self, *exc):
         if self.lock is not None:
-            self.close()
-
-    def close(self):
-        self.lock.close()
-        if self.made and os.listdir(self.out) == [".lock"]:
-            shutil.rmtree(self.out, ignore_errors=True)
+            self.lock.close()
+            if self.made and os.listdir(self.out) == [".lock"]:   # a new folder that never got a log line
+                shutil.rmtree(self.out, ignore_errors=True)
 
     def start(self, cfg, model, opt, sched, rng, d, info, need):
         """Create and lock a new run's folder (checking again, under the lock, that it holds no run), or restore the
@@ -704,23 +686,19 @@ class Run:
         return self.wall0 + time.time() - self.t_start
 
     def length(self, step):
-        """One line: how long the rest of the run takes, from the measured seconds per step and, once one has run,
-        the first evaluation's seconds (until then the evaluations are counted, not timed); past a few hours on a
-        CPU it names the faster ways."""
-        cfg = self.cfg
-        evals = len(range(step // cfg.eval_every + 1, cfg.steps // cfg.eval_every + 1)) + bool(cfg.steps % cfg.eval_every)
+        """One line: how long the rest of the run takes, from the measured step and (once timed) evaluation."""
+        cfg, timed = self.cfg, self.eval_s is not None
+        evals = cfg.steps // cfg.eval_every - step // cfg.eval_every + bool(cfg.steps % cfg.eval_every)
         train = (cfg.steps - step) * self.step_s
-        total = train + (evals * self.eval_s if self.eval_s is not None else 0.0)
-        evaluations = (f"{evals} evaluation{'s' * (evals != 1)} of {duration(self.eval_s)} each" if self.eval_s is not None else
-                       f"{evals} evaluation{'s' * (evals != 1)} of {cfg.eval_episodes} episodes (timed at the first)")
-        slow = total > 3 * 3600 and self.device.type == "cpu"
+        total = train + evals * (self.eval_s or 0.0)
+        each = f"{duration(self.eval_s)} each" if timed else f"{cfg.eval_episodes} episodes (timed at the first)"
         print(f"run length: {cfg.steps - step:,} steps at {1e3 * self.step_s:.0f} ms/step = {duration(train)}, plus "
-              f"{evaluations}: about {duration(total)} in all on {self.device}" + (
+              f"{evals} evaluation{'s' * (evals != 1)} of {each}: about {duration(total)} in all on {self.device}" + (
                   "; more than a few hours on a CPU: --preset cpu is the configuration for a CPU (minutes), and the "
-                  "paper's needs a GPU (--device cuda)" if slow else ""), flush=True)
+                  "paper's needs a GPU (--device cuda)" if total > 3 * 3600 and self.device.type == "cpu" else ""),
+              flush=True)
 
     def add_row(self, **values):
-        """A log.csv row: every column, empty unless given."""
         self.rows.append(dict.fromkeys(self.fields, "") | values)
 
     def log(self, step, loss, lr, **extra):
@@ -740,11 +718,11 @@ class Run:
             return
         mean = float(np.mean(self.finite_losses(step)))
         self.add_row(step=step, loss=f"{mean:.6f}", lr=f"{lr:.3e}", wall_time=f"{self.wall():.1f}", **extra)
-        last = next((r for r in reversed(self.rows) if r["eval_return"] != ""), None)
-        last = [r for r in self.rows if r["eval_return"] != "" and r["step"] == last["step"]][0] if last else None
+        evals = [r for r in self.rows if r["eval_return"] != ""]
+        e = next(r for r in evals if r["step"] == evals[-1]["step"]) if evals else None   # the last one's first target
         print(f"step {step:6d} | loss {mean:.5f} | lr {lr:.2e} | {1e3 * (time.time() - self.t_log) / self.n_log:.1f} "
-              f"ms/step" + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + (
-                  f" | last eval {last['normalized_score'] or last['eval_return']} (step {last['step']})" if last else ""),
+              f"ms/step" + "".join(f" | {k} {v}" for k, v in extra.items() if v != "")
+              + (f" | last eval {e['normalized_score'] or e['eval_return']} (step {e['step']})" if e else ""),
               flush=True)
         self.pending, self.t_log, self.n_log = [], time.time(), 0
         self.write_log()
@@ -767,7 +745,8 @@ class Run:
         if not self.logged:
             config = dataclasses.asdict(self.cfg) | dict(script=self.script, variant=self.variant, info=self.info,
                                                          dataset_id=self.d.dataset_id, device=str(self.device))
-            write_json(os.path.join(self.out, "config.json"), config)
+            write_atomic(os.path.join(self.out, "config.json"),
+                         lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config, indent=2)))
             self.logged = True
         write_atomic(os.path.join(self.out, "log.csv"), write)
 
@@ -775,9 +754,10 @@ class Run:
         """After an evaluation (results: [(target, evaluate()'s dict)], a log row each) or a stop signal: log.csv, then
         ckpt.pt, each atomic; then curve.png."""
         for g, res in results:
-            self.add_row(step=step, target="" if g is None else f"{g:g}", eval_return=f"{res['returns'].mean():.2f}",
-                         eval_return_std=f"{res['returns'].std():.2f}", normalized_score=score(res["normalized"].mean()),
-                         normalized_score_std=score(res["normalized"].std()), wall_time=f"{self.wall():.1f}",
+            self.add_row(step=step, target="" if g is None else f"{g:g}", wall_time=f"{self.wall():.1f}",
+                         eval_return=f"{res['returns'].mean():.2f}", eval_return_std=f"{res['returns'].std():.2f}",
+                         normalized_score=score(res["normalized"].mean()),
+                         normalized_score_std=score(res["normalized"].std()),
                          success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
                          steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "")
             print(f"eval step {step}{'' if g is None else f' target {g:g}'}: {summarize(res)} ({res['seconds']:.0f}s)",
@@ -789,8 +769,8 @@ class Run:
         self.write_log()
         d, cuda = self.d, self.device.type == "cuda"
         state = dict(script=self.script, model=model.state_dict(), optimizer=opt.state_dict(),
-                     scheduler=sched.state_dict(), step=step, wall_time=self.wall(), config=dataclasses.asdict(self.cfg),
-                     variant=self.variant, dataset_id=d.dataset_id, info=self.info, rows=self.rows,
+                     scheduler=sched.state_dict(), step=step, wall_time=self.wall(), rows=self.rows,
+                     config=dataclasses.asdict(self.cfg), variant=self.variant, dataset_id=d.dataset_id, info=self.info,
                      pending_losses=self.finite_losses(step), numpy_rng=json.dumps(rng.bit_generator.state),
                      torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
                      state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
@@ -825,7 +805,6 @@ def score(x):
 
 
 def pyplot():
-    """matplotlib.pyplot, drawing into files (no window)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -842,18 +821,18 @@ def plot_curve(rows, path, hundred, title):
               ("normalized_score", "normalised score", f"100 = {hundred}") if scored else
               ("eval_return", "evaluation return", "no reference returns, so no normalised score")]
     if any(r["success_rate"] != "" for r in evals):
-        panels += [("success_rate", "success rate (%)", ""), ("steps_to_goal", "steps to the goal", "the horizon if missed")]
+        panels += [("success_rate", "success rate (%)", ""),
+                   ("steps_to_goal", "steps to the goal", "the horizon if missed")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
     for ax, (col, name, note) in zip(axes[0], panels):
-        series = {"": rows} if col == "loss" else {t: [r for r in evals if r["target"] == t] for t in
-                                                   dict.fromkeys(r["target"] for r in evals)}
-        for target, part in series.items():
-            pts = [(int(r["step"]), float(r[col]) * (100 if col == "success_rate" else 1)) for r in part if r[col] != ""]
-            if pts:
-                ax.plot(*zip(*pts), "o-" if len(pts) < 40 else "-", ms=3, label=f"target {target}" if target else None)
-        if not ax.lines:
-            ax.text(0.5, 0.5, "no evaluation yet" if col != "loss" else "no logged loss yet", ha="center",
-                    va="center", transform=ax.transAxes, color="gray")
+        series = defaultdict(list)   # target -> (step, value); only evaluation rows have the evaluation columns
+        for r in rows:
+            if r[col] != "":
+                series[r["target"]].append((int(r["step"]), float(r[col]) * (100 if col == "success_rate" else 1)))
+        for target, pts in series.items():
+            ax.plot(*zip(*pts), "o-" if len(pts) < 40 else "-", ms=3, label=f"target {target}" if target else None)
+        if not ax.lines:   # the first evaluation came before the first log line
+            ax.text(0.5, 0.5, "no logged loss yet", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set(xlabel="gradient step", ylabel=name, yscale="log" if col == "loss" and ax.lines else "linear")
         ax.set_title(name + (f"\n({note})" if note else ""), fontsize=9)
         if any(line.get_label()[:1] != "_" for line in ax.lines):
@@ -864,21 +843,17 @@ def plot_curve(rows, path, hundred, title):
     plt.close(fig)
 
 
-class Bench:
+class Bench(contextlib.suppress):
     """--bench: stands in for Run in train(), so that exactly its steps are timed: nothing is written; steps 4 .. 3 + n
-    are timed (the first includes torch.compile's work), one row is printed, and train() ends there (Bench.Done)."""
+    are timed (the first includes torch.compile's work), one row is printed, and train() ends there: Bench.Done, which
+    `with bench:` suppresses."""
     class Done(Exception):
         pass
     ck = None   # never a resumed run
 
     def __init__(self, cfg, label, n, tokens, eager_ms):
+        super().__init__(Bench.Done)
         self.cfg, self.label, self.n, self.tokens, self.eager_ms, self.times = cfg, label, n, tokens, eager_ms, {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, *exc):
-        return kind is Bench.Done
 
     def start(self, cfg, model, opt, sched, rng, d, info, need):
         self.params, self.times[0] = sum(p.numel() for p in model.parameters()), time.time()
@@ -913,8 +888,8 @@ def bench_modes(cfg, script, variant, tokens):
     device, n, eager_ms = pick_device(cfg.device), min(cfg.steps, 20), [None]
     print(f"bench {script} {variant} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, K={cfg.context}, "
           f"{tokens:,} tokens per batch, {n} timed steps", flush=True)
-    modes = [("eager", False, False), ("compiled", True, False)] + [("compiled + amp", True, True)] * (device.type == "cuda")
-    for label, compiled, amp in modes:
+    modes = [("eager", False, False), ("compiled", True, False), ("compiled + amp", True, True)]
+    for label, compiled, amp in modes[:3 if device.type == "cuda" else 2]:
         c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp, steps=10 ** 9, log_every=10 ** 9,
                                 eval_every=10 ** 9)
         yield c, Bench(c, label, n, tokens, eager_ms)
@@ -949,25 +924,8 @@ def one_sentence_errors():
 
 
 # ================================================================================================================
-# report, which main() below runs (python evaluate.py report [RUNS_DIR]): one table over seeds (printed and
-# RUNS_DIR/report.md) and one figure (RUNS_DIR/report.png). A run folder is any folder under RUNS_DIR with config.json
-# (every Config field plus script, variant, dataset_id) and log.csv (training rows, and evaluation rows with target and
-# normalized_score filled), as the model files write them. Runs are grouped by (dataset_id, script, variant), whatever
-# the folder names say.
-
-def find_runs(runs_dir):
-    """Every folder under runs_dir (itself included) holding a run's file (config.json, log.csv, ckpt.pt), sorted;
-    read_run says why one that lacks config.json or log.csv is left out."""
-    return sorted(root for root, _, files in os.walk(runs_dir) if set(RUN_FILES) & set(files))
-
-
-def checkpoint_step(folder):
-    """The step of <folder>/ckpt.pt (memory-mapped: only its small entries are read), None where it has none."""
-    with contextlib.suppress(Exception):   # a damaged or foreign file: the log's step stands
-        return int(torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu", weights_only=True,
-                              mmap=True)["step"])
-    return None
-
+# report (python evaluate.py report [RUNS_DIR]). A run folder is any folder under RUNS_DIR with config.json and log.csv
+# as Run writes them; runs are grouped by (dataset_id, script, variant), whatever the folder names say.
 
 def _number(v):
     """A log.csv number, None where the cell is empty; a cell that is not a finite number is a ValueError."""
@@ -980,10 +938,10 @@ def _number(v):
 
 
 def read_run(folder):
-    """-> dict(folder, key=(dataset_id, script, variant), steps, evals, status). evals: the evaluations of the
-    headline target (the first target in log.csv) as dicts step, normalized_score, eval_return, success_rate,
-    steps_to_goal.
-    status: None for a finished run, else why it is left out of the averages."""
+    """-> dict(folder, key=(dataset_id, script, variant), steps, seed, status, evals, last, best). evals: the
+    evaluations of the headline target (the first target in log.csv) as dicts step, target, normalized_score,
+    eval_return, success_rate, steps_to_goal; last: the final one; best: the best normalised score (None where one
+    is missing). status: None for a finished run, else why it is left out of the averages."""
     run = dict(folder=folder, key=None, steps=None, evals=[], status=None, seed=None)
     if missing := [f for f in ("config.json", "log.csv") if not os.path.exists(os.path.join(folder, f))]:
         return run | dict(status=f"no {' or '.join(missing)} (not a run's folder, or one whose files were moved)")
@@ -1015,21 +973,15 @@ def read_run(folder):
     if not evals:
         return run | dict(status="no evaluation yet")
     run["evals"] = [r for r in evals if r["target"] == evals[0]["target"]]  # the headline target
-    if max(r["step"] for r in run["evals"]) < run["steps"]:
-        step = checkpoint_step(folder) or max(r["step"] for r in parsed)   # a stopped run saves between log lines
+    scores = [e["normalized_score"] for e in run["evals"]]
+    run.update(last=max(run["evals"], key=lambda e: e["step"]), best=None if None in scores else max(scores))
+    if run["last"]["step"] < run["steps"]:
+        step = max(r["step"] for r in parsed)
+        with contextlib.suppress(Exception):   # a stopped run saves between log lines: its checkpoint's step, if any
+            ck = torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu", weights_only=True, mmap=True)
+            step = int(ck["step"]) or step     # (memory-mapped: only its small entries are read)
         run["status"] = f"in progress at step {step} of {run['steps']}"
     return run
-
-
-def _last(run):
-    """A run's final evaluation (of its headline target)."""
-    return max(run["evals"], key=lambda e: e["step"])
-
-
-def _best(run):
-    """A run's best normalised score over its evaluations (None where it has none)."""
-    scores = [e["normalized_score"] for e in run["evals"]]
-    return None if None in scores else max(scores)
 
 
 def _mean_std(values, scale=1.0):
@@ -1041,13 +993,12 @@ def _mean_std(values, scale=1.0):
 
 
 def report(runs_dir="runs"):
-    """The markdown report of every run under runs_dir; also written to runs_dir/report.md, with runs_dir/report.png.
-    Per (dataset_id, script, variant) over its finished seeds: the last and the best evaluation of each seed's
-    headline target, the last evaluation's raw return (StARformer's tables are raw returns), and for goal-reaching
-    data the last evaluation's success rate and steps to the goal."""
+    """The markdown table over the seeds of every run under runs_dir (its first lines say what each column holds),
+    printed and written to runs_dir/report.md, with the figure runs_dir/report.png. -> the table's text."""
     if not os.path.isdir(runs_dir):
         raise DataError(f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
-    runs = [read_run(f) for f in find_runs(runs_dir)]
+    # every folder under runs_dir (itself included) holding a run's file; read_run says why one is left out
+    runs = [read_run(root) for root, _, files in sorted(os.walk(runs_dir)) if set(RUN_FILES) & set(files)]
     if not runs:
         raise DataError(f"{runs_dir} holds no run folder (a folder with config.json and log.csv)")
     groups = defaultdict(list)
@@ -1059,32 +1010,31 @@ def report(runs_dir="runs"):
                                f" for it)")
             else:
                 groups[r["key"]].append(r)
-    goal = any(_last(r)["success_rate"] is not None for g in groups.values() for r in g)
+    goal = any(r["last"]["success_rate"] is not None for g in groups.values() for r in g)
     lines = ["Normalised score (D4RL: 100 * (return - random) / (expert - random)) of each run's headline target "
              "(the first target in its log.csv): **last** = the final evaluation, **best** = the best evaluation "
              "during training, each taken per seed, then mean ± std over seeds (population std, ddof=0: 0.0 with one "
              "seed); **last return** = the final evaluation's raw episode return, the same way; **target** = the "
              "headline target's return-to-go prompt (none for a model without one)."
              + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
+    # last return: StARformer's tables are raw returns
     columns = ["dataset", "script", "variant", "seeds", "steps", "target", "last score", "best score", "last return"]
     columns += ["success % (last)", "steps to goal (last)"] if goal else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for key in sorted(groups):
-        g = groups[key]
+    for key, g in sorted(groups.items()):
         steps, targets = sorted({r["steps"] for r in g}), sorted({r["evals"][0]["target"] or "none" for r in g})
         cells = [*key, str(len(g)), str(steps[0]) if len(steps) == 1 else "differ: " + ", ".join(map(str, steps)),
                  targets[0] if len(targets) == 1 else "differ: " + ", ".join(targets),
-                 _mean_std([_last(r)["normalized_score"] for r in g]),
-                 _mean_std([_best(r) for r in g]),
-                 _mean_std([_last(r)["eval_return"] for r in g])]
+                 _mean_std([r["last"]["normalized_score"] for r in g]),
+                 _mean_std([r["best"] for r in g]),
+                 _mean_std([r["last"]["eval_return"] for r in g])]
         if goal:
-            cells += [_mean_std([_last(r)["success_rate"] for r in g], 100.0),
-                      _mean_std([_last(r)["steps_to_goal"] for r in g])]
+            cells += [_mean_std([r["last"]["success_rate"] for r in g], 100.0),
+                      _mean_std([r["last"]["steps_to_goal"] for r in g])]
         lines.append("| " + " | ".join(cells) + " |")
     if not groups:
         lines.append("(no finished run yet)")
-    left_out = [r for r in runs if r["status"] is not None]
-    if left_out:
+    if left_out := [r for r in runs if r["status"] is not None]:
         lines += ["", "Not in the table:"]
         lines += [f"- {os.path.relpath(r['folder'], runs_dir)}: {r['status']}" for r in left_out]
     text = "\n".join(lines)
@@ -1104,8 +1054,7 @@ def plot_report(groups, path):
     """One subplot per dataset: each group's normalised score vs step, mean over seeds, band = min..max over seeds."""
     plt = pyplot()
     datasets = sorted({key[0] for key in groups})
-    cols = min(3, len(datasets))
-    rows = -(-len(datasets) // cols)
+    cols, rows = min(3, len(datasets)), math.ceil(len(datasets) / 3)
     most = max(sum(k[0] == dataset for k in groups) for dataset in datasets)   # legend lines under a subplot
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, (3.6 + 0.2 * most) * rows), squeeze=False)
     for ax, dataset in zip(axes.flat, datasets):

@@ -54,6 +54,15 @@ def test_batched_equals_sequential_maze(tiny_maze):
     assert np.allclose(b["positions"][0][0], obs["achieved_goal"]) and np.ptp(b["positions"][0], axis=0).max() > 0
 
 
+def test_compare_with_sequential_says_both_times_and_that_the_returns_agree(tiny_hopper, capsys):
+    """dt.py's --bench-eval line: the episodes' steps and lengths, both times, the speed-up, and the returns' check."""
+    d = data.load_data(tiny_hopper)
+    evaluate.compare_with_sequential(probe_policy(d.act_dim), d, 3, 3600.0, seed=3, context=5)
+    said = capsys.readouterr().out
+    assert said.startswith("3 episodes, ") and "(lengths [" in said and "s, sequential " in said
+    assert "speed-up" in said and said.rstrip().endswith("same returns: True") and len(said.splitlines()) == 1
+
+
 def test_rtg_and_previous_step_bookkeeping(tiny_hopper):
     """Record what act() sees and check it against the rewards the env returned."""
     d = data.load_data(tiny_hopper)

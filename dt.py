@@ -10,7 +10,6 @@ At test time the model is prompted with a target return, and R_{t+1} = R_t - r_t
     python dt.py --env hopper-medium --preset cpu     # small configuration for a 2-core laptop, ~3 minutes
     python dt.py --env hopper-medium --no-return-token                # behaviour cloning (the paper's BC row)
     python dt.py --env hopper-medium --no-return-token --top-fraction 0.1     # %BC: BC on the best 10%
-    MINARI_DATASETS_PATH=<folder of local datasets> python dt.py --dataset replica/hopper/medium-v0 --preset cpu
     python dt.py --dataset dqn-replay/breakout/1pct-v0    # Atari (Sec. 5.1): DT's Atari model, chosen from the data
 
 Glossary (paper symbol -> code name):
@@ -19,35 +18,30 @@ Glossary (paper symbol -> code name):
     a_t     action, in [-1, 1]                                                actions (B, K, act_dim)
     t       timestep inside the episode (one embedding per timestep)          timesteps (B, K)
     K       context: the number of timesteps the model sees (3K tokens)       Config.context
-    B       batch size (windows per gradient step)                            Config.batch_size
     C       token width (the paper's embedding dimension, 128)                Config.n_embd
     mask    1 = a real step, 0 = left padding before an episode's start       mask (B, K)
   Atari (AtariDecisionTransformer, the official atari/ code):
     s_t     the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)    states (B, K, 4, 84, 84)
     a_t     one of the game's |A| actions (Discrete)                          actions (B, K) int64; logits (B, K, |A|)
 
-Layout: docstring -> Config (the paper's settings, then the run's flags) -> the model (only torch, math, dataclasses:
-copy it alone) -> the paper's pieces -> train(), the loop -> --gif, --bench-eval, --bench -> main(). The run folder,
-checkpoint and exact resume are evaluate.py's, called from train(). The official code, "kzl" below, is
-https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f (gym/ and atari/).
+Layout: Config (the paper's settings, then the run's flags) -> the model (torch alone: copy it) -> the paper's pieces
+-> train(), the loop -> --gif, --bench-eval, --bench -> main(); the run record is evaluate.py's. "kzl" below is the
+official code, https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f.
 
 Departures from the paper and the official code:
  1. Minari's mujoco/*-v0 data and gymnasium's MuJoCo v5 envs, not D4RL's -v2 data and mujoco-py (neither installs
     today); scores are normalised with D4RL's reference returns.
- 2. A window ends at a uniformly drawn step, left-padded only at an episode's start (kzl starts it at a uniform step
-    and pads the short windows near an episode's end; Atari: shifts them back inside): every step is a window's
-    newest equally often, as evaluation feeds it. Padded actions are 0 (kzl: -10); a padding query sees itself.
+ 2. A window ends at a uniformly drawn step and is left-padded at an episode's start; kzl's starts at a uniform step
+    and is padded near an episode's end (Atari: shifted back inside). Here every step is a window's newest equally
+    often, and padding looks as it does in evaluation. Padded actions are 0 (kzl: -10); a padding query sees itself.
  3. --lr-decay (a cosine to a tenth) and --preset cpu are not the paper's; the default is its configuration.
  4. Atari: the global time embedding reads the window's first timestep in training and evaluation alike (kzl's
-    evaluation feeds the current one, up to K-1 steps from what training fed; its create_dataset.py#L93-L99 numbers a
-    later episode's first step with the previous episode's length, its next ones from 0); frames come from
-    gymnasium's AtariPreprocessing (max-pool then INTER_AREA resize, 1-30 no-ops, as Dopamine made DQN-replay), not
-    kzl's trainer_atari.py#L243-L283 (resize with INTER_LINEAR, then max-pool, 0-29 no-ops).
- 5. Atari: the cosine reaches its floor of a tenth at --steps (kzl's, over tokens towards 23.4k steps, reaches it at
-    about step 18.6k of 19.5k).
+    evaluation feeds the current one; its create_dataset.py#L93-L99 gives a later episode's first step the previous
+    episode's length); frames come from gymnasium's AtariPreprocessing (max-pool, INTER_AREA resize, 1-30 no-ops, as
+    Dopamine made DQN-replay), not kzl's trainer_atari.py#L243-L283 (INTER_LINEAR, then max-pool, 0-29 no-ops).
+ 5. Atari: the cosine reaches its floor (0.1) at --steps; kzl's, counted in tokens, at about step 18.6k of 19.5k.
 """
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,8 +54,7 @@ import evaluate as ev
 
 
 def arg(default, help, run=False):
-    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
-    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    """A Config field that is a flag; run=True: it changes nothing trained (not in the run folder's name)."""
     return field(default=default, metadata={"help": help, "run": run})
 
 
@@ -70,8 +63,7 @@ class Config:
     # ---- the paper's settings: what is trained (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
     preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
     steps: int = arg(100_000, "gradient steps (kzl: 10 iterations x 10k)", run=True)
-    delayed_reward: bool = arg(False, "each episode's rewards all paid at its last step, in data and evaluation (DT "
-                                      "Table 5, DeMa Table 13); the score is still the env's own return")
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step, in data and evaluation (Table 5)")
     batch_size: int = arg(64, "windows per batch")
     context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
     lr: float = arg(1e-4, "AdamW learning rate")
@@ -89,43 +81,37 @@ class Config:
     top_fraction: float = arg(1.0, "train on the best episodes by return that hold this fraction of the steps (%BC)")
     # Atari (the official atari/ code)
     beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
-    state_encoder: str = arg("conv", "Atari state encoder: conv (DQN's torso, DT) | patch (StARformer's Table 5 "
-                                     "'DT with ViT': 7x7 patches, each embedded to 64, flattened, linear to the width)")
+    state_encoder: str = arg("conv", "Atari: conv (DQN's torso, DT) | patch (StARformer's Table 5 'DT with ViT')")
     # ---- the run: data, seed, evaluation, output, device, analyses (none of these changes what is trained) ----
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end (kzl: 10k)", run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel (DT's gym code: 100)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets", run=True)
-    greedy: bool = arg(False, "Atari: the most likely action, not a draw from the softmax (kzl draws); it can stall: "
-                              "never pressing FIRE after a lost life waits out the 108k-frame limit", run=True)
+    target_return: float = arg(None, "return-to-go prompt, raw units; default: the dataset's targets", run=True)
+    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl draws); it can stall", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/dt/<env>/<variant>/seed<N>", run=True)
     resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit",
-                      run=True)
-    bench_eval: bool = arg(False, "time batched vs sequential evaluation (10 episodes) of the run's checkpoint", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint (MuJoCo; Atari in colour)",
-                    run=True)
+    bench: bool = arg(False, "time training steps, eager vs compiled (and bf16 on CUDA), on synthetic data", run=True)
+    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run's checkpoint", run=True)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
 
 
-# --preset cpu learns hopper-medium on 2 CPU cores in minutes; its lr decays so that the last checkpoint is settled.
-# Mazes: K=1, no dropout (the data's noisy actions are a history to copy, and dropout blurs the position and goal the
-# action depends on: medium-dense, seed 0, goal reached K=10 28%, K=1 without dropout 90%), 50 episodes. Atari's paper
-# setting (preset "") is kzl's atari/run_dt_atari.py#L79-L87: 5 epochs of 1% DQN-replay (3906 steps of 128 each), an
-# evaluation after each, warmup 512 x 20 tokens (3 steps). Classroom Atari: 128 wide, 3 layers bought nothing.
-ATARI_CPU = dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4, warmup_steps=100, steps=5000,
-                 eval_every=1000, eval_episodes=10, dropout=0.1)
-ATARI = dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4, beta2=0.95, weight_decay=0.1,
-             grad_clip=1.0, warmup_steps=3, lr_decay=True, steps=19_530, eval_every=3906, eval_episodes=10)
-PRESETS = {"": dict(atari=ATARI),
+# --preset cpu: hopper-medium on 2 CPU cores in minutes, the lr decayed so that the last checkpoint is settled. Mazes:
+# K=1, no dropout (noisy actions are a history to copy; dropout blurs the position and goal: medium-dense, seed 0, goal
+# reached 28% at K=10, 90% at K=1 without dropout). Atari's paper setting is kzl's atari/run_dt_atari.py#L79-L87: 5
+# epochs of 1% DQN-replay (3906 steps of 128), an evaluation after each, warmup 512 x 20 tokens (3 steps).
+PRESETS = {"": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4, beta2=0.95,
+                               weight_decay=0.1, grad_clip=1.0, warmup_steps=3, lr_decay=True, steps=19_530,
+                               eval_every=3906, eval_episodes=10)),
            "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3, warmup_steps=500,
                        lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
                        mazes=dict(context=1, dropout=0.0, eval_episodes=50),
-                       atari=ATARI_CPU)}
+                       atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
+                                  steps=5000, eval_every=1000, eval_episodes=10, dropout=0.1))}
 
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
@@ -197,7 +183,7 @@ class DecisionTransformer(nn.Module):
 
     def forward(self, states, actions, rtg, timesteps, mask):
         """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions (B,K,act).
-        The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (rtg is unused without return tokens)."""
+        The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (rtg is unused in BC)."""
         B, K, _ = states.shape
         time = self.embed_timestep(timesteps)                                   # (B, K, C)
         tokens = [self.embed_state(states) + time,                             # s_t
@@ -205,7 +191,7 @@ class DecisionTransformer(nn.Module):
         if self.return_token:
             tokens.insert(0, self.embed_return(rtg) + time)                     # R_t comes first in each step
         n = len(tokens)                                                         # tokens per step: 3 (2 for BC)
-        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                   # (B, nK, C): R_1, s_1, a_1, R_2, ... (Alg. 1)
+        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                   # (B, nK, C): R_1, s_1, a_1, ... (Alg. 1)
         x = self.drop(self.embed_ln(x))                                         # (B, nK, C)
         attn_mask = causal_padding_mask(mask, n)                                # (B, 1, nK, nK)
         for block in self.blocks:
@@ -253,7 +239,7 @@ class AtariDecisionTransformer(nn.Module):
         C, self.return_token = cfg.n_embd, cfg.return_token
         self.n = 3 if cfg.return_token else 2                                   # tokens per step (2: BC, (s, a))
         self.pos_emb = nn.Parameter(torch.zeros(1, self.n * cfg.context, C))    # one per token position in a window
-        self.global_pos_emb = nn.Parameter(torch.zeros(1, max_ep_len, C))       # one per timestep (of the window's first)
+        self.global_pos_emb = nn.Parameter(torch.zeros(1, max_ep_len, C))       # one per timestep (the window's first)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg, gelu=True) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(C)
@@ -261,8 +247,7 @@ class AtariDecisionTransformer(nn.Module):
         # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above: kzl applies it before building the
         # embeddings below, which keep PyTorch's default init, all but the action table's N(0, 0.02) (#L150-L157)
         self.apply(DecisionTransformer._init_weights)
-        # DQN's torso (Mnih et al. 2015) on the 4 x 84 x 84 stack -> 64 x 7 x 7, then a linear layer to C and tanh;
-        # --state-encoder patch: StARformer's patch embedding in its place (StARformer Table 5)
+        # DQN's torso (Mnih et al. 2015): 4 x 84 x 84 -> 64 x 7 x 7 -> C, tanh (--state-encoder patch: PatchEncoder)
         self.embed_state = PatchEncoder(C) if cfg.state_encoder == "patch" else nn.Sequential(
             nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
             nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, C), nn.Tanh())
@@ -271,8 +256,7 @@ class AtariDecisionTransformer(nn.Module):
         nn.init.normal_(self.embed_action[0].weight, mean=0.0, std=0.02)
 
     def forward(self, states, actions, rtg, timesteps, mask):
-        """states (B,K,4,84,84) uint8, actions (B,K) int64, rtg (B,K,1), timesteps (B,K), mask (B,K) -> logits
-        (B,K,|A|). The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only."""
+        """states (B,K,4,84,84) uint8, actions (B,K) int64, rtg, timesteps, mask as above -> logits (B,K,|A|)."""
         B, K = actions.shape
         frames = states.reshape(B * K, *states.shape[2:]).float() / 255.0         # (BK, 4, 84, 84) in [0, 1]
         # stored channels-last: the same values, and the convolutions run about 1.3x faster on CPU (measured)
@@ -282,9 +266,8 @@ class AtariDecisionTransformer(nn.Module):
             tokens.insert(0, self.embed_return(rtg))                            # R_t first in each step
         n = self.n
         x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                    # (B, nK, C): R_1, s_1, a_1, R_2, ...
-        # the window's first timestep (0 for a left-padded window, whose first real step is the episode's first)
-        x = x + self.global_pos_emb[0, timesteps[:, 0]][:, None, :] + self.pos_emb[:, :n * K]   # (B, nK, C)
-        x = self.drop(x)
+        # + the window's first timestep's embedding (departure 4; 0 for a left-padded window) + each token position's
+        x = self.drop(x + self.global_pos_emb[0, timesteps[:, 0]][:, None, :] + self.pos_emb[:, :n * K])  # (B, nK, C)
         attn_mask = causal_padding_mask(mask, n)                                # (B, 1, nK, nK)
         for block in self.blocks:
             x = block(x, attn_mask)
@@ -412,37 +395,28 @@ def train(cfg, run, d=None):
 # --gif and --bench-eval (read a run's checkpoint, never train) and --bench (times train() on synthetic data)
 
 def load_model(cfg, given):
-    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
+    """An analysis's run, from its checkpoint -> (its settings, its model in eval mode, its data, its folder)"""
     cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
     model = build_model(cfg, ck["info"])
     model.load_state_dict(ck["model"])
-    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
+    return cfg, model.to(ev.pick_device(cfg.device)).eval(), load_dataset(cfg), ev.run_folder(SCRIPT, cfg, PRESETS)
 
 
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
-    cfg, model, out = load_model(cfg, given)
-    d = load_dataset(cfg)
+    cfg, model, d, out = load_model(cfg, given)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 
 def bench_eval(cfg, given):
     """--bench-eval: 10 episodes of the run's checkpoint, batched against sequential evaluation (same returns)."""
-    cfg, model, _ = load_model(cfg, given)
-    d, act = load_dataset(cfg), policy(model.cpu())
-    rb = ev.evaluate(act, d, 10, targets(cfg, d)[0], cfg.seed, cfg.context, progress=False)
-    t0 = time.time()
-    rs = ev.evaluate_sequential(act, d, 10, targets(cfg, d)[0], cfg.seed, cfg.context)
-    ts = time.time() - t0
-    print(f"10 episodes, {rb['lengths'].sum()} env steps (lengths {rb['lengths'].tolist()}): batched "
-          f"{rb['seconds']:.2f}s, sequential {ts:.2f}s, speed-up {ts / rb['seconds']:.1f}x; same returns: "
-          f"{np.allclose(rb['returns'], rs['returns'])}")
+    cfg, model, d, _ = load_model(cfg, given)
+    ev.compare_with_sequential(policy(model.cpu()), d, 10, targets(cfg, d)[0], cfg.seed, cfg.context)
 
 
 def bench(cfg):
-    """--bench: train()'s steps timed, eager against compiled (and bf16 on CUDA), on synthetic data of hopper's shape,
-    or Atari's for an Atari --env (DeMa's Table 7: --bench --env breakout-expert); nothing is written."""
+    """--bench: train()'s steps timed on synthetic hopper data, or Atari frames for an Atari --env (DeMa Table 7)."""
     length = max(200, 2 * cfg.context)
     d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env) else
          data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))

@@ -3,11 +3,9 @@ Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Opt
 Learning?" (NeurIPS 2024, arXiv 2405.12094).
 
 Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no MLP, no timestep
-embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state; on Atari the
-official code's [a_{t-1}, R_t, s_t]) and a_t is read from the s_t token. Transformer-like DeMa (the method, --mode
-transformer) trains on random K-step windows and re-runs the last K steps from a zero state at every decision;
-RNN-like DeMa (--mode rnn) trains on whole trajectories and carries the conv and SSM states through an evaluation
-episode, one triplet per decision (paper Sec. 3.2, App. C).
+embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state) and a_t is read
+from the s_t token. Transformer-like DeMa (the method, --mode transformer) re-runs the last K steps from a zero state
+at every decision; RNN-like DeMa (--mode rnn) carries the conv and SSM states through an episode (Sec. 3.2, App. C).
 
     python dema.py --env hopper-medium                 # the paper's configuration: 100k steps (hours on a CPU)
     python dema.py --env hopper-medium --preset cpu    # small configuration for a 2-core laptop
@@ -49,8 +47,8 @@ Official code: https://github.com/AndssY/dema/blob/e2aed7e1a3893bbf0ff651388659f
 https://github.com/state-spaces/mamba/blob/afd5fb5b1b89d2d353e9316809903267cbe70971/mamba_ssm/modules/mamba_simple.py#L31
 
 Departures from the paper and the official code:
- 1. The selective scan, causal conv and RMSNorm are plain PyTorch (a loop with selective_scan_ref's semantics, or a
-    log-depth scan), not mamba's CUDA and Triton kernels: it runs on a CPU, and agrees with them to float tolerance.
+ 1. The selective scan (a loop, or a log-depth scan), causal conv and RMSNorm are plain PyTorch, not mamba's CUDA
+    and Triton kernels: it runs on a CPU, and agrees with them to float tolerance.
  2. Left padding is inert (zero conv input and Delta = 0: a padded window's outputs equal the shorter window's); the
     official pads (states 0 before normalisation, actions -10) enter the state: --no-pad-mask, with data.py's zeros.
  3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the official code trains on
@@ -87,8 +85,7 @@ import evaluate as ev
 
 
 def arg(default, help, run=False):
-    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
-    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    """A Config field and flag; run=True: not what is trained (not in the run folder's name, may differ on --resume)."""
     return field(default=default, metadata={"help": help, "run": run})
 
 
@@ -147,14 +144,12 @@ class Config:
     s6_layers: str = arg("all", "the layers --s6-ablation changes: 'all' or 0-based indices, e.g. 0,2", run=True)
     s6_donor: str = arg("", "--s6-ablation swap: another DeMa's run folder or ckpt.pt (same D, N, W, expand)", run=True)
     gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint (Atari in colour)", run=True)
-    # no run needed
     bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
     params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
 
 
-# Atari: Table 9 laid under the flags as the preset "" (a run at these settings is 'default'), with the official
-# code's E=128 and N=128 (departure 5; AndssY/dema@e2aed7e atari/configs/config.py#L1); 10 epochs of 1% DQN-replay.
-# The code's schedule counts tokens: a warmup of 512 x 20 tokens (3 steps of 128 x 30), the cosine's end at
+# Atari: Table 9 as the preset "" (departure 5; AndssY/dema@e2aed7e atari/configs/config.py#L1), 10 epochs of 1%
+# DQN-replay. The code counts tokens: a warmup of 512 x 20 tokens (3 steps of 128 x 30), the cosine's end at
 # 6 (500000 - 3K) K tokens, i.e. step 23,432 whatever K (atari/run_atari.py#L169).
 ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4, beta2=0.95,
              weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3, lr_decay_steps=23_432, steps=39_060,
@@ -305,16 +300,15 @@ class RMSNorm(nn.Module):
 class Mamba(nn.Module):
     """Mamba-1 mixer (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> causal depthwise
     conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) ->
-    out_proj. Its S6 layer (the "hidden attention", Sec. 3.3, Fig. 5) is S6_PARAMETERS. s6_only=True: that layer
-    alone at the block's width (no in_proj, gate or out_proj), the mixer of PostBlock, with the official S6's dt_rank
-    ceil((d_model / expand) / 16) (AndssY/dema@e2aed7e gym/decision_transformer/models/trajectory_gpt2.py#L266)."""
+    out_proj. Its S6 layer (the "hidden attention", Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only=True: that layer
+    alone, the post block's mixer, with the official S6's dt_rank ceil((d_model / expand) / 16)
+    (AndssY/dema@e2aed7e gym/decision_transformer/models/trajectory_gpt2.py#L266)."""
 
     def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4,
                  s6_only=False):
         super().__init__()
-        self.d_model, self.expand, self.s6_only = d_model, expand, s6_only
+        self.d_model, self.d_state, self.d_conv, self.expand, self.s6_only = d_model, d_state, d_conv, expand, s6_only
         self.d_inner = d_inner = d_model if s6_only else expand * d_model
-        self.d_state, self.d_conv = d_state, d_conv
         self.dt_rank = dt_rank = math.ceil((int(d_model / expand) if s6_only else d_model) / 16)   # "auto"
         self.in_proj = None if s6_only else nn.Linear(d_model, 2 * d_inner, bias=False)
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
@@ -324,9 +318,8 @@ class Mamba(nn.Module):
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = None if s6_only else nn.Linear(d_inner, d_model, bias=False)
         # Mamba's initialisation (the paper states none; the official code uses mamba's, mamba_simple.py#L82): dt_proj
-        # weight U(-R^-1/2, R^-1/2); its bias is softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
-        # out_proj kaiming-uniform / sqrt(n_layer), GPT-2's residual scaling with one residual per layer
-        # (AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
+        # weight U(-R^-1/2, R^-1/2); its bias softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
+        # out_proj / sqrt(n_layer), GPT-2's (AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
             dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
@@ -360,10 +353,6 @@ class Mamba(nn.Module):
         y = selective_scan(x, delta, A, B, C, D=self.D, z=z, scan=scan, chunk=chunk)   # (b, di, T)
         return y.transpose(1, 2) if self.s6_only else self.out_proj(y.transpose(1, 2))  # (b, T, D)
 
-    def init_cache(self, batch, device=None, dtype=torch.float32):
-        return (torch.zeros(batch, self.d_inner, self.d_conv, device=device, dtype=dtype),  # the last W conv inputs
-                torch.zeros(batch, self.d_inner, self.d_state, device=device, dtype=dtype))  # ssm_state h
-
     def step(self, h, cache):
         """One token (RNN-like DeMa, Sec. 3.2; mamba_simple.py#L208): h (b, D), cache = (conv_state (b, di, W),
         ssm_state (b, di, N)) -> (out (b, D), new cache)."""
@@ -380,15 +369,13 @@ class Mamba(nn.Module):
             y = (ssm_state * C[:, None, :]).sum(-1) + self.D * x             # (b, di)
         if self.s6_only:
             return y.to(h.dtype), (conv_state, ssm_state)
-        y = y * F.silu(fp32(z))
-        return self.out_proj(y.to(h.dtype)), (conv_state, ssm_state)
+        return self.out_proj((y * F.silu(fp32(z))).to(h.dtype)), (conv_state, ssm_state)
 
     def hidden_attention(self, h, mask=None, last_row=False):
         """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5), exactly (departure 9), per channel c:
             alpha[c]_{i,j} = sum_n C_i[n] exp(A[c,n] sum_{k=j+1..i} Delta_k[c]) Delta_j[c] B_j[n]   for j <= i, else 0
-        so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x is the
-        post-conv input: the conv's W-token mixing is not in alpha). AndssY/dema@05bd941
-        mamba/mamba_ssm/ops/selective_scan_interface.py#L394. -> (b, di, T, T), or the last row (b, di, T) (App. J)."""
+        so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x: post-conv)
+        (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394) -> (b, di, T, T), or (b, di, T)."""
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
         B, C = fp32(B), fp32(C)
         T = x.shape[-1]
@@ -407,44 +394,29 @@ S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weigh
 
 
 class Block(nn.Module):
-    """x + Mamba(RMSNorm(x)): the "pre up-projection" residual block (Sec. 4.2, Fig. 1 right); no MLP
-    (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297, with the fp32 residual)."""
+    """Sec. 4.2, Fig. 1 right: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the method;
+    state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297). post=True, "DeMa with post." (Tables 3-4,
+    departure 7): x + S6(LN(x)), then x + MLP(LN(x)), the transformer's block with S6 in attention's place; ReLU in
+    the MLP (D.1), GELU in the official Atari code (AndssY/dema@e2aed7e atari/mingpt/model_atari2.py#L263)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, post=False, gelu=False):
         super().__init__()
-        self.norm = RMSNorm(cfg.d_model)
-        self.mixer = Mamba(cfg.d_model, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer)
-
-    def forward(self, x, mask=None, scan='auto', chunk=0):
-        return x + self.mixer(self.norm(x), mask, scan, chunk)
-
-    def step(self, x, cache):
-        out, cache = self.mixer.step(self.norm(x), cache)
-        return x + out, cache
-
-
-class PostBlock(nn.Module):
-    """x + S6(LN(x)), then x + MLP(LN(x)): "DeMa with post." (Sec. 4.2, Fig. 1 right, Tables 3-4), the transformer's
-    post up-projection block with the S6 layer (Mamba(s6_only=True)) in attention's place (departure 7). D.1: ReLU in
-    the MLP (MuJoCo); the official Atari code's is GELU (AndssY/dema@e2aed7e atari/mingpt/model_atari2.py#L263)."""
-
-    def __init__(self, cfg, gelu=False):
-        super().__init__()
-        D = cfg.d_model
-        self.norm = nn.LayerNorm(D)
-        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=True)
-        self.norm2 = nn.LayerNorm(D)
-        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(), nn.Linear(4 * D, D),
-                                 nn.Dropout(cfg.dropout))
+        D, self.post = cfg.d_model, post
+        self.norm = nn.LayerNorm(D) if post else RMSNorm(D)
+        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=post)
+        if post:
+            self.norm2 = nn.LayerNorm(D)
+            self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(), nn.Linear(4 * D, D),
+                                     nn.Dropout(cfg.dropout))
 
     def forward(self, x, mask=None, scan='auto', chunk=0):
         x = x + self.mixer(self.norm(x), mask, scan, chunk)
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp(self.norm2(x)) if self.post else x
 
     def step(self, x, cache):
         out, cache = self.mixer.step(self.norm(x), cache)
         x = x + out
-        return x + self.mlp(self.norm2(x)), cache
+        return (x + self.mlp(self.norm2(x)) if self.post else x), cache
 
 
 def previous_actions(actions, prev_action):
@@ -453,12 +425,10 @@ def previous_actions(actions, prev_action):
 
 
 class DeMa(nn.Module):
-    """Tokens [R_t, a_{t-1}, s_t] per step (official MuJoCo order; "B3LD", Sec. 4.1) or one token of the three
-    embeddings concatenated ("BL3D"), Linear E (3E) -> D, n_layer Mamba blocks (or PostBlocks, Sec. 4.2), final
-    RMSNorm, a_t = tanh(Linear(the s_t token's output)). No timestep embedding (App. G) unless asked, no LayerNorm on
-    the embeddings (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30, Mamba_mujoco).
-    discrete=True, Atari (Sec. 5, Table 5; AndssY/dema@e2aed7e atari/models/mamba.py#L76, DMamba): the last 4 frames
-    through DQN's conv torso, the official order [a_{t-1}, R_t, s_t], logits over the |A| actions from s_t's token."""
+    """Tokens [R_t, a_{t-1}, s_t] per step ("B3LD", Sec. 4.1) or one of the three concatenated ("BL3D"), Linear E (3E)
+    -> D, n_layer blocks, final RMSNorm, a_t = tanh(Linear(the s_t token's output)); no LayerNorm on the embeddings
+    (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30, Mamba_mujoco). discrete=True, Atari (Sec. 5;
+    AndssY/dema@e2aed7e atari/models/mamba.py#L76, DMamba): logits over the |A| actions."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
@@ -485,8 +455,8 @@ class DeMa(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         # the official backbone, MixerModel: AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L86
         self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # its embedding (E -> D, or 3E -> D)
-        # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or PostBlock (GELU in its MLP on Atari)
-        self.blocks = nn.ModuleList([PostBlock(cfg, gelu=discrete) if cfg.residual == "post" else Block(cfg)
+        # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or the post one (GELU in its MLP on Atari)
+        self.blocks = nn.ModuleList([Block(cfg, post=cfg.residual == "post", gelu=discrete)
                                      for _ in range(cfg.n_layer)])
         self.ln_f = RMSNorm(D)                               # official norm_f: RMSNorm (the paper names no norm)
         # MuJoCo: tanh(Linear) into [-1, 1]; Atari: logits, official head Linear(D, |A|, bias=False) (mamba.py#L132)
@@ -533,7 +503,9 @@ class DeMa(nn.Module):
         return self.predict_action(x[:, self.n - 1::self.n])                 # from the s_t token (every token, BL3D)
 
     def init_cache(self, batch, device=None, dtype=torch.float32):
-        return [block.mixer.init_cache(batch, device, dtype) for block in self.blocks]
+        """Per layer (Mamba.step's cache), zero: the last W conv inputs (b, di, W) and the SSM state h (b, di, N)."""
+        return [(torch.zeros(batch, b.mixer.d_inner, b.mixer.d_conv, device=device, dtype=dtype),
+                 torch.zeros(batch, b.mixer.d_inner, b.mixer.d_state, device=device, dtype=dtype)) for b in self.blocks]
 
     def step(self, states, prev_action, rtg, timesteps, cache):
         """RNN-like DeMa (Sec. 3.2): the current triplet through every layer, carrying the conv and SSM states.
@@ -601,20 +573,16 @@ def check_model(cfg):
 
 def paper_values(name, mode="transformer"):
     """Per-dataset settings: D.1 (MuJoCo), Tables 14-15 and F.2 (mazes), D.2 and Table 10 (Atari; Table 9: PRESETS)."""
-    if data_lib.is_atari(name):
-        name = name.lower()
-        if mode == "rnn":   # Table 10 and D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates a batch
-            return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
-        # D.2: K=8 for Qbert and Frostbite (Table 9's warmup would be 10 steps there, not 3: < 0.03% of the run)
+    atari, name = data_lib.is_atari(name), name.lower()
+    if atari and mode == "rnn":   # Table 10, D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates each
+        return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
+    if atari:   # D.2: K=8 for Qbert and Frostbite (Table 9's warmup would be 10 steps there, not 3: < 0.03% of the run)
         return dict(context=8) if re.search("qbert|frostbite", name) else {}
-    name = name.lower()
-    m = re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name)
-    if m:
+    if m := re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name):
         env, level = m.groups()
-        return dict(n_embd=256 if env == "hopper" and level in ("medium", "medium-replay") else 128,
-                    d_model=128 if level == "medium-expert" else 64,
-                    lr=1e-4 if f"{env}-{level}" in ("hopper-medium", "hopper-medium-replay", "walker2d-medium")
-                    else 1e-3)
+        hopper_medium = env == "hopper" and level in ("medium", "medium-replay")
+        return dict(n_embd=256 if hopper_medium else 128, d_model=128 if level == "medium-expert" else 64,
+                    lr=1e-4 if hopper_medium or (env, level) == ("walker2d", "medium") else 1e-3)
     maze_eval = dict(eval_episodes=50)            # F.2: 50 evaluation episodes on every maze
     if "pointmaze" in name or "maze2d" in name:   # Table 15 (maze2d); medium: K=8, E=256; umaze: Table 8's values
         if "umaze" in name:
@@ -650,9 +618,9 @@ def param_groups(model, cfg):
 
 
 def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup, then constant (AndssY/dema@e2aed7e gym/experiment.py#L455); with
-    --lr-decay-steps N the official Atari decay after it, max(0.1, (1 + cos(pi p)) / 2), p = (s - warmup) / (N -
-    warmup) not clamped: 0.1 from p = 0.8, rising past 1.2 (AndssY/dema@e2aed7e atari/mingpt/trainer_atari.py#L217)."""
+    """--lr's factor at step s: linear warmup, then constant (AndssY/dema@e2aed7e gym/experiment.py#L455) or, with
+    --lr-decay-steps N, max(0.1, (1 + cos(pi p)) / 2), p = (s - warmup) / (N - warmup) not clamped: 0.1 from p = 0.8,
+    rising again past 1.2 (AndssY/dema@e2aed7e atari/mingpt/trainer_atari.py#L217)."""
     if s < cfg.warmup_steps or not cfg.lr_decay_steps:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     p = (s - cfg.warmup_steps) / max(1, cfg.lr_decay_steps - cfg.warmup_steps)
@@ -660,9 +628,8 @@ def lr_factor(s, cfg):
 
 
 def get_batch(d, n, cfg, rng, longest=False):
-    """n windows of K steps (App. C), or RNN-like n whole trajectories (their first --rnn-max-len steps) drawn in
-    proportion to length (longest: the longest, to size the worst step), left-padded (departure 8;
-    AndssY/dema@e2aed7e gym/experiment.py#L254, get_batch_recurrent)."""
+    """n windows of K steps (App. C), or RNN-like n whole trajectories drawn in proportion to length (longest: the
+    longest, to size the worst step), left-padded (departure 8; AndssY/dema@e2aed7e gym/experiment.py#L254)."""
     if cfg.mode != "rnn":
         return d.sample(n, cfg.context, rng)
     lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
@@ -676,9 +643,7 @@ def predict(model, b, cfg, training=False):
     """A data.py / evaluate.py window -> (predicted actions, target actions, loss mask)."""
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in WINDOW)
     if training and cfg.rtg_shift:
-        # departure 3: the official code trains on (R_{t-1}, a_{t-1}, s_t) -> a_t (with timestep t-1) over a window's
-        # last K-1 steps, never on an episode's first state; the default keeps DT's convention that the prompt
-        # belongs to the current state. AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L109
+        # departure 3, the official alignment (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L109)
         states, actions, timesteps, prev = states[:, 1:], actions[:, 1:], timesteps[:, :-1], actions[:, 0]
         rtg, mask = rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
@@ -734,8 +699,7 @@ def evaluate(model, d, cfg, device):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# training: dt.py's loop; DeMa's own are the model, the batches (windows or, RNN-like, whole trajectories, reused
-# --inner-it times), AdamW's groups and schedule per domain, and the hidden-attention figure at the end
+# training: dt.py's loop; DeMa's own are the model, the batches, AdamW's groups and schedule, the attention figure
 
 def train(cfg, run, d=None):
     """Train DeMa (--resume: continue the run) and evaluate it; --bench passes its timer as `run`, synthetic `d`."""
@@ -748,7 +712,6 @@ def train(cfg, run, d=None):
         need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)
-    # AdamW: MuJoCo on every parameter, Atari on the weights (param_groups); warmup, then constant or Atari's cosine
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     rng = np.random.default_rng(cfg.seed)                           # draws the training windows
@@ -784,8 +747,7 @@ def train(cfg, run, d=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# figures and analyses: hidden attention (Fig. 4, App. J), S6 ablation (Fig. 5); the analyses read a run's
-# checkpoint and never train
+# figures, analyses (Fig. 4, App. J; Fig. 5) and benchmarks (--bench times train() on synthetic data): they never train
 
 def plt_agg():
     import matplotlib
@@ -795,9 +757,8 @@ def plt_agg():
 
 
 def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
-    """Hidden attention on dataset windows (full ones where there are any): the last query row of every layer (the
-    s_t token's, whose output is the action: App. J), |alpha| averaged over channels and windows, against the key's
-    distance from s_t (log y), a marker per token kind. Fig. 4 shows the same row along one episode: --attention."""
+    """Hidden attention on dataset windows (full ones where there are any): every layer's last query row (the s_t
+    token's, whose output is the action: App. J), mean |alpha| over channels and windows against the key's distance."""
     b = d.sample((2 if d.discrete else 8) * n_windows, cfg.context, np.random.default_rng(seed))   # (frames: fewer)
     full = torch.nonzero(b["mask"].all(dim=1)).squeeze(1)
     keep = full[:n_windows] if len(full) else torch.arange(n_windows)
@@ -847,9 +808,8 @@ def gif(cfg, given):
 
 
 def attention_episode(cfg, given):
-    """--attention (Fig. 4, App. J): one evaluation episode at the first target; at every decision, each layer's last
-    attention row (the s_t token's), |alpha| averaged over channels -> attention_episode.npz (steps, n_layer, T) and
-    attention_episode.png (a heat map per layer and their mean: decision step against token position)."""
+    """--attention (Fig. 4, App. J): one episode at the first target; at every decision each layer's last attention row,
+    |alpha| averaged over channels -> attention_episode.npz (steps, n_layer, T) and a heat map per layer (.png)."""
     cfg, model, out, d = load_model(cfg, given)
     if cfg.mode != "transformer":
         raise data_lib.DataError("--attention draws transformer-like DeMa's window at each decision (Fig. 4); this run "
@@ -910,31 +870,26 @@ def ablate_s6(model, how, layers, donor=None, seed=0):
                 p.copy_(torch.zeros_like(p) if how == "zero" else source.get_parameter(name))
 
 
-def load_donor(path, model, layers):
-    """--s6-donor: another DeMa run's model (its folder or ckpt.pt), whose mixers have this run's shapes."""
-    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if not os.path.exists(path):
-        raise data_lib.DataError(f"--s6-donor: no checkpoint at {path}")
-    ck = ev.read_checkpoint(path, SCRIPT)
-    names = {f.name for f in dataclasses.fields(Config)}
-    donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}), ck["info"])
-    donor.load_state_dict(ck["model"])
-    shapes = lambda m: [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS] for l in layers]  # noqa: E731
-    if len(donor.blocks) <= max(layers) or shapes(donor) != shapes(model):
-        raise data_lib.DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes (same "
-                                 f"--d-model, --d-state, --d-conv, --expand and enough layers needed)")
-    return donor.to(next(model.parameters()).device)
-
-
 def s6_ablation(cfg, given):
     """--s6-ablation (Sec. 4.2, Fig. 5): both scores per target, of the checkpoint and of its ablate_s6 change."""
     cfg, model, out, d = load_model(cfg, given)
-    n = len(model.blocks)
+    n, device, donor = len(model.blocks), next(model.parameters()).device, None
     layers = list(range(n)) if cfg.s6_layers == "all" else sorted({int(x) for x in cfg.s6_layers.split(",")})
     if max(layers) >= n:
         raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers (0..{n - 1})")
-    donor = load_donor(cfg.s6_donor, model, layers) if cfg.s6_ablation == "swap" else None
-    device = next(model.parameters()).device
+    if cfg.s6_ablation == "swap":   # another DeMa run (its folder or ckpt.pt) whose mixers have this run's shapes
+        path = os.path.join(cfg.s6_donor, "ckpt.pt") if os.path.isdir(cfg.s6_donor) else cfg.s6_donor
+        if not os.path.exists(path):
+            raise data_lib.DataError(f"--s6-donor: no checkpoint at {path}")
+        ck = ev.read_checkpoint(path, SCRIPT)
+        names = {f.name for f in dataclasses.fields(Config)}
+        donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}), ck["info"])
+        donor.load_state_dict(ck["model"])
+        shapes = lambda m: [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS] for l in layers]  # noqa
+        if len(donor.blocks) <= max(layers) or shapes(donor) != shapes(model):
+            raise data_lib.DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes "
+                                     f"(same --d-model, --d-state, --d-conv, --expand and enough layers needed)")
+        donor = donor.to(device)
     before = evaluate(model, d, cfg, device)
     ablate_s6(model, cfg.s6_ablation, layers, donor, seed=cfg.seed)
     after = evaluate(model, d, cfg, device)
@@ -944,15 +899,11 @@ def s6_ablation(cfg, given):
               f"return={r1['returns'].mean():.2f} (original {r0['returns'].mean():.2f}) episodes={len(r1['returns'])}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# benchmarks: --bench (times train() on synthetic data), --bench-scan and --params (no run needed)
-
 def bench(cfg):
     """--bench (evaluate.bench_modes): train()'s own steps on synthetic data, hopper's or Atari's shapes (Table 7)."""
-    atari = data_lib.is_atari(cfg.dataset or cfg.env)
     length = max(200, 2 * cfg.context)
-    d = data_lib.synthetic_atari(length=length) if atari else data_lib.synthetic_data(obs_dim=11, act_dim=3,
-                                                                                      episodes=16, length=length)
+    d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env)
+         else data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))
     steps = min(length, cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context   # steps a sequence of the batch holds
     tokens = (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
     for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
@@ -973,8 +924,7 @@ def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
 
 def bench_scan(cfg):
     """--bench-scan: one scan's forward + backward at the paper's training size (batch 64, L=60, d_inner 128, N 64),
-    longer L, and small states, where the loop is bound by per-op overhead; each parallel round streams the whole
-    (b, d_inner, L, N) tensor (alxndrTL/mamba.py#57)."""
+    longer L, small states; each parallel round streams the whole (b, d_inner, L, N) tensor (alxndrTL/mamba.py#57)."""
     torch.set_flush_denormal(True)
     di, N = cfg.expand * cfg.d_model, cfg.d_state
     print(f"selective scan, forward + backward, fp32, {torch.get_num_threads()} thread(s), cpu")
@@ -988,8 +938,7 @@ def bench_scan(cfg):
               flush=True)
 
 
-# dt.py's sizes for --params, at hopper's shapes and Atari's 4 actions (this file imports no other model file;
-# tests/test_dema.py checks them and dt_parameters against dt.py)
+# dt.py's sizes for --params (this file imports no other model file; tests/test_dema.py checks them against dt.py)
 DT_ROWS = [("dt paper (H=128)", dict(n_embd=128, n_layer=3)),
            ("dt --preset cpu", dict(n_embd=64, n_layer=2)),
            ("dt Atari (6 x 128, 8 heads, K=30; 1000 timesteps)", dict(n_embd=128, n_layer=6, context=30, act_dim=4,
@@ -998,8 +947,7 @@ DT_ROWS = [("dt paper (H=128)", dict(n_embd=128, n_layer=3)),
 
 
 def dt_parameters(n_embd, n_layer, obs_dim=11, act_dim=3, max_ep_len=1000, context=0, atari=False):
-    """Decision Transformer's parameter count (dt.py's DecisionTransformer, or its AtariDecisionTransformer with the
-    conv encoder and R_t tokens), in closed form. The head count does not change it."""
+    """dt.py's DecisionTransformer's (atari: AtariDecisionTransformer's) parameter count, for any head count."""
     C = n_embd
     block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)  # LN x2, attn, MLP
     if atari:   # DQN's torso and Linear(3136, C); R_t Linear(1, C); the action table; token and timestep tables

@@ -47,10 +47,9 @@ Official code: https://github.com/AndssY/dema/blob/e2aed7e1a3893bbf0ff651388659f
 https://github.com/state-spaces/mamba/blob/afd5fb5b1b89d2d353e9316809903267cbe70971/mamba_ssm/modules/mamba_simple.py#L31
 
 Departures from the paper and the official code:
- 1. The selective scan (a loop, or a log-depth scan), causal conv and RMSNorm are plain PyTorch, not mamba's CUDA
-    and Triton kernels: it runs on a CPU, and agrees with them to float tolerance.
- 2. Left padding is inert (zero conv input and Delta = 0: a padded window's outputs equal the shorter window's); the
-    official pads (states 0 before normalisation, actions -10) enter the state: --no-pad-mask, with data.py's zeros.
+ 1. Plain PyTorch scan, causal conv and RMSNorm, not mamba's CUDA and Triton kernels (CPU too; same to float tolerance).
+ 2. Left padding is inert (zero conv input, Delta = 0: a padded window's outputs equal the shorter window's); official
+    pads enter the state (--no-pad-mask, with data.py's zeros: not its states 0, actions -10, start-anchored windows).
  3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the official code trains on
     (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps and evaluates on R_t (--rtg-shift reproduces it).
  4. MuJoCo warmup: 10k steps, the official code's (the paper's Table 8 says 1e5).
@@ -111,7 +110,6 @@ class Config:
     d_conv: int = arg(4, "W, width of the causal depthwise convolution")
     expand: int = arg(2, "d_inner = expand * D")
     dropout: float = arg(0.0, "dropout on the tokens (Table 8: 0; Table 9, Atari: 0.1) and after --residual post's MLP")
-    # the paper's variants and ablations
     mode: str = arg("transformer", "'transformer': K-step windows (the method); 'rnn': whole trajectories (Sec. 3.2)")
     token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t, three tokens a step; 'bl3d': one (Sec. 4.1, Table 2)")
     residual: str = arg("pre", "'pre': Mamba's block (the method); 'post': a transformer block around S6 (Tables 3-4)")
@@ -129,7 +127,7 @@ class Config:
     eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end", run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel (official MuJoCo code: 100)", run=True)
     target_return: float = arg(None, "return-to-go prompt, raw return units; default: the dataset's targets", run=True)
-    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (official); it can stall", run=True)
+    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (official code); it can stall", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/dema/<env>/<variant>/seed<N>", run=True)
@@ -138,7 +136,6 @@ class Config:
     bench: bool = arg(False, "time training steps (eager, compiled, CUDA's AMP) on synthetic data, and exit", run=True)
     scan: str = arg("auto", "auto (sequential on CPU, parallel on CUDA) | sequential | parallel", run=True)
     scan_chunk: int = arg(0, "recompute the sequential scan in chunks of N tokens for the backward; 0 = off", run=True)
-    # analyses (read the run's checkpoint, never train)
     attention: bool = arg(False, "Fig. 4: the hidden attention along one evaluation episode", run=True)
     s6_ablation: str = arg("", "Fig. 5: evaluate with --s6-layers' S6 zero|random|swap (--s6-donor's)", run=True)
     s6_layers: str = arg("all", "the layers --s6-ablation changes: 'all' or 0-based indices, e.g. 0,2", run=True)
@@ -276,12 +273,11 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     # CUDA, where the loop would launch ~18 kernels per token per layer (reasoned, not measured: no GPU here)
     if scan == 'auto':
         scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
-    kw = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
     # the state update stays fp32 (the meta device, where train() sizes a step before allocating, has no autocast)
     with torch.autocast("cpu" if u.device.type == "meta" else u.device.type, enabled=False):
         if scan == 'parallel':
-            return selective_scan_parallel(u, delta, A, B, C, **kw)
-        return selective_scan_sequential(u, delta, A, B, C, chunk=chunk, **kw)
+            return selective_scan_parallel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        return selective_scan_sequential(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk)
 
 
 class RMSNorm(nn.Module):
@@ -354,8 +350,7 @@ class Mamba(nn.Module):
         return y.transpose(1, 2) if self.s6_only else self.out_proj(y.transpose(1, 2))  # (b, T, D)
 
     def step(self, h, cache):
-        """One token (RNN-like DeMa, Sec. 3.2; mamba_simple.py#L208): h (b, D), cache = (conv_state (b, di, W),
-        ssm_state (b, di, N)) -> (out (b, D), new cache)."""
+        """One token (Sec. 3.2; mamba_simple.py#L208): h (b, D), (conv_state, ssm_state) -> (out (b, D), new cache)."""
         conv_state, ssm_state = cache
         x, z = (h, None) if self.s6_only else self.in_proj(h).chunk(2, dim=-1)   # (b, di)
         conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)  # roll in x_t
@@ -375,7 +370,7 @@ class Mamba(nn.Module):
         """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5), exactly (departure 9), per channel c:
             alpha[c]_{i,j} = sum_n C_i[n] exp(A[c,n] sum_{k=j+1..i} Delta_k[c]) Delta_j[c] B_j[n]   for j <= i, else 0
         so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x: post-conv)
-        (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394) -> (b, di, T, T), or (b, di, T)."""
+        (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394) -> (b, di, T, T), or the last row."""
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
         B, C = fp32(B), fp32(C)
         T = x.shape[-1]
@@ -390,21 +385,18 @@ class Mamba(nn.Module):
         return alpha[:, :, 0] if last_row else alpha
 
 
-S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
-
-
 class Block(nn.Module):
     """Sec. 4.2, Fig. 1 right: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the method;
-    state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297). post=True, "DeMa with post." (Tables 3-4,
+    state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297). --residual post, "DeMa with post." (Tables 3-4,
     departure 7): x + S6(LN(x)), then x + MLP(LN(x)), the transformer's block with S6 in attention's place; ReLU in
     the MLP (D.1), GELU in the official Atari code (AndssY/dema@e2aed7e atari/mingpt/model_atari2.py#L263)."""
 
-    def __init__(self, cfg, post=False, gelu=False):
+    def __init__(self, cfg, gelu=False):
         super().__init__()
-        D, self.post = cfg.d_model, post
-        self.norm = nn.LayerNorm(D) if post else RMSNorm(D)
-        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=post)
-        if post:
+        D, self.post = cfg.d_model, cfg.residual == "post"
+        self.norm = nn.LayerNorm(D) if self.post else RMSNorm(D)
+        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=self.post)
+        if self.post:
             self.norm2 = nn.LayerNorm(D)
             self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(), nn.Linear(4 * D, D),
                                      nn.Dropout(cfg.dropout))
@@ -456,8 +448,7 @@ class DeMa(nn.Module):
         # the official backbone, MixerModel: AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L86
         self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # its embedding (E -> D, or 3E -> D)
         # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or the post one (GELU in its MLP on Atari)
-        self.blocks = nn.ModuleList([Block(cfg, post=cfg.residual == "post", gelu=discrete)
-                                     for _ in range(cfg.n_layer)])
+        self.blocks = nn.ModuleList([Block(cfg, gelu=discrete) for _ in range(cfg.n_layer)])
         self.ln_f = RMSNorm(D)                               # official norm_f: RMSNorm (the paper names no norm)
         # MuJoCo: tanh(Linear) into [-1, 1]; Atari: logits, official head Linear(D, |A|, bias=False) (mamba.py#L132)
         self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
@@ -486,10 +477,8 @@ class DeMa(nn.Module):
         if self.embed_timestep is not None:
             time = self.embed_timestep(timesteps)                                                # (b, K, E)
             e = [x + time for x in e]
-        if self.bl3d:
-            u = torch.cat(e, dim=-1)                                         # (b, K, 3E): one token per step
-        else:
-            u = torch.stack(e, dim=2).reshape(b, 3 * K, -1)                  # (b, 3K, E): step 0's three, step 1's ...
+        u = (torch.cat(e, dim=-1) if self.bl3d                               # (b, K, 3E): one token per step
+             else torch.stack(e, dim=2).reshape(b, 3 * K, -1))               # (b, 3K, E): step 0's three, step 1's ...
         return fp32(self.embedding(self.drop(u)))            # the residual stream stays fp32 under --amp (official too)
 
     def forward(self, states, actions, rtg, timesteps, mask, prev_action):
@@ -512,8 +501,7 @@ class DeMa(nn.Module):
         states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,) -> (action (b, act) or logits, cache)."""
         toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None], timesteps[:, None])   # (b, n, D)
         cache = list(cache)
-        for i in range(self.n):
-            x = toks[:, i]
+        for x in toks.unbind(1):                                             # the step's tokens, s_t's last
             for l, block in enumerate(self.blocks):
                 x, cache[l] = block.step(x, cache[l])
         return self.predict_action(self.ln_f(x)), cache                     # x is the s_t token's output
@@ -537,6 +525,7 @@ SCRIPT = "dema"
 CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), residual=("pre", "post"),
                scan=("auto", "sequential", "parallel"), s6_ablation=("", "zero", "random", "swap"))
 WINDOW = ("states", "actions", "rtg", "timesteps", "mask", "prev_action")     # a batch's keys, in DeMa.forward's order
+S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
 
 
 def check_model(cfg):
@@ -551,12 +540,10 @@ def check_model(cfg):
             raise data_lib.DataError(f"--{name.replace('_', '-')} must be a positive whole number, got "
                                      f"{getattr(cfg, name)}")
     for bad, why in (
-            (cfg.lr_decay_steps < 0,
-             f"--lr-decay-steps must be 0 (no decay) or a step count, got {cfg.lr_decay_steps}"),
+            (cfg.lr_decay_steps < 0, f"--lr-decay-steps must be 0 (off) or a step count, got {cfg.lr_decay_steps}"),
             (not 0 <= cfg.beta2 < 1, f"--beta2 must lie in [0, 1), got {cfg.beta2}"),
             (cfg.scan_chunk < 0, f"--scan-chunk must be 0 (off) or a positive number of tokens, got {cfg.scan_chunk}"),
-            (cfg.scan_chunk and cfg.scan == "parallel",
-             "--scan-chunk recomputes the sequential scan; drop --scan parallel"),
+            (cfg.scan_chunk and cfg.scan == "parallel", "--scan-chunk needs the sequential scan; drop --scan parallel"),
             (cfg.mode == "rnn" and not cfg.pad_mask,
              "--mode rnn needs the pad mask (a batch's trajectories are padded to the longest); drop --no-pad-mask"),
             (cfg.mode == "rnn" and cfg.compile,
@@ -595,8 +582,7 @@ def paper_values(name, mode="transformer"):
 
 
 def paper_settings(cfg, given):
-    """cfg with paper_values() under the flags in `given` (parse_flags): Config defaults (hopper-medium's) < the
-    paper's Atari setting (PRESETS[""]) < the dataset's row < --preset < flags."""
+    """paper_values() under `given`: Config's defaults < PRESETS[""] (Atari) < the dataset's row < --preset < flags."""
     return dataclasses.replace(cfg, **{k: v for k, v in paper_values(cfg.dataset or cfg.env, cfg.mode).items()
                                       if k not in given})
 
@@ -767,7 +753,7 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     with torch.no_grad():
         rows = model.hidden_attention(*(b[k] for k in WINDOW), last_row=True)          # n_layer x (b, di, T)
     model.train()
-    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows]).flip(-1).cpu().numpy()   # (n_layer, T), distance
+    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows]).flip(-1).cpu().numpy()   # (n_layer, T) by key distance
     T = prof.shape[1]
     dist = np.arange(T)
     kind = np.array(["s", "a", "R"] if model.n == 3 else ["step"])[dist % model.n]    # a: a_{t-1}; BL3D: 'step'
@@ -828,18 +814,17 @@ def attention_episode(cfg, given):
     plt = plt_agg()
     from matplotlib.colors import LogNorm
     panels = list(attn.transpose(1, 0, 2)) + [attn.mean(1)]                           # (steps, T) each
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), squeeze=False, sharey=True,
-                             layout="constrained")
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), sharey=True, layout="constrained")
     vmax = attn.max()
     norm = LogNorm(vmin=max(attn[attn > 0].min(initial=vmax), vmax * 1e-6), vmax=vmax) if vmax > 0 else None
     T = attn.shape[2]
-    for i, (ax, p) in enumerate(zip(axes[0], panels)):
+    for i, (ax, p) in enumerate(zip(axes, panels)):
         im = ax.imshow(p.T, origin="lower", aspect="auto", cmap="turbo", norm=norm, interpolation="nearest",
                        extent=(-0.5, len(p) - 0.5, -0.5, T - 0.5))
         title = f"layer {i + 1}" if i < len(panels) - 1 else "mean of layers"
         ax.set(xlabel="decision step t of the episode", title=title)
-    axes[0, 0].set_ylabel(f"token position in the window ({T - 1} = s_t)")
-    fig.colorbar(im, ax=axes[0].tolist(), label="mean |alpha| over channels (last row)")
+    axes[0].set_ylabel(f"token position in the window ({T - 1} = s_t)")
+    fig.colorbar(im, ax=axes.tolist(), label="mean |alpha| over channels (last row)")
     fig.suptitle(f"DeMa hidden attention along one episode, {d.dataset_id} (return {res['returns'][0]:.0f})")
     path = os.path.join(out, "attention_episode.png")
     fig.savefig(path, dpi=100)

@@ -3,11 +3,9 @@ Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Opt
 Learning?" (NeurIPS 2024, arXiv 2405.12094).
 
 Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no MLP, no timestep
-embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state; on Atari the
-official code's [a_{t-1}, R_t, s_t]) and a_t is read from the s_t token. Transformer-like DeMa (the method, --mode
-transformer) trains on random K-step windows and re-runs the last K steps from a zero state at every decision;
-RNN-like DeMa (--mode rnn) trains on whole trajectories and carries the conv and SSM states through an evaluation
-episode, one triplet per decision (paper Sec. 3.2, App. C).
+embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state) and a_t is read
+from the s_t token. Transformer-like DeMa (the method, --mode transformer) re-runs the last K steps from a zero state
+at every decision; RNN-like DeMa (--mode rnn) carries the conv and SSM states through an episode (Sec. 3.2, App. C).
 
     python dema.py --env hopper-medium                 # the paper's configuration: 100k steps (hours on a CPU)
     python dema.py --env hopper-medium --preset cpu    # small configuration for a 2-core laptop
@@ -15,7 +13,7 @@ episode, one triplet per decision (paper Sec. 3.2, App. C).
     python dema.py --out <run folder> --attention      # Fig. 4: hidden attention along one evaluation episode
     python dema.py --out <run folder> --s6-ablation zero --s6-layers 0      # Fig. 5: evaluate with layer 0's S6 zeroed
     python dema.py --bench-scan | --params             # scan timings; parameter counts next to dt.py's (no run needed)
-    python dema.py --dataset dqn-replay/breakout/1pct-v0   # Atari (Table 5): Table 9's setting, DQN's torso, cross-entropy
+    python dema.py --dataset dqn-replay/breakout/1pct-v0   # Atari (Table 5): Table 9's setting, cross-entropy
     python dema.py --dataset replica/breakout/mixed-v0 --preset cpu    # the classroom Atari DeMa (~15 min of a core)
     python dema.py --env hopper-medium --residual post # "DeMa with post.": a transformer block around S6 (Tables 3-4)
     python dema.py --bench --env breakout-expert       # Table 7, Atari: training step time (and GPU memory) on frames
@@ -44,21 +42,14 @@ Glossary (paper symbol -> code name, shape; mamba-minimal style):
     s_t       the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)  states (b, K, 4, 84, 84)
     a_t       one of the game's |A| actions (Discrete)                         actions (b, K) int64; logits (b, K, |A|)
 
-Layout: docstring -> Config -> the model (only torch, math, dataclasses: copy it alone) -> the S6 ablation of Fig. 5
-(pure torch) -> the paper's pieces (per-dataset sizes, data, loss, policy) -> train(), the loop, as in dt.py -> figures
-and analyses (Fig. 4, Fig. 5) -> benchmarks -> main(), which lays the dataset's sizes under the flags. The run folder,
-checkpoint and exact resume are evaluate.py's (the run record). Outputs go to runs/dema/<env>/<variant>/seed<N>/.
-
 Official code: https://github.com/AndssY/dema/blob/e2aed7e1a3893bbf0ff651388659f0927c88d365/gym/decision_transformer/models/ssm.py#L30
 (branch main; the hidden attention is on its branch attention, 05bd941) and the Mamba v1.2.0 it vendors unchanged,
 https://github.com/state-spaces/mamba/blob/afd5fb5b1b89d2d353e9316809903267cbe70971/mamba_ssm/modules/mamba_simple.py#L31
 
 Departures from the paper and the official code:
- 1. The selective scan, causal conv and RMSNorm are plain PyTorch (a loop with selective_scan_ref's semantics, or a
-    log-depth scan), not mamba's CUDA and Triton kernels: it runs on a CPU, and agrees with them to float tolerance.
- 2. Left padding is inert by default (--pad-mask: zero conv input and Delta = 0 at pads, so a padded window's outputs
-    equal the shorter window's); the official pads enter the state (--no-pad-mask). Its pad values (states 0 before
-    normalisation, actions -10) and start-anchored windows are not reproduced: data.py's zeros, end-anchored windows.
+ 1. Plain PyTorch scan, causal conv and RMSNorm, not mamba's CUDA and Triton kernels (CPU too; same to float tolerance).
+ 2. Left padding is inert (zero conv input, Delta = 0: a padded window's outputs equal the shorter window's); official
+    pads enter the state (--no-pad-mask, with data.py's zeros: not its states 0, actions -10, start-anchored windows).
  3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the official code trains on
     (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps and evaluates on R_t (--rtg-shift reproduces it).
  4. MuJoCo warmup: 10k steps, the official code's (the paper's Table 8 says 1e5).
@@ -80,7 +71,7 @@ import dataclasses
 import math
 import os
 import re
-import time
+import timeit
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,8 +84,7 @@ import evaluate as ev
 
 
 def arg(default, help, run=False):
-    """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
-    evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
+    """A Config field and flag; run=True: not what is trained (not in the run folder's name, may differ on --resume)."""
     return field(default=default, metadata={"help": help, "run": run})
 
 
@@ -102,17 +92,14 @@ def arg(default, help, run=False):
 class Config:
     # --- the paper's settings (what is trained): Table 8 and D.1 at hopper-medium; a new run on another named dataset
     # gets that dataset's row (paper_settings) unless given. E and D are two widths (a Linear E -> D after the tokens).
-    delayed_reward: bool = arg(False, "every reward of an episode paid at its last step, in the data and in "
-                                      "evaluation (Table 13); the score is still the env's own return")
+    delayed_reward: bool = arg(False, "rewards all paid at the episode's last step, in data and evaluation (Table 13)")
     batch_size: int = arg(64, "windows (transformer mode) or whole trajectories (rnn mode) per batch")
     context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
     lr: float = arg(1e-4, "AdamW learning rate (D.1: 1e-4 hopper-medium(-replay), walker2d-medium; else 1e-3)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay; the official MuJoCo code decays every parameter (Atari: "
-                                    "weights only, param_groups)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay: of every parameter (MuJoCo), of the weights (Atari)")
     beta2: float = arg(0.999, "AdamW's second-moment decay (Table 9, Atari: 0.95)")
-    warmup_steps: int = arg(10_000, "linear warmup, then constant (official code 1e4; the paper's Table 8 says 1e5)")
-    lr_decay_steps: int = arg(0, "0: constant lr after the warmup (MuJoCo); N: the official Atari code's cosine after "
-                                 "it, max(0.1, cos) reaching 0.1 x lr before step N and rising again past N (Table 9)")
+    warmup_steps: int = arg(10_000, "linear warmup, then constant (the official code's 1e4: departure 4)")
+    lr_decay_steps: int = arg(0, "0: constant lr after the warmup (MuJoCo); N: the official Atari cosine (lr_factor)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
     preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
     amp: bool = arg(False, "bf16 autocast for the forward pass; the scan, the residual stream and the loss stay fp32")
@@ -122,85 +109,51 @@ class Config:
     d_state: int = arg(64, "N, SSM state size per channel")
     d_conv: int = arg(4, "W, width of the causal depthwise convolution")
     expand: int = arg(2, "d_inner = expand * D")
-    dropout: float = arg(0.0, "dropout on the token embeddings, the only dropout in DeMa (MuJoCo 0, Table 8; Atari "
-                              "0.1, Table 9), and after the MLP of --residual post")
-    # the paper's variants and ablations
-    mode: str = arg("transformer", "'transformer': K-step windows, re-run from a zero state at every decision (the "
-                                   "method); 'rnn': whole trajectories, states carried through the episode (Sec. 3.2, "
-                                   "App. C; ~64 GB at the paper's batch of 64 x 1000 steps: see --scan-chunk)")
-    token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t as three tokens along time; 'bl3d': one token per "
-                                    "step, the three embeddings concatenated (width 3E) (Sec. 4.1, Table 2)")
-    residual: str = arg("pre", "'pre': Mamba's pre up-projection block x + Mamba(RMSNorm(x)) (the method); 'post': "
-                               "the transformer's post up-projection block with the S6 layer (hidden attention) in "
-                               "attention's place, x + S6(LN(x)), x + MLP(LN(x)) (Sec. 4.2, Tables 3-4)")
-    prev_action: bool = arg(True, "a_{t-1} in each step's tokens (the method); --no-prev-action: the episode-start "
-                                  "null a_{-1} = 0 at every step (--preset cpu on mazes)")
-    timestep_embedding: bool = arg(False, "add DT's learned timestep embedding to every token (App. G, Table 17: "
-                                          "+max_ep_len x E parameters, 256,000 at hopper)")
-    rtg_shift: bool = arg(False, "train on the official code's triplet alignment (R_{t-1}, a_{t-1}, s_t) -> a_t "
-                                 "over a window's last K-1 steps (evaluation feeds R_t either way)")
-    pad_mask: bool = arg(True, "left padding inert inside Mamba (Delta = 0, zero conv input); --no-pad-mask: pads "
-                               "enter the state as ordinary tokens, as in the official code (with data.py's zero pads)")
-    inner_it: int = arg(1, "gradient updates on each drawn batch before the next is drawn (Table 10, RNN-like DeMa "
-                           "on Atari: 200)")
-    rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps (memory: ~110 KB per "
-                                 "token per layer per trajectory at the paper's sizes; see --scan-chunk)")
+    dropout: float = arg(0.0, "dropout on the tokens (Table 8: 0; Table 9, Atari: 0.1) and after --residual post's MLP")
+    mode: str = arg("transformer", "'transformer': K-step windows (the method); 'rnn': whole trajectories (Sec. 3.2)")
+    token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t, three tokens a step; 'bl3d': one (Sec. 4.1, Table 2)")
+    residual: str = arg("pre", "'pre': Mamba's block (the method); 'post': a transformer block around S6 (Tables 3-4)")
+    prev_action: bool = arg(True, "a_{t-1} in each step's tokens; --no-prev-action: the null a_{-1} = 0 at every step")
+    timestep_embedding: bool = arg(False, "add DT's learned timestep embedding to every token (App. G, Table 17)")
+    rtg_shift: bool = arg(False, "train on the official code's (R_{t-1}, a_{t-1}, s_t) -> a_t (departure 3)")
+    pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: pads enter the state, as officially (departure 2)")
+    inner_it: int = arg(1, "gradient updates on each drawn batch (Table 10, RNN-like DeMa on Atari: 200)")
+    rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps")
     # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
     steps: int = arg(100_000, "gradient steps (official code: 10 iterations x 10k)", run=True)
-    eval_every: int = arg(10_000, "evaluate (and checkpoint) every this many steps, and at the end (official code: "
-                                   "every 10k-step iteration)", run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel (official MuJoCo code: 100; mazes: 50, "
-                                   "App. F.2; Atari: 10)", run=True)
-    target_return: float = arg(None, "return-to-go prompt in raw return units; default: the dataset's targets (Atari: "
-                                     "Table 9's)", run=True)
-    greedy: bool = arg(False, "Atari: act with the most likely action instead of a draw from the softmax (the official "
-                              "code draws); greedy play can stall where a policy never presses FIRE", run=True)
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end", run=True)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel (official MuJoCo code: 100)", run=True)
+    target_return: float = arg(None, "return-to-go prompt, raw return units; default: the dataset's targets", run=True)
+    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (official code); it can stall", run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
     out: str = arg("", "output folder; default runs/dema/<env>/<variant>/seed<N>", run=True)
     resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
-    bench: bool = arg(False, "time training steps (eager vs compiled, and AMP on CUDA) on synthetic data, and exit", run=True)
-    scan: str = arg("auto", "selective scan: auto (sequential on CPU, measured; parallel on CUDA, not measured) | "
-                            "sequential | parallel", run=True)
-    scan_chunk: int = arg(0, "backpropagate the sequential scan in chunks of this many tokens, recomputing each "
-                             "(exact gradients; ~L/chunk + 2 chunk states kept per layer instead of ~2 L: for --mode "
-                             "rnn, e.g. 30, 7.9 GB at batch 16 x 1000 steps); 0 = off", run=True)
-    # analyses (read the run's checkpoint, never train)
-    attention: bool = arg(False, "Fig. 4: roll out one evaluation episode with the run's checkpoint and draw the "
-                                 "hidden attention of every decision step (attention_episode.png)", run=True)
-    s6_ablation: str = arg("", "Fig. 5: evaluate the run's checkpoint with the S6 parameters of --s6-layers "
-                               "zeroed, randomised (re-initialised) or swapped from --s6-donor: zero|random|swap", run=True)
+    bench: bool = arg(False, "time training steps (eager, compiled, CUDA's AMP) on synthetic data, and exit", run=True)
+    scan: str = arg("auto", "auto (sequential on CPU, parallel on CUDA) | sequential | parallel", run=True)
+    scan_chunk: int = arg(0, "recompute the sequential scan in chunks of N tokens for the backward; 0 = off", run=True)
+    attention: bool = arg(False, "Fig. 4: the hidden attention along one evaluation episode", run=True)
+    s6_ablation: str = arg("", "Fig. 5: evaluate with --s6-layers' S6 zero|random|swap (--s6-donor's)", run=True)
     s6_layers: str = arg("all", "the layers --s6-ablation changes: 'all' or 0-based indices, e.g. 0,2", run=True)
-    s6_donor: str = arg("", "--s6-ablation swap: the run folder (or ckpt.pt) of another DeMa with the same D, N, "
-                            "d_conv, expand (the paper: one trained on another environment)", run=True)
-    gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint at its first target, "
-                           "rendered offscreen (MuJoCo; Atari in colour; reads the checkpoint, never trains)", run=True)
-    # no run needed
+    s6_donor: str = arg("", "--s6-ablation swap: another DeMa's run folder or ckpt.pt (same D, N, W, expand)", run=True)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint (Atari in colour)", run=True)
     bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
     params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
 
 
-# A small DeMa for a 2-core CPU at dt.py's preset budget (same steps, batch, K, lr, warmup and evaluations); N=16
-# and two layers keep the scan cheap. On mazes: dt.py's maze setting (K=1, no dropout), F.2's 50 episodes, and no
-# a_{t-1}, whose N(0, 0.5^2) noise is in every step's tokens whatever K (replica/pointmaze/medium-dense-v0, seed 0:
-# the goal reached in 2% of episodes with a_{t-1}, 66% without).
-# Atari: Table 9 laid under the flags as the preset "" (a run at these settings is 'default'), with the official
-# code's E=128 and N=128 (departure 5; AndssY/dema@e2aed7e atari/configs/config.py#L1): 1,713,184 parameters at 4
-# actions, Table 7's 1.7M. Table 9's optimiser: lr 6e-4, batch 128, betas (0.9, 0.95), weight decay 0.1
-# (param_groups), clip 1.0, dropout 0.1; 10 epochs of 1% DQN-replay (3906 batches of 128 each, then 10 evaluation
-# episodes). Its schedule counts tokens (B x K a step): a warmup of 512 x 20 tokens (3 steps of 128 x 30), then the
-# cosine to the code's "final tokens" 2 len(dataset) K 3 = 6 (500000 - 3K) K (Table 9: 6 x 500000 x K), i.e. step
-# 23,432 whatever K (atari/run_atari.py#L169). paper_values adds D.2's K=8 (Qbert, Frostbite) and Table 10 (rnn).
+# Atari: Table 9 as the preset "" (departure 5; AndssY/dema@e2aed7e atari/configs/config.py#L1), 10 epochs of 1%
+# DQN-replay. The code counts tokens: a warmup of 512 x 20 tokens (3 steps of 128 x 30), the cosine's end at
+# 6 (500000 - 3K) K tokens, i.e. step 23,432 whatever K (atari/run_atari.py#L169).
 ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4, beta2=0.95,
              weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3, lr_decay_steps=23_432, steps=39_060,
              eval_every=3906, eval_episodes=10)
-# The classroom Atari DeMa (replica/breakout/mixed-v0, 2 CPU cores): dt.py's Atari preset's windows (K=8, batch 32,
-# lr 6e-4, warmup 100), the cosine ending at the last step. DQN's torso is ~85% of a step, so DeMa's step costs
-# about DT's; 4500 steps take 18-20 minutes of one core (2000 were too few). E = D = 64 as the paper's E = D.
+# --preset cpu: dt.py's preset budget (steps, batch, K, lr, warmup, evaluations); N=16 and two layers keep the scan
+# cheap. Mazes: dt.py's maze setting (K=1, no dropout), F.2's 50 episodes, departure 11. Atari (breakout/mixed-v0):
+# dt.py's Atari preset's windows (K=8, batch 32, lr 6e-4, warmup 100), the cosine to the last step, E = D = 64.
 ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
                  lr_decay_steps=4500, steps=4500, eval_every=1500, eval_episodes=10)
 PRESETS = {"": dict(atari=ATARI),
@@ -254,10 +207,8 @@ def _scan_loop(h, delta, du, A, B, C):
 
 
 def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, chunk=0):
-    """The reference: a plain loop over time on a (b, di, N) state, differentiated by autograd, which keeps ~2 states
-    per token for the backward. chunk > 0: the loop runs in chunks of that many tokens, each recomputed in the
-    backward (activation checkpointing): exact gradients for one more forward, and L / chunk + ~2 chunk states kept
-    instead of ~2 L (whole trajectories in RNN mode)."""
+    """The reference: a loop over time; autograd keeps ~2 states per token. chunk > 0: chunks of that many tokens,
+    each recomputed in the backward (exact gradients; L / chunk + ~2 chunk states kept instead of ~2 L)."""
     dtype_in = u.dtype
     u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
     batch, d_inner, L = u.shape
@@ -267,17 +218,16 @@ def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None
     ys = []
     for s in range(0, L, step):
         args = (h, delta[..., s:s + step], du[..., s:s + step], A, B[..., s:s + step], C[..., s:s + step])
-        y, h = torch.utils.checkpoint.checkpoint(_scan_loop, *args, use_reentrant=False) if step < L else _scan_loop(*args)
+        y, h = (torch.utils.checkpoint.checkpoint(_scan_loop, *args, use_reentrant=False) if step < L
+                else _scan_loop(*args))
         ys.append(y)
     return _scan_finish(torch.cat(ys, dim=-1), u, D, z, dtype_in)
 
 
 def _hillis_steele(a, b):
-    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, with the official kernel's operator on pairs
-        (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
-    (state-spaces/mamba@afd5fb5 csrc/selective_scan/selective_scan_common.h#L111, SSMScanOp).
-    ceil(log2 L) vectorised rounds; after the round with shift s every position holds the composition of its last 2s
-    terms. Works on copies; no autograd (the gradient is _LinearScan.backward)."""
+    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, with the official kernel's operator
+    (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1), in ceil(log2 L) rounds: after shift s each position holds the
+    composition of its last 2s terms (state-spaces/mamba@afd5fb5 csrc/selective_scan/selective_scan_common.h#L111)."""
     a, b = a.clone(), b.clone()
     L, s = a.shape[2], 1
     while s < L:
@@ -307,9 +257,8 @@ class _LinearScan(torch.autograd.Function):
 
 
 def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
-    """The same recurrence by an associative (Hillis-Steele) scan over time: O(L log L) work in log2(L) rounds, each
-    reading and writing the full (b, di, L, N) tensors. Only exp of non-positive numbers is taken, so a large
-    negative A Delta underflows to 0 instead of overflowing (never exp(A S_i) exp(-A S_j), S = cumsum(Delta))."""
+    """The same recurrence by an associative scan over time, in log2(L) rounds over (b, di, L, N) tensors. Only exp
+    of non-positive numbers is taken: a large negative A Delta underflows to 0 (never exp(A S_i) exp(-A S_j))."""
     dtype_in = u.dtype
     u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
     a = torch.exp(delta[..., None] * A[:, None, :])                          # (b, di, L, N)  A_bar_t
@@ -324,12 +273,11 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     # CUDA, where the loop would launch ~18 kernels per token per layer (reasoned, not measured: no GPU here)
     if scan == 'auto':
         scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
-    kw = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
     # the state update stays fp32 (the meta device, where train() sizes a step before allocating, has no autocast)
     with torch.autocast("cpu" if u.device.type == "meta" else u.device.type, enabled=False):
         if scan == 'parallel':
-            return selective_scan_parallel(u, delta, A, B, C, **kw)
-        return selective_scan_sequential(u, delta, A, B, C, chunk=chunk, **kw)
+            return selective_scan_parallel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        return selective_scan_sequential(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk)
 
 
 class RMSNorm(nn.Module):
@@ -348,17 +296,15 @@ class RMSNorm(nn.Module):
 class Mamba(nn.Module):
     """Mamba-1 mixer (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> causal depthwise
     conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) ->
-    out_proj. The S6 layer, i.e. the "hidden attention" of Sec. 3.3 and Fig. 5, is {conv1d, x_proj, dt_proj, A_log,
-    D} (S6_PARAMETERS). s6_only=True: that S6 layer alone, at the block's width (d_inner = d_model; no in_proj, gate
-    or out_proj): the mixer of "DeMa with post." (Sec. 4.2, PostBlock), whose dt_rank is ceil((d_model / expand) / 16)
-    as in the official S6 (AndssY/dema@e2aed7e gym/decision_transformer/models/trajectory_gpt2.py#L266)."""
+    out_proj. Its S6 layer (the "hidden attention", Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only=True: that layer
+    alone, the post block's mixer, with the official S6's dt_rank ceil((d_model / expand) / 16)
+    (AndssY/dema@e2aed7e gym/decision_transformer/models/trajectory_gpt2.py#L266)."""
 
     def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4,
                  s6_only=False):
         super().__init__()
-        self.d_model, self.expand, self.s6_only = d_model, expand, s6_only
+        self.d_model, self.d_state, self.d_conv, self.expand, self.s6_only = d_model, d_state, d_conv, expand, s6_only
         self.d_inner = d_inner = d_model if s6_only else expand * d_model
-        self.d_state, self.d_conv = d_state, d_conv
         self.dt_rank = dt_rank = math.ceil((int(d_model / expand) if s6_only else d_model) / 16)   # "auto"
         self.in_proj = None if s6_only else nn.Linear(d_model, 2 * d_inner, bias=False)
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
@@ -368,9 +314,8 @@ class Mamba(nn.Module):
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = None if s6_only else nn.Linear(d_inner, d_model, bias=False)
         # Mamba's initialisation (the paper states none; the official code uses mamba's, mamba_simple.py#L82): dt_proj
-        # weight U(-R^-1/2, R^-1/2); its bias is softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
-        # out_proj kaiming-uniform / sqrt(n_layer), GPT-2's residual scaling with one residual per layer
-        # (AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
+        # weight U(-R^-1/2, R^-1/2); its bias softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
+        # out_proj / sqrt(n_layer), GPT-2's (AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
             dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
@@ -395,7 +340,7 @@ class Mamba(nn.Module):
         dt, B, C = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         delta = F.softplus(fp32(self.dt_proj(dt))).transpose(1, 2)          # (b, di, T)  Eq. (5): softplus(S_Delta(x))
         if mask is not None:
-            delta = delta * mask[:, None, :]                                 # Delta = 0: the state passes pads unchanged
+            delta = delta * mask[:, None, :]                                 # Delta = 0: the state passes pads as is
         A = -torch.exp(fp32(self.A_log))                                     # (di, N), fp32
         return x, z, delta, A, B.transpose(1, 2), C.transpose(1, 2)
 
@@ -404,13 +349,8 @@ class Mamba(nn.Module):
         y = selective_scan(x, delta, A, B, C, D=self.D, z=z, scan=scan, chunk=chunk)   # (b, di, T)
         return y.transpose(1, 2) if self.s6_only else self.out_proj(y.transpose(1, 2))  # (b, T, D)
 
-    def init_cache(self, batch, device=None, dtype=torch.float32):
-        return (torch.zeros(batch, self.d_inner, self.d_conv, device=device, dtype=dtype),  # the last W conv inputs
-                torch.zeros(batch, self.d_inner, self.d_state, device=device, dtype=dtype))  # ssm_state h
-
     def step(self, h, cache):
-        """One token (RNN-like DeMa, Sec. 3.2; mamba_simple.py#L208): h (b, D), cache = (conv_state (b, di, W),
-        ssm_state (b, di, N)) -> (out (b, D), new cache)."""
+        """One token (Sec. 3.2; mamba_simple.py#L208): h (b, D), (conv_state, ssm_state) -> (out (b, D), new cache)."""
         conv_state, ssm_state = cache
         x, z = (h, None) if self.s6_only else self.in_proj(h).chunk(2, dim=-1)   # (b, di)
         conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)  # roll in x_t
@@ -424,16 +364,13 @@ class Mamba(nn.Module):
             y = (ssm_state * C[:, None, :]).sum(-1) + self.D * x             # (b, di)
         if self.s6_only:
             return y.to(h.dtype), (conv_state, ssm_state)
-        y = y * F.silu(fp32(z))
-        return self.out_proj(y.to(h.dtype)), (conv_state, ssm_state)
+        return self.out_proj((y * F.silu(fp32(z))).to(h.dtype)), (conv_state, ssm_state)
 
     def hidden_attention(self, h, mask=None, last_row=False):
-        """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5-6), exactly, per channel c:
+        """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5), exactly (departure 9), per channel c:
             alpha[c]_{i,j} = sum_n C_i[n] exp(A[c,n] sum_{k=j+1..i} Delta_k[c]) Delta_j[c] B_j[n]   for j <= i, else 0
-        so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x is the
-        post-conv input, so the conv's own W-token mixing is not in alpha). Eq. (6) replaces softplus by ReLU (Ali et
-        al.'s approximation); departure 9 (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394).
-        -> (b, di, T, T), or the last query row only (b, di, T), the row a decision reads (App. J)."""
+        so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x: post-conv)
+        (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394) -> (b, di, T, T), or the last row."""
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
         B, C = fp32(B), fp32(C)
         T = x.shape[-1]
@@ -448,68 +385,42 @@ class Mamba(nn.Module):
         return alpha[:, :, 0] if last_row else alpha
 
 
-S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
-
-
 class Block(nn.Module):
-    """x + Mamba(RMSNorm(x)): the "pre up-projection" residual block (Sec. 4.2, Fig. 1 right); no MLP
-    (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297, with the fp32 residual)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.norm = RMSNorm(cfg.d_model)
-        self.mixer = Mamba(cfg.d_model, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer)
-
-    def forward(self, x, mask=None, scan='auto', chunk=0):
-        return x + self.mixer(self.norm(x), mask, scan, chunk)
-
-    def step(self, x, cache):
-        """One token, carrying the mixer's (conv, SSM) state: x (b, D) -> (b, D), new cache."""
-        out, cache = self.mixer.step(self.norm(x), cache)
-        return x + out, cache
-
-
-class PostBlock(nn.Module):
-    """x + S6(LN(x)), then x + MLP(LN(x)): "DeMa with post." (Sec. 4.2, Fig. 1 right, Tables 3-4), the transformer's
-    post up-projection residual block (xLSTM's term: the up-projection is the MLP's 4x, after the mixer) with the S6
-    layer, i.e. the hidden attention, in attention's place (Mamba(s6_only=True): no in_proj, gate or out_proj).
-    D.1: ReLU in the MLP (MuJoCo); the official Atari code's is GELU (gelu=True; AndssY/dema@e2aed7e
-    atari/mingpt/model_atari2.py#L263). Swapped inside DeMa (departure 7)."""
+    """Sec. 4.2, Fig. 1 right: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the method;
+    state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297). --residual post, "DeMa with post." (Tables 3-4,
+    departure 7): x + S6(LN(x)), then x + MLP(LN(x)), the transformer's block with S6 in attention's place; ReLU in
+    the MLP (D.1), GELU in the official Atari code (AndssY/dema@e2aed7e atari/mingpt/model_atari2.py#L263)."""
 
     def __init__(self, cfg, gelu=False):
         super().__init__()
-        D = cfg.d_model
-        self.norm = nn.LayerNorm(D)
-        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=True)
-        self.norm2 = nn.LayerNorm(D)
-        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(), nn.Linear(4 * D, D),
-                                 nn.Dropout(cfg.dropout))
+        D, self.post = cfg.d_model, cfg.residual == "post"
+        self.norm = nn.LayerNorm(D) if self.post else RMSNorm(D)
+        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=self.post)
+        if self.post:
+            self.norm2 = nn.LayerNorm(D)
+            self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(), nn.Linear(4 * D, D),
+                                     nn.Dropout(cfg.dropout))
 
     def forward(self, x, mask=None, scan='auto', chunk=0):
         x = x + self.mixer(self.norm(x), mask, scan, chunk)
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp(self.norm2(x)) if self.post else x
 
     def step(self, x, cache):
         out, cache = self.mixer.step(self.norm(x), cache)
         x = x + out
-        return x + self.mlp(self.norm2(x)), cache
+        return (x + self.mlp(self.norm2(x)) if self.post else x), cache
 
 
 def previous_actions(actions, prev_action):
-    """a_{t-1} at every position of a window: cat(prev_action, actions[:, :-1]) along time (prev_action is data.py's
-    action before the window, the null action 0 at an episode's first step). (b, K, act_dim)."""
+    """a_{t-1} at every position (b, K, act): prev_action is data.py's a_{t-1} of the window's first step."""
     return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
 
 
 class DeMa(nn.Module):
-    """Tokens [R_t, a_{t-1}, s_t] per step (official MuJoCo order; "B3LD", Sec. 4.1) or one token of the three
-    embeddings concatenated ("BL3D"), Linear E (3E) -> D, n_layer Mamba blocks (or PostBlocks, Sec. 4.2), final
-    RMSNorm, a_t = tanh(Linear(the s_t token's output)). No timestep embedding (App. G, Table 17) unless asked, no
-    LayerNorm on the embeddings (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30, Mamba_mujoco).
-    discrete=True, Atari (Sec. 5, Table 5; AndssY/dema@e2aed7e atari/models/mamba.py#L76, DMamba): s_t is the last 4
-    frames, 4 x 84 x 84 uint8, read by DQN's conv torso (as DT's Atari model) and tanh; R_t by Linear and tanh;
-    a_{t-1} by a table of the act_dim = |A| actions and tanh; the official Atari order [a_{t-1}, R_t, s_t] (the state
-    token last in both); dropout on the tokens (Table 9: 0.1); logits over the actions from the s_t token."""
+    """Tokens [R_t, a_{t-1}, s_t] per step ("B3LD", Sec. 4.1) or one of the three concatenated ("BL3D"), Linear E (3E)
+    -> D, n_layer blocks, final RMSNorm, a_t = tanh(Linear(the s_t token's output)); no LayerNorm on the embeddings
+    (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30, Mamba_mujoco). discrete=True, Atari (Sec. 5;
+    AndssY/dema@e2aed7e atari/models/mamba.py#L76, DMamba): logits over the |A| actions."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
@@ -519,7 +430,7 @@ class DeMa(nn.Module):
         self.n = 1 if self.bl3d else 3                       # tokens per step
         self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
         self.prev_action = cfg.prev_action
-        # App. G, Table 17 ("DeMa with pos. embed.", 431.5K parameters): DT's timestep embedding added to every token
+        # App. G, Table 17 ("DeMa with pos. embed."): DT's timestep embedding added to every token
         self.embed_timestep = nn.Embedding(max_ep_len, E) if cfg.timestep_embedding else None
         if discrete:
             # DQN's torso (Mnih et al. 2015) on the 4 x 84 x 84 stack -> 64 x 7 x 7 -> E, tanh (Table 9: "ReLU (state
@@ -534,12 +445,10 @@ class DeMa(nn.Module):
             self.embed_action = nn.Linear(act_dim, E)
             self.embed_state = nn.Linear(obs_dim, E)
         self.drop = nn.Dropout(cfg.dropout)
-        # the official backbone: AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L86 (MixerModel)
-        self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # official MixerModel.embedding (E -> D, or 3E -> D)
-        # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or the transformer's post up-projection
-        # block around the bare S6 layer (MLP: ReLU in MuJoCo, D.1; GELU in the official Atari code)
-        self.blocks = nn.ModuleList([PostBlock(cfg, gelu=discrete) if cfg.residual == "post" else Block(cfg)
-                                     for _ in range(cfg.n_layer)])
+        # the official backbone, MixerModel: AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L86
+        self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # its embedding (E -> D, or 3E -> D)
+        # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or the post one (GELU in its MLP on Atari)
+        self.blocks = nn.ModuleList([Block(cfg, gelu=discrete) for _ in range(cfg.n_layer)])
         self.ln_f = RMSNorm(D)                               # official norm_f: RMSNorm (the paper names no norm)
         # MuJoCo: tanh(Linear) into [-1, 1]; Atari: logits, official head Linear(D, |A|, bias=False) (mamba.py#L132)
         self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
@@ -568,16 +477,13 @@ class DeMa(nn.Module):
         if self.embed_timestep is not None:
             time = self.embed_timestep(timesteps)                                                # (b, K, E)
             e = [x + time for x in e]
-        if self.bl3d:
-            u = torch.cat(e, dim=-1)                                         # (b, K, 3E): one token per step
-        else:
-            u = torch.stack(e, dim=2).reshape(b, 3 * K, -1)                  # (b, 3K, E): step 0's three, step 1's ...
+        u = (torch.cat(e, dim=-1) if self.bl3d                               # (b, K, 3E): one token per step
+             else torch.stack(e, dim=2).reshape(b, 3 * K, -1))               # (b, 3K, E): step 0's three, step 1's ...
         return fp32(self.embedding(self.drop(u)))            # the residual stream stays fp32 under --amp (official too)
 
     def forward(self, states, actions, rtg, timesteps, mask, prev_action):
-        """states (b,K,obs), actions (b,K,act), rtg (b,K,1), timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act)
-        -> predicted actions (b, K, act), or on Atari logits (b, K, |A|) from actions (b, K) and prev_action (b,).
-        Sec. 3.1: a_t is predicted from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}."""
+        """Sec. 3.1: a_t from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}. states (b,K,obs), actions (b,K,act), rtg (b,K,1),
+        timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act) -> actions (b,K,act) (Atari: logits (b,K,|A|))."""
         x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)   # (b, nK, D)
         tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None         # (b, nK)
         for block in self.blocks:
@@ -586,16 +492,16 @@ class DeMa(nn.Module):
         return self.predict_action(x[:, self.n - 1::self.n])                 # from the s_t token (every token, BL3D)
 
     def init_cache(self, batch, device=None, dtype=torch.float32):
-        return [block.mixer.init_cache(batch, device, dtype) for block in self.blocks]
+        """Per layer (Mamba.step's cache), zero: the last W conv inputs (b, di, W) and the SSM state h (b, di, N)."""
+        return [(torch.zeros(batch, b.mixer.d_inner, b.mixer.d_conv, device=device, dtype=dtype),
+                 torch.zeros(batch, b.mixer.d_inner, b.mixer.d_state, device=device, dtype=dtype)) for b in self.blocks]
 
     def step(self, states, prev_action, rtg, timesteps, cache):
-        """RNN-like DeMa (Sec. 3.2): one environment step = the current triplet (R_t, a_{t-1}, s_t) through every layer,
-        carrying the conv and SSM states. states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,)
-        -> (action (b, act), or Atari's logits (b, |A|), new cache)."""
+        """RNN-like DeMa (Sec. 3.2): the current triplet through every layer, carrying the conv and SSM states.
+        states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,) -> (action (b, act) or logits, cache)."""
         toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None], timesteps[:, None])   # (b, n, D)
         cache = list(cache)
-        for i in range(self.n):
-            x = toks[:, i]
+        for x in toks.unbind(1):                                             # the step's tokens, s_t's last
             for l, block in enumerate(self.blocks):
                 x, cache[l] = block.step(x, cache[l])
         return self.predict_action(self.ln_f(x)), cache                     # x is the s_t token's output
@@ -613,90 +519,57 @@ class DeMa(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the paper's analysis quantities (pure torch): Fig. 5's S6 ablation
-
-def ablate_s6(model, how, layers, donor=None, seed=0):
-    """Sec. 4.2, Fig. 5: the S6 parameters (S6_PARAMETERS) of `layers`, in place: 'zero' (the mixer then outputs
-    exactly 0 and the block passes its input through the residual alone), 'random' (Mamba's initialisation again,
-    drawn with `seed`), or 'swap' (copied from the same layer of `donor`, a DeMa with the same mixer shapes)."""
-    with torch.no_grad():
-        for l in layers:
-            mixer = model.blocks[l].mixer
-            if how == "random":
-                torch.manual_seed(seed + l)
-                n_layer = len(model.blocks)
-                source = Mamba(mixer.d_model, mixer.d_state, mixer.d_conv, mixer.expand, n_layer=n_layer,
-                               s6_only=mixer.s6_only)
-            else:
-                source = donor.blocks[l].mixer if how == "swap" else None
-            for name in S6_PARAMETERS:
-                p = mixer.get_parameter(name)
-                p.copy_(torch.zeros_like(p) if how == "zero" else source.get_parameter(name))
-    return model
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # the paper's pieces: per-dataset sizes, data, loss, policy
 
 SCRIPT = "dema"
 CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), residual=("pre", "post"),
                scan=("auto", "sequential", "parallel"), s6_ablation=("", "zero", "random", "swap"))
+WINDOW = ("states", "actions", "rtg", "timesteps", "mask", "prev_action")     # a batch's keys, in DeMa.forward's order
+S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
 
 
 def check_model(cfg):
     """DeMa's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first bad one."""
-    problem = model_problem(cfg)
-    if problem:
-        raise data_lib.DataError(problem)
-
-
-def model_problem(cfg):
     for name, ok in CHOICES.items():
         if getattr(cfg, name) not in ok:
             *rest, last = [c for c in ok if c]
-            return f"unknown --{name.replace('_', '-')} '{getattr(cfg, name)}'; use {', '.join(rest)} or {last}"
+            raise data_lib.DataError(f"unknown --{name.replace('_', '-')} '{getattr(cfg, name)}'; use "
+                                     f"{', '.join(rest)} or {last}")
     for name in ("d_model", "d_state", "d_conv", "expand", "rnn_max_len", "inner_it"):
         if getattr(cfg, name) <= 0:
-            return f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(cfg, name)}"
-    if cfg.lr_decay_steps < 0:
-        return f"--lr-decay-steps must be 0 (no decay) or a step count, got {cfg.lr_decay_steps}"
-    if not 0 <= cfg.beta2 < 1:
-        return f"--beta2 must lie in [0, 1), got {cfg.beta2}"
-    if cfg.scan_chunk < 0:
-        return f"--scan-chunk must be 0 (off) or a positive number of tokens, got {cfg.scan_chunk}"
-    if cfg.scan_chunk and cfg.scan == "parallel":
-        return "--scan-chunk recomputes the sequential scan; drop --scan parallel"
-    if cfg.mode == "rnn" and not cfg.pad_mask:
-        return "--mode rnn needs the pad mask (the trajectories of a batch are padded to the longest); drop --no-pad-mask"
-    if cfg.mode == "rnn" and cfg.compile:
-        return "--compile with --mode rnn would recompile for every new trajectory length; train RNN mode without it"
-    if cfg.rtg_shift and cfg.mode == "transformer" and cfg.context < 2:
-        return f"--rtg-shift trains on a window's last K-1 steps, so it needs --context 2 or more, got {cfg.context}"
-    if cfg.s6_layers != "all" and not re.fullmatch(r"\d+(,\d+)*", cfg.s6_layers):
-        return f"--s6-layers must be 'all' or 0-based layer indices such as 0,2; got '{cfg.s6_layers}'"
-    if (cfg.s6_ablation == "swap") != bool(cfg.s6_donor):
-        return "--s6-ablation swap and --s6-donor <run folder of another DeMa> go together"
-    return None
+            raise data_lib.DataError(f"--{name.replace('_', '-')} must be a positive whole number, got "
+                                     f"{getattr(cfg, name)}")
+    for bad, why in (
+            (cfg.lr_decay_steps < 0, f"--lr-decay-steps must be 0 (off) or a step count, got {cfg.lr_decay_steps}"),
+            (not 0 <= cfg.beta2 < 1, f"--beta2 must lie in [0, 1), got {cfg.beta2}"),
+            (cfg.scan_chunk < 0, f"--scan-chunk must be 0 (off) or a positive number of tokens, got {cfg.scan_chunk}"),
+            (cfg.scan_chunk and cfg.scan == "parallel", "--scan-chunk needs the sequential scan; drop --scan parallel"),
+            (cfg.mode == "rnn" and not cfg.pad_mask,
+             "--mode rnn needs the pad mask (a batch's trajectories are padded to the longest); drop --no-pad-mask"),
+            (cfg.mode == "rnn" and cfg.compile,
+             "--compile with --mode rnn would recompile for every new trajectory length; train RNN mode without it"),
+            (cfg.rtg_shift and cfg.mode == "transformer" and cfg.context < 2,
+             f"--rtg-shift trains on a window's last K-1 steps, so it needs --context 2 or more, got {cfg.context}"),
+            (cfg.s6_layers != "all" and not re.fullmatch(r"\d+(,\d+)*", cfg.s6_layers),
+             f"--s6-layers must be 'all' or 0-based layer indices such as 0,2; got '{cfg.s6_layers}'"),
+            ((cfg.s6_ablation == "swap") != bool(cfg.s6_donor),
+             "--s6-ablation swap and --s6-donor <run folder of another DeMa> go together")):
+        if bad:
+            raise data_lib.DataError(why)
 
 
 def paper_values(name, mode="transformer"):
-    """Per-dataset E / D / lr of D.1 (MuJoCo) and Tables 14-15 (mazes), and F.2's 50 evaluation episodes on mazes;
-    on Atari (whose common settings, Table 9, are PRESETS[""]["atari"]) D.2's K=8 for Qbert and Frostbite, and Table
-    10 for RNN-like DeMa; {} where the paper has none."""
-    if data_lib.is_atari(name):
-        name = name.lower()
-        if mode == "rnn":   # Table 10 and D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates a batch
-            return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
-        # D.2: K=8 for Qbert and Frostbite (Table 9's warmup would be 10 steps there, not 3: < 0.03% of the run)
+    """Per-dataset settings: D.1 (MuJoCo), Tables 14-15 and F.2 (mazes), D.2 and Table 10 (Atari; Table 9: PRESETS)."""
+    atari, name = data_lib.is_atari(name), name.lower()
+    if atari and mode == "rnn":   # Table 10, D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates each
+        return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
+    if atari:   # D.2: K=8 for Qbert and Frostbite (Table 9's warmup would be 10 steps there, not 3: < 0.03% of the run)
         return dict(context=8) if re.search("qbert|frostbite", name) else {}
-    name = name.lower()
-    m = re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name)
-    if m:
+    if m := re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name):
         env, level = m.groups()
-        return dict(n_embd=256 if env == "hopper" and level in ("medium", "medium-replay") else 128,
-                    d_model=128 if level == "medium-expert" else 64,
-                    lr=1e-4 if (env, level) in {("hopper", "medium"), ("hopper", "medium-replay"),
-                                                ("walker2d", "medium")} else 1e-3)
+        hopper_medium = env == "hopper" and level in ("medium", "medium-replay")
+        return dict(n_embd=256 if hopper_medium else 128, d_model=128 if level == "medium-expert" else 64,
+                    lr=1e-4 if hopper_medium or (env, level) == ("walker2d", "medium") else 1e-3)
     maze_eval = dict(eval_episodes=50)            # F.2: 50 evaluation episodes on every maze
     if "pointmaze" in name or "maze2d" in name:   # Table 15 (maze2d); medium: K=8, E=256; umaze: Table 8's values
         if "umaze" in name:
@@ -709,9 +582,7 @@ def paper_values(name, mode="transformer"):
 
 
 def paper_settings(cfg, given):
-    """cfg with paper_values() for its dataset laid under the flags in `given` (the command line's and a named
-    --preset's, parse_flags): Config defaults (hopper-medium's) < the paper's Atari setting (PRESETS[""]) < the
-    dataset's row < --preset < flags. A resumed run or an analysis then takes its own settings from its checkpoint."""
+    """paper_values() under `given`: Config's defaults < PRESETS[""] (Atari) < the dataset's row < --preset < flags."""
     return dataclasses.replace(cfg, **{k: v for k, v in paper_values(cfg.dataset or cfg.env, cfg.mode).items()
                                       if k not in given})
 
@@ -722,11 +593,8 @@ def build_model(cfg, info):
 
 
 def param_groups(model, cfg):
-    """AdamW's parameter groups. The official MuJoCo code decays every parameter. The official Atari code
-    (AndssY/dema@e2aed7e atari/models/mamba.py#L141, DMamba.configure_optimizers) decays the weights of linear and
-    conv layers, A_log, D and the S6 conv, and not biases, norms, or what its names call *emb*: the return and action
-    embeddings and the E -> D input Linear ('backbone.embedding', a Linear by type: kept as there), the timestep
-    table here too."""
+    """AdamW's groups: the official MuJoCo code decays every parameter, the Atari code not biases, norms, or its *emb*
+    names: R_t, a_{t-1} and timestep tables, the E -> D Linear (AndssY/dema@e2aed7e atari/models/mamba.py#L141)."""
     if not model.discrete:
         return [{"params": list(model.parameters())}]
     undecayed = ("embed_return.", "embed_action.", "embed_timestep.", "embedding.", "ln_f.")
@@ -736,53 +604,32 @@ def param_groups(model, cfg):
 
 
 def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup, then constant (AndssY/dema@e2aed7e gym/experiment.py#L455:
-    LambdaLR(min((s + 1) / warmup, 1))); with --lr-decay-steps N the official Atari code's decay after the warmup
-    (AndssY/dema@e2aed7e atari/mingpt/trainer_atari.py#L217; Table 9: "linear warmup and cosine decay (see code for
-    details)"): max(0.1, (1 + cos(pi p)) / 2) with p = (s - warmup) / (N - warmup), not clamped, so it rests at 0.1
-    from p = 0.8 and rises again past p = 1.2 (10 epochs reach p = 1.67, 0.75 x lr)."""
+    """--lr's factor at step s: linear warmup, then constant (AndssY/dema@e2aed7e gym/experiment.py#L455) or, with
+    --lr-decay-steps N, max(0.1, (1 + cos(pi p)) / 2), p = (s - warmup) / (N - warmup) not clamped: 0.1 from p = 0.8,
+    rising again past 1.2 (AndssY/dema@e2aed7e atari/mingpt/trainer_atari.py#L217)."""
     if s < cfg.warmup_steps or not cfg.lr_decay_steps:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     p = (s - cfg.warmup_steps) / max(1, cfg.lr_decay_steps - cfg.warmup_steps)
     return max(0.1, 0.5 * (1.0 + math.cos(math.pi * p)))
 
 
-def sample_trajectories(d, batch_size, max_len, rng, longest=False):
-    """RNN-like training batch (App. C): whole trajectories (their first max_len steps), drawn in proportion to length
-    (longest=True: the longest, to size the worst step). data.gather_windows LEFT-pads them to the longest; with the
-    inert pad mask this equals the official right padding (a causal model is unaffected by either;
-    AndssY/dema@e2aed7e gym/experiment.py#L254, get_batch_recurrent)."""
-    lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
-    ep = np.full(batch_size, lengths.argmax()) if longest else rng.choice(len(lengths), size=batch_size,
-                                                                            p=lengths / lengths.sum())
-    n = np.minimum(lengths[ep], max_len)
-    start = d.ep_start[ep]
-    return data_lib.gather_windows(d.flat, start, start + n - 1, int(n.max()))
-
-
 def get_batch(d, n, cfg, rng, longest=False):
-    """n windows of K steps (App. C, transformer mode) or n whole trajectories (RNN mode)."""
-    if cfg.mode == "rnn":
-        return sample_trajectories(d, n, cfg.rnn_max_len, rng, longest)
-    return d.sample(n, cfg.context, rng)
-
-
-def batch_for(step, d, cfg, rng):
-    """The batch that gradient steps step .. step + inner_it - 1 train on (Table 10, RNN-like DeMa on Atari: 200
-    updates on each batch of trajectories). With --inner-it above 1 it is drawn from its own generator, seeded
-    (seed, step // inner_it), so that a run resumed between two draws draws it again exactly."""
-    own = rng if cfg.inner_it == 1 else np.random.default_rng((cfg.seed, step // cfg.inner_it))
-    return get_batch(d, cfg.batch_size, cfg, own)
+    """n windows of K steps (App. C), or RNN-like n whole trajectories drawn in proportion to length (longest: the
+    longest, to size the worst step), left-padded (departure 8; AndssY/dema@e2aed7e gym/experiment.py#L254)."""
+    if cfg.mode != "rnn":
+        return d.sample(n, cfg.context, rng)
+    lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
+    ep = np.full(n, lengths.argmax()) if longest else rng.choice(len(lengths), size=n, p=lengths / lengths.sum())
+    steps = np.minimum(lengths[ep], cfg.rnn_max_len)
+    start = d.ep_start[ep]
+    return data_lib.gather_windows(d.flat, start, start + steps - 1, int(steps.max()))
 
 
 def predict(model, b, cfg, training=False):
     """A data.py / evaluate.py window -> (predicted actions, target actions, loss mask)."""
-    states, actions, rtg, timesteps, mask, prev = (b[k] for k in ("states", "actions", "rtg", "timesteps", "mask",
-                                                                   "prev_action"))
+    states, actions, rtg, timesteps, mask, prev = (b[k] for k in WINDOW)
     if training and cfg.rtg_shift:
-        # departure 3: the official code trains on (R_{t-1}, a_{t-1}, s_t) -> a_t (with timestep t-1) over a window's
-        # last K-1 steps, never on an episode's first state; the default keeps DT's convention that the prompt
-        # belongs to the current state. AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L109
+        # departure 3, the official alignment (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L109)
         states, actions, timesteps, prev = states[:, 1:], actions[:, 1:], timesteps[:, :-1], actions[:, 0]
         rtg, mask = rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
@@ -798,14 +645,10 @@ def loss_fn(model, batch, cfg):
 
 
 def policy(model, cfg):
-    """The action for evaluate.evaluate (on Atari its logits: evaluate draws from their softmax, or takes the argmax
-    with --greedy). Transformer-like: re-run the window from a zero state, the action at its last position. RNN-like
-    (Sec. 3.2): only the current triplet (R_t, a_{t-1}, s_t), carrying each env's conv and SSM states, which start
-    from zero at an episode's first step (timesteps[:, -1] == 0)."""
+    """The action (Atari: logits) for evaluate.evaluate. Transformer-like: the window re-run from a zero state.
+    RNN-like (Sec. 3.2): only the current triplet, carrying each env's conv and SSM states from its first step."""
     if cfg.mode == "transformer":
-        def act(batch, live):
-            return predict(model, batch, cfg)[0][:, -1]
-        return act
+        return lambda batch, live: predict(model, batch, cfg)[0][:, -1]
     caches = {}                                                                     # env index -> its per-layer cache
 
     def act_rnn(batch, live):
@@ -822,8 +665,7 @@ def policy(model, cfg):
 
 
 def targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else DT's two per environment (data.py); on Atari Table 9's
-    (data.DEMA_ATARI_TARGETS: DeMa raised Qbert's and Seaquest's above DT's), the data's for another game."""
+    """--target-return, else DT's two per environment (data.py); Atari: Table 9's (data.DEMA_ATARI_TARGETS)."""
     if cfg.target_return is not None:
         return [cfg.target_return]
     if d.family == "atari":
@@ -832,29 +674,21 @@ def targets(cfg, d):
     return d.target_returns
 
 
-def eval_context(cfg):
-    """Steps of history evaluate.evaluate hands the policy: the window (transformer-like), or only the current step
-    (RNN-like: its state carries the rest; the step's prev_action is a_{t-1})."""
-    return cfg.context if cfg.mode == "transformer" else 1
-
-
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
     model.eval()
-    results = [(g, ev.evaluate(policy(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, eval_context(cfg),
-                               device, greedy=cfg.greedy)) for g in targets(cfg, d)]
+    context = cfg.context if cfg.mode == "transformer" else 1                   # RNN-like: its state holds the rest
+    results = [(g, ev.evaluate(policy(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, context, device,
+                               greedy=cfg.greedy)) for g in targets(cfg, d)]
     model.train()
     return results
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# training: dt.py's loop; DeMa's own are the model, the batches (windows or, RNN-like, whole trajectories, reused
-# --inner-it times), AdamW's groups and schedule per domain, and the hidden-attention figure at the end
+# training: dt.py's loop; DeMa's own are the model, the batches, AdamW's groups and schedule, the attention figure
 
 def train(cfg, run, d=None):
-    """Train DeMa (or, with --resume, continue the run) and evaluate it in the env. The run record (evaluate.Run)
-    keeps the folder, log and checkpoint; --bench passes its timer as `run` and synthetic data as `d`.
-    -> the first target's final evaluation (per-episode arrays)."""
+    """Train DeMa (--resume: continue the run) and evaluate it; --bench passes its timer as `run`, synthetic `d`."""
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
     ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
     device, info = ev.pick_device(cfg.device), d.info()
@@ -864,7 +698,6 @@ def train(cfg, run, d=None):
         need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)
-    # AdamW: MuJoCo on every parameter, Atari on the weights (param_groups); warmup, then constant or Atari's cosine
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     rng = np.random.default_rng(cfg.seed)                           # draws the training windows
@@ -875,7 +708,9 @@ def train(cfg, run, d=None):
     with ev.StopSignal() as stop:                                   # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
             if batch is None or step % cfg.inner_it == 0:          # Table 10: --inner-it updates on each batch
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch_for(step, d, cfg, rng).items()}
+                # with --inner-it > 1 from its own generator, so that a run resumed between two draws draws it again
+                own = rng if cfg.inner_it == 1 else np.random.default_rng((cfg.seed, step // cfg.inner_it))
+                batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg.batch_size, cfg, own).items()}
             with autocast:
                 loss = loss_fn(fwd, batch, cfg)
             opt.zero_grad(set_to_none=True)
@@ -898,8 +733,7 @@ def train(cfg, run, d=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# figures and analyses: hidden attention (Fig. 4, App. J), S6 ablation (Fig. 5); the analyses read a run's
-# checkpoint and never train
+# figures, analyses (Fig. 4, App. J; Fig. 5) and benchmarks (--bench times train() on synthetic data): they never train
 
 def plt_agg():
     import matplotlib
@@ -908,35 +742,22 @@ def plt_agg():
     return plt
 
 
-def token_kinds(n, T):
-    """The kind of the token at each distance 0..T-1 from the current s_t token: s, a (a_{t-1}), R; 'step' in BL3D."""
-    return np.array(["s", "a", "R"] if n == 3 else ["step"])[np.arange(T) % n]
-
-
-def attention_profile(model, b):
-    """The last query row of every layer's hidden attention (the s_t token, whose output is the action: App. J),
-    |alpha| averaged over channels and windows -> (n_layer, T), indexed by the key's distance from s_t."""
-    with torch.no_grad():
-        rows = model.hidden_attention(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"],
-                                      b["prev_action"], last_row=True)                 # n_layer x (b, di, T)
-    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows])                       # (n_layer, T), key position j
-    return prof.flip(-1).cpu().numpy()                                                  # (n_layer, T), distance T-1-j
-
-
 def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
-    """Hidden attention on dataset windows (full ones where there are any): mean |alpha| against token distance per
-    layer (log y), a marker per token kind. Fig. 4 shows the same last row along one episode: --attention."""
-    plt = plt_agg()
+    """Hidden attention on dataset windows (full ones where there are any): every layer's last query row (the s_t
+    token's, whose output is the action: App. J), mean |alpha| over channels and windows against the key's distance."""
     b = d.sample((2 if d.discrete else 8) * n_windows, cfg.context, np.random.default_rng(seed))   # (frames: fewer)
     full = torch.nonzero(b["mask"].all(dim=1)).squeeze(1)
     keep = full[:n_windows] if len(full) else torch.arange(n_windows)
-    device = next(model.parameters()).device
-    was_training = model.training
+    b = {k: v[keep].to(next(model.parameters()).device) for k, v in b.items()}
     model.eval()
-    prof = attention_profile(model, {k: v[keep].to(device) for k, v in b.items()})     # (n_layer, T)
-    model.train(was_training)
+    with torch.no_grad():
+        rows = model.hidden_attention(*(b[k] for k in WINDOW), last_row=True)          # n_layer x (b, di, T)
+    model.train()
+    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows]).flip(-1).cpu().numpy()   # (n_layer, T) by key distance
     T = prof.shape[1]
-    dist, kind = np.arange(T), token_kinds(model.n, T)
+    dist = np.arange(T)
+    kind = np.array(["s", "a", "R"] if model.n == 3 else ["step"])[dist % model.n]    # a: a_{t-1}; BL3D: 'step'
+    plt = plt_agg()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for l, p in enumerate(list(prof) + [prof.mean(0)]):
         label = f"layer {l + 1}" if l < len(prof) else "mean of layers"
@@ -953,62 +774,57 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     shown = sorted({i for i in (0, 1, 2, 3, 6, T - 1) if i < T})
     print(f"hidden attention -> {path}: mean |alpha| at distance {'/'.join(map(str, shown))}: "
           + " / ".join(f"{prof.mean(0)[i]:.3g}" for i in shown))
-    return prof
 
 
 def load_model(cfg, given):
-    """An analysis's run: its settings and trained model, from its checkpoint. -> (cfg, model in eval mode, folder)"""
+    """An analysis's run, from its checkpoint -> (its cfg, its model in eval mode, its folder, its data)."""
     cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
     model = build_model(cfg, ck["info"])
     model.load_state_dict(ck["model"])
-    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS)
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS), d
 
 
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
-    cfg, model, out = load_model(cfg, given)
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, eval_context(cfg),
+    cfg, model, out, d = load_model(cfg, given)
+    context = cfg.context if cfg.mode == "transformer" else 1
+    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 
 def attention_episode(cfg, given):
-    """--attention (Fig. 4, App. J): one evaluation episode (the first target, evaluation seed) with the run's
-    checkpoint; at every decision step, each layer's last attention row (the s_t token's) over the window, |alpha|
-    averaged over channels. Writes attention_episode.png (a heat map per layer and their mean: decision step against
-    token position, colour = score) and attention_episode.npz; returns the (steps, n_layer, T) array."""
-    cfg, model, out = load_model(cfg, given)
+    """--attention (Fig. 4, App. J): one episode at the first target; at every decision each layer's last attention row,
+    |alpha| averaged over channels -> attention_episode.npz (steps, n_layer, T) and a heat map per layer (.png)."""
+    cfg, model, out, d = load_model(cfg, given)
     if cfg.mode != "transformer":
         raise data_lib.DataError("--attention draws transformer-like DeMa's window at each decision (Fig. 4); this run "
                                  "is --mode rnn")
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    device = next(model.parameters()).device
     decide, steps = policy(model, cfg), []
 
     def act(batch, live):
-        rows = model.hidden_attention(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"],
-                                      batch["mask"], batch["prev_action"], last_row=True)   # n_layer x (1, di, T)
-        steps.append(torch.stack([a[0].abs().mean(0) for a in rows]).cpu())               # (n_layer, T)
+        rows = model.hidden_attention(*(batch[k] for k in WINDOW), last_row=True)      # n_layer x (1, di, T)
+        steps.append(torch.stack([a[0].abs().mean(0) for a in rows]).cpu())           # (n_layer, T)
         return decide(batch, live)
 
-    res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, progress=False,
-                      greedy=cfg.greedy)
+    res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, next(model.parameters()).device,
+                      progress=False, greedy=cfg.greedy)
     attn = torch.stack(steps).numpy()                                                 # (steps, n_layer, T)
     np.savez(os.path.join(out, "attention_episode.npz"), attention=attn, returns=res["returns"])
     plt = plt_agg()
     from matplotlib.colors import LogNorm
     panels = list(attn.transpose(1, 0, 2)) + [attn.mean(1)]                           # (steps, T) each
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), squeeze=False, sharey=True,
-                             layout="constrained")
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), sharey=True, layout="constrained")
     vmax = attn.max()
     norm = LogNorm(vmin=max(attn[attn > 0].min(initial=vmax), vmax * 1e-6), vmax=vmax) if vmax > 0 else None
     T = attn.shape[2]
-    for i, (ax, p) in enumerate(zip(axes[0], panels)):
+    for i, (ax, p) in enumerate(zip(axes, panels)):
         im = ax.imshow(p.T, origin="lower", aspect="auto", cmap="turbo", norm=norm, interpolation="nearest",
                        extent=(-0.5, len(p) - 0.5, -0.5, T - 0.5))
-        ax.set(xlabel="decision step t of the episode", title=f"layer {i + 1}" if i < len(panels) - 1 else "mean of layers")
-    axes[0, 0].set_ylabel(f"token position in the window ({T - 1} = s_t)")
-    fig.colorbar(im, ax=axes[0].tolist(), label="mean |alpha| over channels (last row)")
+        title = f"layer {i + 1}" if i < len(panels) - 1 else "mean of layers"
+        ax.set(xlabel="decision step t of the episode", title=title)
+    axes[0].set_ylabel(f"token position in the window ({T - 1} = s_t)")
+    fig.colorbar(im, ax=axes.tolist(), label="mean |alpha| over channels (last row)")
     fig.suptitle(f"DeMa hidden attention along one episode, {d.dataset_id} (return {res['returns'][0]:.0f})")
     path = os.path.join(out, "attention_episode.png")
     fig.savefig(path, dpi=100)
@@ -1017,61 +833,62 @@ def attention_episode(cfg, given):
     period = ""
     if len(s_prev) >= 16:
         spectrum = np.abs(np.fft.rfft(s_prev - s_prev.mean()))
-        period = f"; the score of the previous step repeats every ~{len(s_prev) / (1 + spectrum[1:].argmax()):.1f} steps"
+        period = f"; the previous step's score repeats every ~{len(s_prev) / (1 + spectrum[1:].argmax()):.1f} steps"
     print(f"hidden attention along one episode ({len(attn)} steps, return {res['returns'][0]:.1f}) -> {path}; "
           f"mean |alpha| at distance 0/{model.n}: {attn.mean((0, 1))[-1]:.3g} / {attn.mean((0, 1))[-1 - model.n]:.3g}"
           + period)
-    return attn
 
 
-def load_donor(path, model, layers):
-    """--s6-donor: another DeMa run's model (its folder or ckpt.pt), whose mixers have this run's shapes."""
-    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if not os.path.exists(path):
-        raise data_lib.DataError(f"--s6-donor: no checkpoint at {path}")
-    ck = ev.read_checkpoint(path, SCRIPT)
-    names = {f.name for f in dataclasses.fields(Config)}
-    donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}), ck["info"])
-    donor.load_state_dict(ck["model"])
-    shapes = lambda m: [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS] for l in layers]  # noqa: E731
-    if len(donor.blocks) <= max(layers) or shapes(donor) != shapes(model):
-        raise data_lib.DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes (same "
-                        f"--d-model, --d-state, --d-conv, --expand and enough layers needed)")
-    return donor.to(next(model.parameters()).device)
+def ablate_s6(model, how, layers, donor=None, seed=0):
+    """Sec. 4.2, Fig. 5: the S6 parameters of `layers`, in place: 'zero' (the block then passes its input through the
+    residual alone), 'random' (Mamba's initialisation, drawn with `seed`) or 'swap' (the same layer of `donor`)."""
+    with torch.no_grad():
+        for l in layers:
+            mixer = model.blocks[l].mixer
+            source = donor.blocks[l].mixer if how == "swap" else None
+            if how == "random":
+                torch.manual_seed(seed + l)
+                source = Mamba(mixer.d_model, mixer.d_state, mixer.d_conv, mixer.expand, n_layer=len(model.blocks),
+                               s6_only=mixer.s6_only)
+            for name in S6_PARAMETERS:
+                p = mixer.get_parameter(name)
+                p.copy_(torch.zeros_like(p) if how == "zero" else source.get_parameter(name))
 
 
 def s6_ablation(cfg, given):
-    """--s6-ablation (Sec. 4.2, Fig. 5): evaluate the run's checkpoint as it is and with the S6 parameters of
-    --s6-layers zeroed, re-initialised or swapped from --s6-donor (ablate_s6); prints both scores per target."""
-    cfg, model, out = load_model(cfg, given)
-    n = len(model.blocks)
+    """--s6-ablation (Sec. 4.2, Fig. 5): both scores per target, of the checkpoint and of its ablate_s6 change."""
+    cfg, model, out, d = load_model(cfg, given)
+    n, device, donor = len(model.blocks), next(model.parameters()).device, None
     layers = list(range(n)) if cfg.s6_layers == "all" else sorted({int(x) for x in cfg.s6_layers.split(",")})
     if max(layers) >= n:
         raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers (0..{n - 1})")
-    donor = load_donor(cfg.s6_donor, model, layers) if cfg.s6_ablation == "swap" else None
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    device = next(model.parameters()).device
+    if cfg.s6_ablation == "swap":   # another DeMa run (its folder or ckpt.pt) whose mixers have this run's shapes
+        path = os.path.join(cfg.s6_donor, "ckpt.pt") if os.path.isdir(cfg.s6_donor) else cfg.s6_donor
+        if not os.path.exists(path):
+            raise data_lib.DataError(f"--s6-donor: no checkpoint at {path}")
+        ck = ev.read_checkpoint(path, SCRIPT)
+        names = {f.name for f in dataclasses.fields(Config)}
+        donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}), ck["info"])
+        donor.load_state_dict(ck["model"])
+        shapes = lambda m: [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS] for l in layers]  # noqa
+        if len(donor.blocks) <= max(layers) or shapes(donor) != shapes(model):
+            raise data_lib.DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes "
+                                     f"(same --d-model, --d-state, --d-conv, --expand and enough layers needed)")
+        donor = donor.to(device)
     before = evaluate(model, d, cfg, device)
     ablate_s6(model, cfg.s6_ablation, layers, donor, seed=cfg.seed)
     after = evaluate(model, d, cfg, device)
     for (g, r0), (_, r1) in zip(before, after):
         print(f"s6 ablation {cfg.s6_ablation} of layers {','.join(map(str, layers))}, target {g}: normalized_score="
-              f"{r1['normalized'].mean():.2f} (original {r0['normalized'].mean():.2f}) return={r1['returns'].mean():.2f} "
-              f"(original {r0['returns'].mean():.2f}) episodes={len(r1['returns'])}")
-    return before, after
+              f"{r1['normalized'].mean():.2f} (original {r0['normalized'].mean():.2f}) "
+              f"return={r1['returns'].mean():.2f} (original {r0['returns'].mean():.2f}) episodes={len(r1['returns'])}")
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# benchmarks: --bench (times train() on synthetic data), --bench-scan and --params (no run needed)
 
 def bench(cfg):
-    """--bench: train()'s own steps timed, eager against torch.compile (and compiled + bf16 autocast on CUDA), on
-    synthetic data of hopper's shape, or of Atari's where --env / --dataset names an Atari set (Table 7's Atari
-    column); on CUDA each mode's peak memory too. Nothing is written."""
-    atari = data_lib.is_atari(cfg.dataset or cfg.env)
+    """--bench (evaluate.bench_modes): train()'s own steps on synthetic data, hopper's or Atari's shapes (Table 7)."""
     length = max(200, 2 * cfg.context)
-    d = data_lib.synthetic_atari(length=length) if atari else data_lib.synthetic_data(obs_dim=11, act_dim=3,
-                                                                                      episodes=16, length=length)
+    d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env)
+         else data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))
     steps = min(length, cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context   # steps a sequence of the batch holds
     tokens = (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
     for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
@@ -1086,20 +903,13 @@ def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
     A = -torch.exp(torch.log(torch.arange(1, N + 1.0)).repeat(d_inner, 1))        # the S4D-real init
     B, C = torch.randn(b, N, L, generator=g), torch.randn(b, N, L, generator=g)
     leaves = [t.requires_grad_() for t in (u, delta, A, B, C)]
-    best = float("inf")
-    for r in range(reps + 1):                                                       # the first run warms up
-        t0 = time.perf_counter()
-        fn(*leaves, delta_softplus=True).sum().backward()
-        if r:
-            best = min(best, time.perf_counter() - t0)
-    return 1e3 * best
+    times = timeit.repeat(lambda: fn(*leaves, delta_softplus=True).sum().backward(), number=1, repeat=reps + 1)
+    return 1e3 * min(times[1:])                                                     # the first run warms up
 
 
 def bench_scan(cfg):
-    """--bench-scan: forward + backward of one scan at the paper's training size (batch 64, K=20 -> L=60, d_inner
-    2*64, N 64), longer L, and small states (one env, the cpu preset's d_inner 64 / N 16) where the loop is bound by
-    per-op overhead. On CPU the loop wins at every training size: each parallel round streams the whole
-    (b, d_inner, L, N) tensor, log2(L) times (alxndrTL/mamba.py#57)."""
+    """--bench-scan: one scan's forward + backward at the paper's training size (batch 64, L=60, d_inner 128, N 64),
+    longer L, small states; each parallel round streams the whole (b, d_inner, L, N) tensor (alxndrTL/mamba.py#57)."""
     torch.set_flush_denormal(True)
     di, N = cfg.expand * cfg.d_model, cfg.d_state
     print(f"selective scan, forward + backward, fp32, {torch.get_num_threads()} thread(s), cpu")
@@ -1113,8 +923,7 @@ def bench_scan(cfg):
               flush=True)
 
 
-# dt.py's sizes for --params, at hopper's shapes and Atari's 4 actions (this file imports no other model file;
-# tests/test_dema.py checks them and dt_parameters against dt.py)
+# dt.py's sizes for --params (this file imports no other model file; tests/test_dema.py checks them against dt.py)
 DT_ROWS = [("dt paper (H=128)", dict(n_embd=128, n_layer=3)),
            ("dt --preset cpu", dict(n_embd=64, n_layer=2)),
            ("dt Atari (6 x 128, 8 heads, K=30; 1000 timesteps)", dict(n_embd=128, n_layer=6, context=30, act_dim=4,
@@ -1123,8 +932,7 @@ DT_ROWS = [("dt paper (H=128)", dict(n_embd=128, n_layer=3)),
 
 
 def dt_parameters(n_embd, n_layer, obs_dim=11, act_dim=3, max_ep_len=1000, context=0, atari=False):
-    """Decision Transformer's parameter count (dt.py's DecisionTransformer, or its AtariDecisionTransformer with the
-    conv encoder and R_t tokens), in closed form. The head count does not change it."""
+    """dt.py's DecisionTransformer's (atari: AtariDecisionTransformer's) parameter count, for any head count."""
     C = n_embd
     block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)  # LN x2, attn, MLP
     if atari:   # DQN's torso and Linear(3136, C); R_t Linear(1, C); the action table; token and timestep tables
@@ -1138,18 +946,16 @@ def dt_parameters(n_embd, n_layer, obs_dim=11, act_dim=3, max_ep_len=1000, conte
 
 
 def param_table():
-    """--params: DeMa's parameters at the paper's settings, with the pre (the method) and post (--residual post,
-    Tables 3-4) blocks, and dt.py's. Hopper's shapes (obs 11, act 3, max_ep_len 1000): Table 7's 175.5K / 500.0K and
-    Table 17's 431.5K, less the official unused heads (departure 6). Atari's (4 actions): Table 7's 1.7M."""
+    """--params: DeMa's parameters with the pre (the method) and post blocks, and dt.py's. Hopper: Table 7's 175.5K /
+    500.0K and Table 17's 431.5K, less the unused heads (departure 6); Atari (4 actions): Table 7's 1.7M."""
     hopper, atari = (11, 3, 1000, False), (4 * 84 * 84, 4, 1000, True)
+    paper = dict(n_embd=256, d_model=64)                                       # hopper-medium's (D.1)
     sizes = {k: ATARI[k] for k in ("n_embd", "d_model", "d_state", "n_layer")}
-    rows = [("dema E=256 D=64 N=64 (hopper-medium, Table 7)", dict(n_embd=256, d_model=64), hopper),
-            ("dema E=256 D=64 + timestep embedding (Table 17)", dict(n_embd=256, d_model=64, timestep_embedding=True),
-             hopper),
+    rows = [("dema E=256 D=64 N=64 (hopper-medium, Table 7)", paper, hopper),
+            ("dema E=256 D=64 + timestep embedding (Table 17)", dict(paper, timestep_embedding=True), hopper),
             ("dema E=256 D=128 (Table 7)", dict(n_embd=256, d_model=128), hopper),
             ("dema E=128 D=64", dict(n_embd=128, d_model=64), hopper),
-            ("dema E=256 D=64 --token-layout bl3d (Table 2)", dict(n_embd=256, d_model=64, token_layout="bl3d"),
-             hopper),
+            ("dema E=256 D=64 --token-layout bl3d (Table 2)", dict(paper, token_layout="bl3d"), hopper),
             ("dema --preset cpu", ev.preset_values(PRESETS, "cpu", "hopper-medium"), hopper),
             ("dema Atari E=128 D=128 N=128, 6 layers (code; Table 7)", sizes, atari),
             ("dema Atari E=256 D=128 N=64 (Table 9 as printed)", dict(sizes, n_embd=256, d_state=64), atari),
@@ -1164,9 +970,8 @@ def param_table():
 
 
 def parse_flags(argv=None):
-    """The flags (evaluate.parse_flags) -> (cfg, given). `given` holds what the command line and a named --preset set,
-    not what the paper's Atari setting (the preset "") laid under them, so that paper_settings can put a game's own
-    row in its place (D.2's K=8 for Qbert and Frostbite, Table 10 for --mode rnn)."""
+    """-> (cfg, given): `given` holds what the command line and a named --preset set, not the paper's Atari setting
+    (the preset "") laid under them, so that paper_settings can put a game's own row in its place."""
     prog, about = f"{SCRIPT}.py", __doc__.split("\n\n")[1]
     cfg, _ = ev.parse_flags(Config, PRESETS, argv, prog, about)
     _, typed = ev.parse_flags(Config, dict.fromkeys(PRESETS, {}), argv, prog, about)   # the command line alone

@@ -734,7 +734,8 @@ def test_post_block_parameters_by_hand(D, N, expand):
             + D * 4 * D + 4 * D + 4 * D * D + D)                     # MLP: D -> 4D -> D
     di, R_pre = expand * D, math.ceil(D / 16)
     pre = 3 * D * di + di * (W + 3 + 2 * R_pre + 3 * N) + D
-    assert n_params(dema.PostBlock(cfg)) == post and n_params(dema.Block(cfg)) == pre
+    assert n_params(dema.Block(dema.Config(d_model=D, d_state=N, expand=expand, residual="post"))) == post
+    assert n_params(dema.Block(cfg)) == pre
     if (D, N) == (128, 128):
         assert (pre, post) == (202_624, 183_296)
 

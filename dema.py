@@ -58,12 +58,20 @@ Departures from the paper and the official code:
  6. The official model's unused predict_state / predict_return heads (780 parameters at hopper) are left out.
  7. "DeMa with post." (--residual post) swaps the block inside DeMa (its tokens, E -> D Linear and final RMSNorm
     stay), as Fig. 1 draws it; the official one is DT's GPT with S6 for attention (DT's tokens, LayerNorm, no E -> D).
- 8. RNN-like DeMa trains on trajectories left-padded under the inert pad mask; the official code right-pads (the
-    same for a causal model), and the paper's App. C packs them for a variable-length kernel that is not released.
+ 8. RNN-like DeMa (Tables 10-12) trains on trajectories cut to their first --rnn-max-len 1000 steps, drawn in
+    proportion to length as the gym code (gym/experiment.py#L254), left-padded under the inert pad mask; the official
+    code right-pads (the same for a causal model). Its Atari code takes each whole trajectory once an epoch, packed by
+    cu_seqlens for a variable-length kernel that is not released (App. C): the vendored MixerModel.forward takes no
+    cu_seqlens (mamba/mamba_ssm/models/mixer_seq_simple.py#L151), so it cannot run as published, and it feeds a_t, not
+    a_{t-1}, beside s_t (atari/models/mamba.py#L198). Atari here: Table 10's batch 8, lr 1e-4, 200 updates a batch
+    on the transformer's 39,060 steps and cosine (Frostbite's 50 epochs are not set: --steps); evaluation starts from
+    a_{-1} = 0 with the full softmax, the code from a random a_{-1} with top-3 sampling (trainer_atari.py#L342).
  9. Hidden attention (Fig. 4): Eq. 5 exactly (softplus, fp32, vectorised), not Eq. 6's ReLU approximation; the
     attention branch computes the same sum in a triple loop in fp16.
 10. MuJoCo evaluation: DT's two targets per environment, and the last evaluation is the result; the official code
     conditions on four (hopper: 3600, 7200, 36000, 72000) and keeps each one's best over its 10 evaluations.
+    Atari: Table 9's one target per game; the code evaluates three (Breakout 90, 150, 180; Pong and Gopher one) and
+    reports the last (atari/mingpt/trainer_atari.py#L266), and Asterix's 700 is not among its 900, 1000, 1100.
 11. Mazes: the paper's maze code is not released; Tables 14-15's settings here, and --preset cpu drops a_{t-1} there
     (the data's actions are noisy: a_{t-1} is copied rather than used).
 """
@@ -156,6 +164,9 @@ ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_
 # dt.py's Atari preset's windows (K=8, batch 32, lr 6e-4, warmup 100), the cosine to the last step, E = D = 64.
 ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
                  lr_decay_steps=4500, steps=4500, eval_every=1500, eval_episodes=10)
+# ... and with --mode rnn: 4 trajectories cut to their first 100 steps, 0.25 GB and 0.6-0.8 s a step on one core, an
+# hour's run (32 of up to 1000 steps need 17.5 GB and 102 s a step); parse_flags lays it under the flags
+ATARI_CPU_RNN = dict(rnn_max_len=100, batch_size=4)
 PRESETS = {"": dict(atari=ATARI),
            "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64, lr=1e-3,
                        warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
@@ -668,7 +679,7 @@ def targets(cfg, d):
     """--target-return, else DT's two per environment (data.py); Atari: Table 9's (data.DEMA_ATARI_TARGETS)."""
     if cfg.target_return is not None:
         return [cfg.target_return]
-    if d.family == "atari":
+    if d.family == "atari":   # Table 9's one; the official code runs three and reports the last (departure 10)
         game = d.env_spec.id.split("/")[-1].split("-")[0]                    # 'ALE/Breakout-v5' -> 'Breakout'
         return [data_lib.DEMA_ATARI_TARGETS.get(game, d.target_returns[0])]
     return d.target_returns
@@ -976,6 +987,12 @@ def parse_flags(argv=None):
     cfg, _ = ev.parse_flags(Config, PRESETS, argv, prog, about)
     _, typed = ev.parse_flags(Config, dict.fromkeys(PRESETS, {}), argv, prog, about)   # the command line alone
     named = ev.preset_values({k: v for k, v in PRESETS.items() if k}, cfg.preset, cfg.dataset or cfg.env)
+    if cfg.preset == "cpu" and cfg.mode == "rnn" and data_lib.is_atari(cfg.dataset or cfg.env):
+        rnn = {k: v for k, v in ATARI_CPU_RNN.items() if k not in typed}
+        cfg, named = dataclasses.replace(cfg, **rnn), named | rnn
+        if rnn:
+            flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in rnn.items())
+            print(f"--preset cpu --mode rnn on Atari: {flags}")
     return cfg, typed | set(named)
 
 

@@ -17,7 +17,7 @@ not on a return-to-go: by default there is no target return.
 The paper's Gym numbers (Table 1) are on D4RL's expert data (its Hopper statistics, 3511 +- 328.6, are expert-v2's),
 though its text says sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert. Its variants, each a flag:
     --no-reward-token     Table 1, imitation: the Step group is (a_{t-1}, s_t), n = n_state + 1 tokens, no rewards
-    --reward-input rtg    Table 2, "SF RTG": R_t in the reward slot instead of r_{t-1}, with a target return
+    --reward-input rtg    Table 2: R_t in the reward slot, with a target return; not the "SF RTG" row (departure 14)
     --state-token none    Table 3, "w/o conv": no h^0; h^l = F_seq^l(h^{l-1} + g^l) from h^0 = 0 (official 'xconv')
     --state-token patch   Table 3, "conv -> ViT": h^0 from a second patch embedding (official 'vit')
     --connection fusion   Table 4, "Fusion": h^l = F_seq^l(h^{l-1} + g^l), T tokens (official 'fusion')
@@ -77,10 +77,14 @@ Departures from the paper and the official code (#Lnn alone: a line of atari_and
 11. --connection stack keeps h^0, which Fig. 4's caption names, and the LayerNorm before FC, so Table 4 changes the
     connection alone; the code's 'stack' drops both (#L303).
 12. Weights are N(0, 0.02), biases 0, in every Linear, Conv2d and Embedding (minGPT's rule); the code draws Linear
-    weights from trunc_normal_(std=0.02) cut at +-2 (the same) and keeps PyTorch's defaults for Conv2d and the Atari
-    action Embedding, N(0, 1) (#L277).
-13. Atari training rewards are the replay's, clipped to [-1, 1]; the official Atari code clamps them to [0, 1]
-    (atari_and_dmc/run_star_atari.py#L390), which drops Pong's -1.
+    weights from trunc_normal_(std=0.02) cut at +-2 (100 std: the same) and keeps PyTorch's defaults for Conv2d and
+    the Atari action Embedding, N(0, 1) (#L277).
+13. Atari rewards enter as the data holds them in training (DQN-replay's are clipped to [-1, 1]) and raw in
+    evaluation; the official Atari code clamps training rewards to [0, 1] (atari_and_dmc/run_star_atari.py#L390),
+    erasing Pong's and Boxing's -1, and feeds raw rewards in evaluation (run_star_atari.py#L229).
+14. --reward-input rtg is the true R_t with a target (Breakout 90); Table 2's "SF RTG" row is the official code's
+    clamp(R_t, 0, 1) (run_star_atari.py#L390), summed one step into the next episode (utils.py#L195, an off-by-one),
+    prompted with 0 (run_star_atari.py#L175): a different variant, which no flag here gives.
 """
 import math
 from dataclasses import dataclass, field
@@ -125,7 +129,7 @@ class Config:
     patch_size: int = arg(7, "image states: p x p patches (7 on 4x84x84 -> 144 tokens, official Atari code)")
     reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: groups (a_{t-1}, s_t), Table 1's imitation")
     prev_action: bool = arg(True, "a_{t-1} in each group; --no-prev-action: every group gets the null action a_0")
-    reward_input: str = arg("reward", "the reward slot of group t: reward (r_{t-1}, the method) | rtg (R_t, Table 2)")
+    reward_input: str = arg("reward", "group t's reward slot: reward (r_{t-1}, the method) | rtg (R_t, departure 14)")
     state_token: str = arg("conv", "Table 3, h^0: conv (Conv(s_t) or FC(s_t), the method) | none ('w/o conv') | "
                                    "patch ('conv -> ViT')")
     connection: str = arg("layerwise", "Table 4, Step -> Sequence: layerwise (the method) | fusion | stack")
@@ -359,7 +363,8 @@ class StARformer(nn.Module):
         self.apply(self._init_weights)
 
     @staticmethod
-    def _init_weights(m):                        # minGPT's N(0, 0.02) weights, zero biases (departure 12)
+    def _init_weights(m):   # N(0, 0.02), zero biases (minGPT); the code: trunc-normal 0.02 on Linear only, Conv2d at
+        # PyTorch's default, the action Embedding N(0, 1) (departure 12)
         if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
@@ -393,7 +398,8 @@ class StARformer(nn.Module):
             prev_a = torch.full_like(prev_a, self.null_action)
         tokens = [self.embed_action(prev_a).unsqueeze(2)]                      # (B,T,1,d)
         if self.reward_token:
-            r = rtg if self.reward_input == "rtg" else prev_r                  # Table 2: R_t in place of r_{t-1}
+            # r as the data holds it; the official Atari code: training r clamped to [0, 1], raw in evaluation (dep. 13)
+            r = rtg if self.reward_input == "rtg" else prev_r                  # Table 2 (not its row: departure 14)
             tokens.append(self.embed_reward(self.reward_scale * r).unsqueeze(2))  # (B,T,1,d)
         patches = self.patches(states)                                         # (B,T,n_state,patch_dim)
         Z = self.drop(torch.cat([*tokens, self.embed_patch(patches) + self.e_spatial], dim=2))   # (B,T,n,d)

@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -834,6 +835,20 @@ def test_cli_atari_both_modes(tiny_breakout, tmp_path, capsys):
     assert final_line(capsys).endswith("episodes=1")
     config = json.load(open(tmp_path / "rnn" / "config.json"))
     assert (config["mode"], config["inner_it"], config["residual"]) == ("rnn", 2, "post")
+
+
+def test_cpu_preset_rnn_on_atari_is_laptop_sized(tiny_breakout, tmp_path, capsys):
+    """--preset cpu --mode rnn on Atari: 4 trajectories of at most 100 steps, said with the memory before the first
+    step, a step in seconds (32 trajectories of up to 1000 steps needed 17.5 GB and minutes a step)."""
+    dema.main(["--dataset", tiny_breakout, "--preset", "cpu", "--mode", "rnn", "--steps", "2", "--eval-every", "1000",
+               "--eval-episodes", "1", "--out", str(tmp_path / "rnn")])
+    out = capsys.readouterr().out
+    assert "--preset cpu --mode rnn on Atari: --rnn-max-len 100, --batch-size 4" in out
+    need = re.search(r"a training step needs about ([\d.]+) (MB|GB)", out)
+    assert need and need[2] == "MB" and float(need[1]) < 500, out
+    assert out.index("needs about") < out.index("first step") and float(re.search(r"first step ([\d.]+) s", out)[1]) < 10
+    config = json.load(open(tmp_path / "rnn" / "config.json"))
+    assert (config["batch_size"], config["rnn_max_len"], config["inner_it"]) == (4, 100, 200)
 
 
 def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):

@@ -51,7 +51,11 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
     horizon) and positions ((length + 1, 2) arrays: x, y after reset and after each step); seconds: the wall time;
     with render_every > 0, frames: (step, return so far, RGB array) of episode 0 after reset, every render_every
     steps and at its end (at most GIF_FRAMES). Discrete actions (Atari): act() returns (L, n_actions) logits and
-    choose() picks the action (env i's draws from a generator seeded seed + i). Atari's horizon is 108k frames.
+    choose() picks the action (env i's draws from a generator seeded seed + i). Atari's horizon is 108k frames, its
+    frames gymnasium's AtariPreprocessing's (data.atari_env_spec): max-pool the raw frames, then resize (INTER_AREA),
+    after 1-30 no-ops, as Dopamine's pipeline, which made DQN-replay; the papers' evaluation departs (about 7% of
+    pixels differ by more than 8 grey levels): it resizes each frame (INTER_LINEAR), then max-pools, after 0-29 no-ops:
+    https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/atari/mingpt/trainer_atari.py#L243-L283
 
     The loop is the DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps count from 0 here):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False    # the RTG prompt at reset
@@ -97,7 +101,9 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             done[i] = terminated or truncated
             if d.delayed_reward:   # the model sees the rewards as its data had them: all of them at the last step
                 r = returns[i] if done[i] else 0.0
-            R[i] -= r * d.return_scale                                        # R_{t+1} = R_t - r_t (DT Sec. 3)
+            # R_{t+1} = R_t - r_t (DT Sec. 3): the game's raw reward, while DQN-replay's returns-to-go count rewards
+            # clipped to +-1, as kzl/decision-transformer@e2d82e6 atari/mingpt/trainer_atari.py#L211 does too
+            R[i] -= r * d.return_scale
             contexts.append(i, t, actions[j], r, obs, R[i])                   # a_t, r_t; then s_{t+1}, R_{t+1}
             positions[i] += [_position(obs)] if d.goal_reaching else []
             lengths[i] = t + 1
@@ -334,7 +340,7 @@ RUN_FILES = ("config.json", "log.csv", "ckpt.pt")      # a folder holding one of
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
              "pending_losses", "numpy_rng", "torch_rng"}
 EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "normalized_score_std", "success_rate",
-               "steps_to_goal", "wall_time"]
+               "steps_to_goal", "greedy", "wall_time"]   # greedy: 1 where Atari's actions were argmax (per row)
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
 PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
 FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
@@ -718,12 +724,14 @@ class Run:
             return
         mean = float(np.mean(self.finite_losses(step)))
         self.add_row(step=step, loss=f"{mean:.6f}", lr=f"{lr:.3e}", wall_time=f"{self.wall():.1f}", **extra)
-        evals = [r for r in self.rows if r["eval_return"] != ""]
-        e = next(r for r in evals if r["step"] == evals[-1]["step"]) if evals else None   # the last one's first target
+        evals, last = [r for r in self.rows if r["eval_return"] != ""], ""
+        if evals:   # the last one's first target, its score named: on Atari 100 is a gamer's return, not points
+            e = next(r for r in evals if r["step"] == evals[-1]["step"])
+            kind = "gamer-normalised" if self.d.family == "atari" else "normalised"
+            last = (f" | last eval {e['normalized_score']} ({kind}; return {e['eval_return']})" if e["normalized_score"]
+                    else f" | last eval return {e['eval_return']}") + f" (step {e['step']})"
         print(f"step {step:6d} | loss {mean:.5f} | lr {lr:.2e} | {1e3 * (time.time() - self.t_log) / self.n_log:.1f} "
-              f"ms/step" + "".join(f" | {k} {v}" for k, v in extra.items() if v != "")
-              + (f" | last eval {e['normalized_score'] or e['eval_return']} (step {e['step']})" if e else ""),
-              flush=True)
+              f"ms/step" + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
         self.pending, self.t_log, self.n_log = [], time.time(), 0
         self.write_log()
 
@@ -759,7 +767,8 @@ class Run:
                          normalized_score=score(res["normalized"].mean()),
                          normalized_score_std=score(res["normalized"].std()),
                          success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                         steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "")
+                         steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
+                         greedy=int(self.cfg.greedy) if self.d.discrete else "")
             print(f"eval step {step}{'' if g is None else f' target {g:g}'}: {summarize(res)} ({res['seconds']:.0f}s)",
                   flush=True)
         if results and self.eval_s is None and self.step_s is not None:   # the first evaluation: now it is timed
@@ -782,12 +791,17 @@ class Run:
         self.t_log, self.n_log = time.time(), 0
 
     def finish(self, results):
-        """The run's last line: the first target's final evaluation. -> its dict of per-episode arrays."""
-        res = results[0][1]
+        """The run's last line: the first target's final evaluation and its best one in log.csv (by normalised score,
+        else return; the first of equals), before `episodes=`. -> the final one's dict of per-episode arrays."""
+        (g, res), best = results[0], ""
         if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
             print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
+        if evals := [r for r in self.rows if r["eval_return"] != "" and r["target"] == ("" if g is None else f"{g:g}")]:
+            key = "normalized_score" if all(r["normalized_score"] != "" for r in evals) else "eval_return"
+            b = max(evals, key=lambda r: float(r[key]))
+            best = f"best_{key.removeprefix('eval_')}={b[key]} best_step={b['step']} "
         print(f"final: normalized_score={score(res['normalized'].mean()) or 'none'} return={res['returns'].mean():.2f} "
-              f"episodes={len(res['returns'])}")
+              f"{best}episodes={len(res['returns'])}")
         return res
 
 
@@ -1011,11 +1025,12 @@ def report(runs_dir="runs"):
             else:
                 groups[r["key"]].append(r)
     goal = any(r["last"]["success_rate"] is not None for g in groups.values() for r in g)
-    lines = ["Normalised score (D4RL: 100 * (return - random) / (expert - random)) of each run's headline target "
-             "(the first target in its log.csv): **last** = the final evaluation, **best** = the best evaluation "
-             "during training, each taken per seed, then mean ± std over seeds (population std, ddof=0: 0.0 with one "
-             "seed); **last return** = the final evaluation's raw episode return, the same way; **target** = the "
-             "headline target's return-to-go prompt (none for a model without one)."
+    lines = ["Score: the normalised score 100 * (return - random) / (reference - random), the reference being D4RL's "
+             "expert return (MuJoCo, Adroit, mazes) or, on Atari rows, a human gamer's (gamer-normalised), of each "
+             "run's headline target (the first target in its log.csv): **last** = the final evaluation's, **best** = "
+             "the best evaluation's during training, each taken per seed, then mean ± std over seeds (population std, "
+             "ddof=0: 0.0 with one seed); **last return** = the final evaluation's raw episode return, the same way; "
+             "**target** = the headline target's return-to-go prompt (none for a model without one)."
              + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
     # last return: StARformer's tables are raw returns
     columns = ["dataset", "script", "variant", "seeds", "steps", "target", "last score", "best score", "last return"]

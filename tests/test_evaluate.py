@@ -148,3 +148,53 @@ def test_gif_title_wraps_to_the_frame():
     lines = evaluate.wrap_text(title, font, 228)
     assert len(lines) > 1 and all(font.getlength(line) <= 228 for line in lines)
     assert "".join(lines).replace(" ", "") == title.replace(" ", "")
+
+
+def test_final_line_gives_the_best_evaluation_of_the_first_target_beside_the_last(capsys):
+    """The final line keeps its fields (normalized_score=, return=, ... episodes=N) and names the best evaluation of
+    the first target in log.csv (the earliest of equals; another target's higher scores never count); without
+    reference returns, the best return."""
+    def row(step, target, ret, score):
+        return dict(step=step, target=target, eval_return=ret, normalized_score=score)
+    run = evaluate.Run.__new__(evaluate.Run)   # finish() reads only the log rows
+    run.rows = [dict(step=1, eval_return="", normalized_score=""), row(2, "3600", "50.00", "40.00"),
+                row(2, "1800", "90.00", "95.00"), row(4, "3600", "70.00", "61.50"), row(4, "1800", "99.00", "99.00"),
+                row(6, "3600", "80.00", "61.50"), row(8, "3600", "30.00", "20.00")]
+    res = dict(returns=np.array([30.0, 30.0]), normalized=np.array([20.0, 20.0]), lengths=np.array([5, 5]))
+    assert run.finish([(3600.0, res), (1800.0, res)]) is res
+    assert capsys.readouterr().out.strip() == ("final: normalized_score=20.00 return=30.00 best_normalized_score=61.50 "
+                                               "best_step=4 episodes=2")
+    run.rows = [row(2, "", "12.00", ""), row(4, "", "15.50", ""), row(6, "", "9.00", "")]    # no reference returns
+    run.finish([(None, dict(returns=np.array([9.0]), normalized=np.array([np.nan]), lengths=np.array([5])))])
+    assert capsys.readouterr().out.strip() == ("final: normalized_score=none return=9.00 best_return=15.50 "
+                                               "best_step=4 episodes=1")
+
+
+def eval_rows(out):
+    import csv
+    with open(out / "log.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["eval_return"] != ""]
+
+
+def test_progress_line_names_its_score_and_log_says_which_evaluations_were_greedy(tiny_breakout, tiny_hopper,
+                                                                                  tmp_path, capsys, monkeypatch):
+    """Atari's "last eval" is gamer-normalised, with the return beside it; --resume with --greedy is recorded per
+    evaluation row of log.csv (config.json says only the last setting). MuJoCo's is named normalised; no greedy."""
+    import dt
+    draw = evaluate.choose   # (greedy play of an untrained model stalls for 27k steps: the actions stay drawn here)
+    monkeypatch.setattr(evaluate, "choose", lambda logits, rng, greedy: draw(logits, rng, False))
+    tiny = ["--n-embd", "16", "--n-layer", "1", "--n-head", "2", "--context", "4", "--batch-size", "8",
+            "--warmup-steps", "2", "--eval-episodes", "1", "--eval-every", "2", "--log-every", "1"]
+    out = tmp_path / "atari"
+    dt.main(["--dataset", tiny_breakout, *tiny, "--steps", "4", "--out", str(out)])
+    e = eval_rows(out)[0]
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("step      3 |"))
+    assert line.endswith(f"| last eval {e['normalized_score']} (gamer-normalised; return {e['eval_return']}) (step 2)")
+    dt.main(["--out", str(out), "--resume", "--steps", "6", "--greedy"])
+    assert [(r["step"], r["greedy"]) for r in eval_rows(out)] == [("2", "0"), ("4", "0"), ("6", "1")]
+    out = tmp_path / "hopper"
+    dt.main(["--dataset", tiny_hopper, *tiny, "--steps", "3", "--out", str(out)])
+    e = eval_rows(out)[0]
+    assert f"| last eval {e['normalized_score']} (normalised; return {e['eval_return']}) (step 2)" in \
+        capsys.readouterr().out
+    assert {r["greedy"] for r in eval_rows(out)} == {""}

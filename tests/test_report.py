@@ -115,6 +115,21 @@ def test_report_steps_that_differ_and_one_seed(tmp_path):
     assert "success" not in text and "Not in the table" not in text
 
 
+def test_atari_rows_are_said_to_be_gamer_normalised(tmp_path):
+    """A report over an Atari run and a MuJoCo one says which normalisation each family's score is; best = the best
+    evaluation's score at the first target (the second target's higher score never counts)."""
+    root, breakout = str(tmp_path), "replica/breakout/mixed-v0"
+    write_run(root, "dt", HOPPER, "default", 0, 200, hopper_evals([30, 20], (100, 200)))
+    write_run(root, "dt", breakout, "cpu", 0, 200, [(100, 90.0, 103.0), (100, 10.0, 500.0), (200, 90.0, 80.0)])
+    text = evaluate.report(root)
+    head = text.split("| dataset |")[0]
+    assert "D4RL's expert return (MuJoCo, Adroit, mazes)" in head
+    assert "on Atari rows, a human gamer's (gamer-normalised)" in head
+    assert "**best** = the best evaluation's during training" in head
+    assert table_row(text, breakout, "dt", "cpu")[:5] == ["1", "200", "90.0", "80.0 ± 0.0", "103.0 ± 0.0"]
+    assert table_row(text, HOPPER, "dt", "default")[3:5] == ["20.0 ± 0.0", "30.0 ± 0.0"]
+
+
 def test_report_cli(runs):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "report", runs], capture_output=True,
                        text=True, timeout=120)

@@ -45,11 +45,15 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field, replace
+
+if __name__ == "__main__":  # the command line: stop signals wait (in the threads numpy and torch start too) for main()
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
 import numpy as np
 import torch
@@ -326,7 +330,10 @@ class OfflineData:
         """B windows of K steps: the last step is uniform over all dataset steps (episodes drawn in proportion to
         their length), the window reaching back K-1 steps, left-padded at an episode's start. End-anchored, where
         kzl/decision-transformer@e2d82e6 gym/experiment.py#L129 draws the start: every step is the newest token
-        equally often, and the padded windows are what evaluation feeds the model in an episode's first K-1 steps."""
+        equally often, and the padded windows are what evaluation feeds the model in an episode's first K-1 steps.
+        Its Atari code (atari/run_dt_atari.py#L52-L66) draws the first step uniformly over the data, shifts a window
+        that would cross an episode's end back inside it and never pads: the per-step loss weights are mirror images
+        (it under-weights an episode's first K-1 steps, this sampler its last K-1)."""
         end = rng.integers(0, len(self.step_ep_start), size=batch_size)  # (B,)
         return gather_windows(self.flat, self.step_ep_start[end], end, K)
 
@@ -810,6 +817,8 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     if not np.isin(term, (0, 1)).all() or not np.isfinite(rew).all():
         raise DataError(f"buffer {number} in {folder} has terminal flags other than 0 and 1 or rewards that are NaN "
                         f"or infinite, so it cannot be used")
+    if n == 0:
+        raise DataError(f"buffer {number} in {folder} holds no rows (DQN-replay's hold 1M); download it again")
     count = os.path.join(folder, f"add_count_ckpt.{number}.gz")          # places the oldest row: add_count % n
     cursor = int(_npy_read(count, "iu", scalar=True)[0]) % n if os.path.isfile(count) else 0
     order = (np.arange(n) + cursor) % n                                   # (n,) stream position -> file row
@@ -893,6 +902,17 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
         print(f"{folder} has {len(numbers)} buffers, fewer than --buffers {buffers}: all of them are used")
     counts, episodes, read, total = Counter(), [], [], 0
     chosen = numbers[-buffers:] if buffers else numbers
+    rows, free = 0, float("inf")
+    for path in (os.path.join(folder, f"$store$_observation_ckpt.{k}.gz") for k in chosen):
+        if os.path.isfile(path):                                   # (headers only; a missing file is said below)
+            with _npy_open(path, (84, 84), "u") as (_, _, n):
+                rows += n
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:  # (Linux)
+        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    held = min(rows, steps)                                        # frames held at most: --steps, or every row
+    if 84 * 84 * held > free:
+        raise DataError(f"the frames of {held:,} steps need about {84 * 84 * held / 2**30:.3g} GB, more than the "
+                        f"{free / 2**30:.3g} GB of memory available; lower --steps" + " or --buffers" * (rows <= steps))
     for k, number in enumerate(chosen):
         if total >= steps:
             break
@@ -915,6 +935,8 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     if total < steps:
         print(f"{which} of {folder} hold {total:,} steps in whole episodes, fewer than --steps {steps:,}: all of "
               f"them are used")
+    # Dopamine's rewards, clipped to +-1: returns-to-go count clipped rewards while evaluation subtracts the game's raw
+    # reward, as the official code does (the replica Breakout set stores raw rewards)
     ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(), infos={},
                                 terminations=[False] * (len(act) - 1) + [True], truncations=[False] * len(act))
                   for i, (obs, act, rew) in enumerate(episodes)]
@@ -983,9 +1005,11 @@ def mix(sources, dataset_id):
 # A dataset is written whole into a hidden folder in the datasets folder (same filesystem; Minari lists no hidden
 # folder) and renamed into place when complete: an interrupt (Ctrl-C, SIGTERM, kill -9) never leaves a partial dataset
 # where Minari looks. The writing process holds a lock on the hidden folder; the next dataset command removes any such
-# folder whose lock no live process holds.
+# folder whose lock no live process holds. A stop signal (main's _stop) waits while the hidden folder is made and from
+# the write's end to the cleanup's end: acted on before the rename, it undoes the write; after it, it is only said.
 
 PARTIAL_PREFIX = ".data.py-partial-"
+STOP = dict(signals=[], in_place=False)  # the stop signals a command caught; whether its new dataset is in place
 
 
 def _new_dataset_folder(dataset_id):
@@ -1005,6 +1029,12 @@ def _new_dataset_folder(dataset_id):
     if os.path.exists(folder):
         raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is "
                         f"overwritten)")
+    parent = os.path.dirname(folder)
+    while not os.path.isdir(parent):  # (the datasets folder is one)
+        if os.path.exists(parent):
+            raise DataError(f"{parent} is a file, so the dataset '{dataset_id}' cannot be written in it; choose "
+                            f"another id or move that file")
+        parent = os.path.dirname(parent)
     if not os.access(root, os.W_OK):
         raise _unwritable(root, PermissionError("not writable"))
     return folder, root
@@ -1045,15 +1075,18 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
     from minari.namespace import create_namespace
     folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
+    stops, tmp = (signal.SIGINT, signal.SIGTERM), None
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
-        tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
-        lock = open(os.path.join(tmp, "lock.new"), "w")
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held until this function ends, or this process does
-        os.rename(lock.name, os.path.join(tmp, "lock"))  # named only once held, so _clean_partial never takes it
-    except OSError as e:
-        raise _unwritable(root, e) from None
-    try:
+        try:
+            tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
+            lock = open(os.path.join(tmp, "lock.new"), "w")
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held until this function ends, or this process does
+            os.rename(lock.name, os.path.join(tmp, "lock"))  # named only once held, so _clean_partial never takes it
+        except OSError as e:
+            raise _unwritable(root, e) from None
         with lock:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # a stop signal ends the write at once
             with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):  # (restored after)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ...
@@ -1061,6 +1094,9 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 command = shlex.join(["python", "data.py", *map(str, command)])
                 ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
                 written = dataset_folder(dataset_id)
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            if STOP["signals"]:  # one that a finaliser swallowed ("Exception ignored in ..."): acted on here
+                _stop(STOP["signals"][-1], None)
             with contextlib.suppress(ValueError):  # (there already, or made by another command meanwhile)
                 create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
@@ -1069,8 +1105,12 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
             except OSError:
                 _new_dataset_folder(dataset_id)  # "already exists" where another command wrote this id meanwhile
                 raise
+            STOP["in_place"] = True
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # (where the write raised)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # a stop signal that waited is acted on here
     return folder
 
 
@@ -1096,7 +1136,19 @@ class Stopped(BaseException):
 
 
 def _stop(signum, frame):
-    raise Stopped(signum)
+    """Ctrl-C and SIGTERM in a command: noted in STOP (a finaliser swallows what it raises: _write_dataset looks)
+    and raised as KeyboardInterrupt or Stopped, or, once the new dataset is in place, only said."""
+    STOP["signals"].append(signum)
+    if STOP["in_place"]:
+        print("done; the signal came after the dataset was written", file=sys.stderr)
+    else:
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+def _unraisable(u):
+    """sys.unraisablehook in a command: a stop raised inside a finaliser is lost there quietly (STOP has it)."""
+    if not isinstance(u.exc_value, (KeyboardInterrupt, Stopped)):
+        sys.__unraisablehook__(u)
 
 
 def _positive(text):
@@ -1107,7 +1159,6 @@ def _positive(text):
 
 def main(argv=None):
     import difflib
-    import signal
     import threading
     p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert D4RL or "
                    "DQN-replay data, or mix datasets of one environment (new datasets are written all or nothing).")
@@ -1141,8 +1192,12 @@ def main(argv=None):
         argv = ["info", *argv]  # python data.py NAME: short for info NAME
     args = p.parse_args(argv)
     here = threading.current_thread() is threading.main_thread()  # (signal handlers can be set from there only)
-    previous = signal.signal(signal.SIGTERM, _stop) if here else None
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, _stop) for s in stops} if here else {}
+    hook, sys.unraisablehook = sys.unraisablehook, _unraisable
+    STOP.update(signals=[], in_place=False)
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # (blocked while the command line loaded: acted on now)
         if args.command == "info":
             info(args.name)
         elif args.command == "mix":
@@ -1151,21 +1206,26 @@ def main(argv=None):
             convert_dqn_replay(args.folder, args.game, args.dataset_id, args.buffers, args.steps)
         else:
             convert_d4rl(args.path, args.dataset_id, args.env)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
-    except (KeyboardInterrupt, Stopped) as e:
-        how, code = ("Ctrl-C", 130) if isinstance(e, KeyboardInterrupt) else ("SIGTERM", 143)
-        new, written = getattr(args, "dataset_id", None), False
-        with contextlib.suppress(Exception):
-            written = new is not None and os.path.isdir(os.path.join(dataset_folder(new), "data"))
-        print(f"stopped by {how}" + ("" if new is None else f" after the dataset '{new}' was written whole" if written
-                                     else f": the dataset '{new}' was not written, and nothing of it is left"),
+    except (Exception, KeyboardInterrupt, Stopped) as e:
+        if isinstance(e, Exception) and not STOP["signals"]:  # (a stop raised inside an import or a reader comes
+            if not isinstance(e, DataError):                   # back as an ImportError or a DataError: STOP has it)
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(1)
+        ctrl_c = not STOP["signals"] or STOP["signals"][0] == signal.SIGINT  # (none noted: a KeyboardInterrupt)
+        how, code = ("Ctrl-C", 130) if ctrl_c else ("SIGTERM", 143)
+        new = getattr(args, "dataset_id", None)
+        print(f"stopped by {how}" + (f": the dataset '{new}' was not written, and nothing of it is left" if new else ""),
               file=sys.stderr)
         raise SystemExit(code) from None
     finally:
-        if here:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # (None: not Python's)
+        if __name__ == "__main__":  # the command line's work is done: a stop signal from here to its exit is lost
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        else:  # a caller's handlers back (None: not Python's)
+            sys.unraisablehook = hook
+            for s, handler in previous.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        STOP.update(signals=[], in_place=False)
 
 
 if __name__ == "__main__":

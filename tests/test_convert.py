@@ -1,4 +1,5 @@
 """data.py convert-d4rl: a small file in D4RL's layout with known episode boundaries -> a local Minari dataset."""
+import contextlib
 import gzip
 import json
 import os
@@ -342,6 +343,10 @@ def test_dqn_replay_bad_input_one_sentence_nothing_written(tmp_path, minari_tmp,
          r"9,000,000 rows, more than its \d+ bytes can hold\)"),
         (broken("actions", lambda f: save_gz(f / "$store$_action_ckpt.1.gz", np.full(40, 7, np.int32))), "Breakout",
          "has action 7 where the game has 4 actions"),
+        (broken("no-rows", lambda f: [save_gz(f / f"$store$_{k}_ckpt.1.gz", np.zeros((0, 84, 84) if k == "observation"
+                                                                                       else 0, np.uint8))
+                                      for k in data.DQN_REPLAY_FIELDS]), "Breakout",
+         r"buffer 1 in .* holds no rows \(DQN-replay's hold 1M\); download it again"),   # (its add_count file kept)
         (str(good), "Breakot", r"ALE knows no game 'Breakot' \(did you mean Breakout\?\)"),
         (str(tmp_path / "empty"), "Breakout", "is not a folder"),
         (str(tmp_path), "Breakout", "holds no DQN-replay buffers"),
@@ -353,8 +358,33 @@ def test_dqn_replay_bad_input_one_sentence_nothing_written(tmp_path, minari_tmp,
         assert not [p for p in os.listdir(minari_tmp) if p.startswith(".")]        # no partial dataset either
     err = dqn_error(["convert-dqn-replay", str(good), "Breakout", "dqn/breakout/taken-v0"], capsys)
     assert "already exists" in err
+    (minari_tmp / "plain").write_text("a file where a namespace would be")                  # said before any work
+    err = dqn_error(["convert-dqn-replay", str(tmp_path / "nowhere"), "Breakout", "plain/x/y-v0"], capsys)
+    assert f"{minari_tmp / 'plain'} is a file, so the dataset 'plain/x/y-v0' cannot be written in it" in err
+    assert (minari_tmp / "plain").read_text() == "a file where a namespace would be"
     err = dqn_error(["convert-dqn-replay", str(good), "Breakout", "x", "--steps", "0"], capsys)
     assert "'0' is not a whole number above 0" in err
+
+
+def test_dqn_replay_says_when_its_frames_would_not_fit_in_memory(tmp_path, minari_tmp, capsys):
+    """Headers just under the row limit with a large --steps: the frames the conversion would hold are counted from the
+    headers and compared with the memory available before anything is allocated (no 66 GB traceback)."""
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    rows = data.DQN_REPLAY_MAX_ROWS - 1                                           # 70 GB of frames a buffer
+    buffers = int(free // (84 * 84 * rows)) + 2
+    folder = tmp_path / "replay_logs"
+    write_dqn_replay(folder, buffers=buffers)
+    for k in range(buffers):                                                     # headers only, no frames
+        (folder / f"$store$_observation_ckpt.{k}.gz").write_bytes(gzip.compress(npy_header((rows, 84, 84))))
+    err = dqn_error(["convert-dqn-replay", str(folder), "Breakout", "dqn/breakout/big-v0", "--steps",
+                     str(buffers * rows)], capsys)
+    assert re.search(rf"the frames of {buffers * rows:,} steps need about [\d.]+ GB, more than the [\d.]+ GB of memory "
+                     rf"available; lower --steps or --buffers$", err.strip()), err
+    err = dqn_error(["convert-dqn-replay", str(folder), "Breakout", "dqn/breakout/big-v0", "--steps",
+                     str(buffers * rows - 1)], capsys)
+    assert err.strip().endswith("; lower --steps"), err
+    assert os.listdir(minari_tmp) == []
 
 
 def test_atari_env_spec_makes_the_papers_env(monkeypatch):
@@ -399,26 +429,45 @@ KILLED = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 import minari, data
-real = minari.create_dataset_from_buffers
-def write_then_die(*args, **kwargs):
-    real(*args, **kwargs)
-    os.kill(os.getpid(), signal.{sig})
-minari.create_dataset_from_buffers = write_then_die
+real_write, real_rename = minari.create_dataset_from_buffers, os.rename
+class Finaliser:
+    def __del__(self):  # what a handler raises in a finaliser is lost there ("Exception ignored in ...")
+        os.kill(os.getpid(), signal.SIGTERM)
+def write(*args, **kwargs):
+    ds = real_write(*args, **kwargs)
+    {after_write}
+    return ds
+def rename(src, dst):
+    real_rename(src, dst)
+    if dst.endswith("killed-v0"):
+        {after_rename}
+minari.create_dataset_from_buffers, os.rename = write, rename
 data.main(["convert-d4rl", {path!r}, "d4rl/hopper/killed-v0"])
 """
+KILLS = dict(SIGKILL=("os.kill(os.getpid(), signal.SIGKILL)", "pass"),
+             SIGTERM=("os.kill(os.getpid(), signal.SIGTERM)", "pass"),
+             swallowed=("Finaliser()", "pass"),                                  # SIGTERM inside a finaliser
+             after=("pass", "os.kill(os.getpid(), signal.SIGTERM)"))             # SIGTERM once the dataset is in place
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("sig", list(KILLS))
 def test_killed_write_leaves_no_dataset_and_is_cleaned(tmp_path, minari_tmp, capsys, sig):
     import minari
     path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
     env = dict(os.environ, MINARI_DATASETS_PATH=str(minari_tmp), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-c", KILLED.format(root=ROOT, path=path, sig=sig)], capture_output=True,
-                       text=True, env=env, timeout=120)
+    after_write, after_rename = KILLS[sig]
+    r = subprocess.run([sys.executable, "-c", KILLED.format(root=ROOT, path=path, after_write=after_write,
+                                                             after_rename=after_rename)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    partial = [p for p in os.listdir(minari_tmp) if p.startswith(data.PARTIAL_PREFIX)]
+    if sig == "after":                                                     # done, and said so
+        assert r.returncode == 0 and partial == [], r.stderr
+        assert r.stderr.strip() == "done; the signal came after the dataset was written"
+        assert list(minari.list_local_datasets()) == ["d4rl/hopper/killed-v0"]
+        return
     assert not os.path.exists(minari_tmp / "d4rl" / "hopper" / "killed-v0")
     assert minari.list_local_datasets() == {}                             # a partial folder is never a dataset
-    partial = [p for p in os.listdir(minari_tmp) if p.startswith(data.PARTIAL_PREFIX)]
-    if sig == "SIGTERM":                                                   # undone at once: one sentence, exit 143
+    if sig != "SIGKILL":                                                   # undone at once: one sentence, exit 143
         assert r.returncode == 143 and partial == [], r.stderr
         assert r.stderr.strip() == "stopped by SIGTERM: the dataset 'd4rl/hopper/killed-v0' was not written, and " \
                                    "nothing of it is left"
@@ -429,6 +478,61 @@ def test_killed_write_leaves_no_dataset_and_is_cleaned(tmp_path, minari_tmp, cap
             capsys.readouterr().out
         assert not os.path.exists(minari_tmp / partial[0])
         assert list(minari.list_local_datasets()) == ["d4rl/hopper/killed-v0"]
+
+
+def test_a_stop_signal_at_any_moment_is_one_of_two_outcomes(tmp_path, minari_tmp):
+    """Ctrl-C or SIGTERM at moments spread over a whole `python data.py mix` (from data.py's first line, where it
+    holds the signals for main(), to its exit): either exit 130 / 143 with one sentence and nothing left, or the
+    dataset whole, exit 0, and, where the signal came before main() ended, a sentence saying it came after."""
+    import signal
+    import time
+    import minari
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    data.convert_d4rl(path, "d4rl/hopper/a-v0")
+    data.convert_d4rl(path, "d4rl/hopper/b-v0")
+    env = dict(os.environ, MINARI_DATASETS_PATH=str(minari_tmp), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    new, seen = minari_tmp / "local" / "hopper" / "ab-v0", []
+
+    def held(pid):
+        """Whether the process holds SIGTERM (its signal mask, SigBlk in /proc/PID/status), as data.py's first line
+        makes it do until main() acts on a signal."""
+        with contextlib.suppress(OSError):
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("SigBlk:"):
+                    return bool(int(line.split()[1], 16) & 1 << signal.SIGTERM - 1)
+        return False
+
+    def run(sig, delay):
+        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), "mix", "d4rl/hopper/a-v0",
+                              "d4rl/hopper/b-v0", "local/hopper/ab-v0"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+        while p.poll() is None and not held(p.pid):                        # from data.py's first line on
+            time.sleep(0.005)
+        t0 = time.time()
+        time.sleep(delay)
+        if sig:
+            p.send_signal(sig)
+        out, err = p.communicate(timeout=120)
+        return out, err.strip(), p.returncode, time.time() - t0
+
+    out, err, code, duration = run(None, 0)
+    assert code == 0 and err == "" and "local/hopper/ab-v0: 6 episodes" in out
+    for i in range(12):
+        shutil.rmtree(minari_tmp / "local", ignore_errors=True)
+        sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
+        out, err, code, _ = run(sig, duration * i / 8)                   # (the last after its exit)
+        partial = [p for p in os.listdir(minari_tmp) if p.startswith(".")]
+        if code == 0:                                                      # done: whole, and said if it came in time
+            assert err in ("", "done; the signal came after the dataset was written") and partial == [], err
+            assert "local/hopper/ab-v0: 6 episodes" in out
+            assert minari.load_dataset("local/hopper/ab-v0").total_episodes == 6
+        else:                                                              # stopped: one sentence, nothing left
+            how = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+            assert code == 128 + sig and not new.exists() and partial == [], (i, code, err)
+            assert err == f"stopped by {how}: the dataset 'local/hopper/ab-v0' was not written, and nothing of it is " \
+                          f"left", err
+        seen.append(code)
+    assert {0, 130, 143} <= set(seen), seen
 
 
 def test_a_live_write_is_not_cleaned(tmp_path, minari_tmp):

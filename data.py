@@ -1009,7 +1009,7 @@ def mix(sources, dataset_id):
 # the write's end to the cleanup's end: acted on before the rename, it undoes the write; after it, it is only said.
 
 PARTIAL_PREFIX = ".data.py-partial-"
-STOP = dict(signals=[], in_place=False)  # the stop signals a command caught; whether its new dataset is in place
+STOP = dict(signals=[], in_place=False, hold=False)  # the stop signals caught; the new dataset in place; held
 
 
 def _new_dataset_folder(dataset_id):
@@ -1075,8 +1075,8 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
     from minari.namespace import create_namespace
     folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
-    stops, tmp = (signal.SIGINT, signal.SIGTERM), None
-    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    tmp = None
+    _hold(True)
     try:
         try:
             tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
@@ -1086,7 +1086,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
         except OSError as e:
             raise _unwritable(root, e) from None
         with lock:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # a stop signal ends the write at once
+            _hold(False)  # a stop signal ends the write at once
             with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):  # (restored after)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ...
@@ -1094,9 +1094,9 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 command = shlex.join(["python", "data.py", *map(str, command)])
                 ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
                 written = dataset_folder(dataset_id)
-            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            _hold(True)
             if STOP["signals"]:  # one that a finaliser swallowed ("Exception ignored in ..."): acted on here
-                _stop(STOP["signals"][-1], None)
+                _raise(STOP["signals"][-1])
             with contextlib.suppress(ValueError):  # (there already, or made by another command meanwhile)
                 create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
@@ -1107,10 +1107,10 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 raise
             STOP["in_place"] = True
     finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # (where the write raised)
+        _hold(True)  # (where the write raised)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # a stop signal that waited is acted on here
+        _hold(False)  # a stop signal that waited is acted on here
     return folder
 
 
@@ -1136,13 +1136,27 @@ class Stopped(BaseException):
 
 
 def _stop(signum, frame):
-    """Ctrl-C and SIGTERM in a command: noted in STOP (a finaliser swallows what it raises: _write_dataset looks)
-    and raised as KeyboardInterrupt or Stopped, or, once the new dataset is in place, only said."""
+    """Ctrl-C and SIGTERM in a command: noted in STOP (a finaliser swallows what it raises: _write_dataset looks);
+    while a write holds them, left waiting; else raised as KeyboardInterrupt or Stopped, or, once the new dataset is
+    in place, only said. (Python runs this in the main thread whichever thread the signal reached.)"""
     STOP["signals"].append(signum)
-    if STOP["in_place"]:
+    if STOP["hold"]:
+        STOP["waiting"] = signum
+    elif STOP["in_place"]:
         print("done; the signal came after the dataset was written", file=sys.stderr)
     else:
-        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+        _raise(signum)
+
+
+def _raise(signum):
+    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+def _hold(on):
+    """Stop signals wait (on) or act again (off); one that waited is acted on when the hold ends."""
+    STOP["hold"] = on
+    if not on and (signum := STOP.pop("waiting", None)):
+        _stop(signum, None)
 
 
 def _unraisable(u):
@@ -1195,7 +1209,7 @@ def main(argv=None):
     stops = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, _stop) for s in stops} if here else {}
     hook, sys.unraisablehook = sys.unraisablehook, _unraisable
-    STOP.update(signals=[], in_place=False)
+    STOP.update(signals=[], in_place=False, hold=False)
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # (blocked while the command line loaded: acted on now)
         if args.command == "info":
@@ -1215,17 +1229,18 @@ def main(argv=None):
         ctrl_c = not STOP["signals"] or STOP["signals"][0] == signal.SIGINT  # (none noted: a KeyboardInterrupt)
         how, code = ("Ctrl-C", 130) if ctrl_c else ("SIGTERM", 143)
         new = getattr(args, "dataset_id", None)
-        print(f"stopped by {how}" + (f": the dataset '{new}' was not written, and nothing of it is left" if new else ""),
-              file=sys.stderr)
+        print(f"stopped by {how}" + (f": the dataset '{new}' was not written, and nothing of it is left" if new
+                                     else ""), file=sys.stderr)
         raise SystemExit(code) from None
     finally:
-        if __name__ == "__main__":  # the command line's work is done: a stop signal from here to its exit is lost
-            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        if __name__ == "__main__":  # the command line's work is done: a stop signal from here to its exit is moot
+            for s in stops:
+                signal.signal(s, signal.SIG_IGN)
         else:  # a caller's handlers back (None: not Python's)
             sys.unraisablehook = hook
             for s, handler in previous.items():
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        STOP.update(signals=[], in_place=False)
+        STOP.update(signals=[], in_place=False, hold=False)
 
 
 if __name__ == "__main__":

@@ -290,7 +290,8 @@ def test_sigint_at_arbitrary_moments_then_resume_is_bit_identical(script, tiny_h
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         rest, err = p.communicate(timeout=300)
-        assert p.returncode in (0, 130), err
+        # -SIGINT only where the run had ended and saved ("final:") and the signal came while Python shut down
+        assert p.returncode in (0, 130) or p.returncode == -signal.SIGINT and "final:" in rest, err
         assert "Traceback" not in err, err
         if p.returncode == 130:
             interrupted += 1

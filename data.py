@@ -578,6 +578,15 @@ def _ale():
 # -------------------------------------------------------------------------------------------------------------------
 # synthetic data (the model files' --bench)
 
+def available_memory():
+    """Bytes of memory the OS can give now (Linux's MemAvailable; elsewhere the physical memory), or None."""
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0):
     """Random MuJoCo-like episodes with no environment (env_spec None) for --bench: returns scaled by 1e-3, the best
     episode's return as target; the last goal_dim state entries stay fixed in an episode, like a maze goal."""
@@ -902,15 +911,13 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
         print(f"{folder} has {len(numbers)} buffers, fewer than --buffers {buffers}: all of them are used")
     counts, episodes, read, total = Counter(), [], [], 0
     chosen = numbers[-buffers:] if buffers else numbers
-    rows, free = 0, float("inf")
+    rows = 0
     for path in (os.path.join(folder, f"$store$_observation_ckpt.{k}.gz") for k in chosen):
         if os.path.isfile(path):                                   # (headers only; a missing file is said below)
             with _npy_open(path, (84, 84), "u") as (_, _, n):
                 rows += n
-    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:  # (Linux)
-        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    held = min(rows, steps)                                        # frames held at most: --steps, or every row
-    if 84 * 84 * held > free:
+    held, free = min(rows, steps), available_memory()             # frames held at most: --steps, or every row
+    if free is not None and 84 * 84 * held > free:
         raise DataError(f"the frames of {held:,} steps need about {84 * 84 * held / 2**30:.3g} GB, more than the "
                         f"{free / 2**30:.3g} GB of memory available; lower --steps" + " or --buffers" * (rows <= steps))
     for k, number in enumerate(chosen):
@@ -1096,7 +1103,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 written = dataset_folder(dataset_id)
             _hold(True)
             if STOP["signals"]:  # one that a finaliser swallowed ("Exception ignored in ..."): acted on here
-                _raise(STOP["signals"][-1])
+                _act(STOP["signals"][-1])
             with contextlib.suppress(ValueError):  # (there already, or made by another command meanwhile)
                 create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
@@ -1142,21 +1149,23 @@ def _stop(signum, frame):
     STOP["signals"].append(signum)
     if STOP["hold"]:
         STOP["waiting"] = signum
-    elif STOP["in_place"]:
+    else:
+        _act(signum)
+
+
+def _act(signum):
+    """A stop signal acted on: only said once the new dataset is in place, else raised where the program is."""
+    if STOP["in_place"]:
         print("done; the signal came after the dataset was written", file=sys.stderr)
     else:
-        _raise(signum)
-
-
-def _raise(signum):
-    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
 
 
 def _hold(on):
     """Stop signals wait (on) or act again (off); one that waited is acted on when the hold ends."""
     STOP["hold"] = on
     if not on and (signum := STOP.pop("waiting", None)):
-        _stop(signum, None)
+        _act(signum)
 
 
 def _unraisable(u):

@@ -443,14 +443,10 @@ def check_data(cfg, d, atari=False):
 
 
 def free_memory(device):
-    """Bytes free on `device`: CUDA's count, else the OS's available memory (Linux; elsewhere the physical memory)."""
+    """Bytes free on `device`: CUDA's count, else the OS's available memory (data.available_memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
+    return data_lib.available_memory()
 
 
 def gb(n):

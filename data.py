@@ -98,7 +98,6 @@ ATARI_GAMER_SCORES = {"Breakout": (1.7, 30.5), "Qbert": (163.9, 13455.0), "Pong"
                       "Assault": (222.0, 742.0), "Gopher": (258.0, 2412.0)}
 FRAME_STACK = 4  # an Atari state is the last 4 frames (DQN, and every paper here)
 
-
 class FlagParser(argparse.ArgumentParser):
     """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's: usage, exit 2)."""
 
@@ -106,10 +105,8 @@ class FlagParser(argparse.ArgumentParser):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
         raise SystemExit(1)
 
-
 class DataError(Exception):
     """A problem the user can fix (unknown name, dataset not available). main() prints it as one sentence."""
-
 
 def resolve(name):
     """Short name -> Minari id. Strings with a '/' are taken as Minari ids as they are."""
@@ -120,11 +117,9 @@ def resolve(name):
     raise DataError(f"unknown environment '{name}'; known names: {', '.join(sorted(SHORT_NAMES))} "
                     f"(or pass any Minari dataset id with --dataset, e.g. mujoco/hopper/medium-v0)")
 
-
 def is_maze(name):
     """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name before any data is read."""
     return "maze" in name.lower()
-
 
 def is_atari(name):
     """Atari data (an atari/* id, or a local dataset whose env is ale-py's), told before it is read; else False."""
@@ -137,26 +132,22 @@ def is_atari(name):
     except (DataError, OSError, ValueError, AttributeError):
         return False
 
-
 # Dict observations are flattened in a fixed key order. PointMaze: observation (starts with the ball's x, y) ++
 # desired_goal. AntMaze's `observation` leaves out the torso's x, y (its `achieved_goal`), which D4RL's AntMaze state
 # started with, so: achieved_goal ++ observation ++ desired_goal. desired_goal always comes last (goal_dim entries).
 MAZE_KEYS = ("observation", "desired_goal")
 ANTMAZE_KEYS = ("achieved_goal", "observation", "desired_goal")
 
-
 def obs_keys_for(spec):
     """The key order of an env's dict observations, read from its entry point (ant_maze_v4/v5:AntMazeEnv), not from
     array sizes (AntMaze's observation is 27-d in v4, 105-d in v5 and changes with kwargs)."""
     return ANTMAZE_KEYS if "ant_maze" in str(getattr(spec, "entry_point", "")) else MAZE_KEYS
-
 
 def flatten_obs(obs, keys=MAZE_KEYS):
     """Dict observations -> the `keys` entries concatenated (with or without a time axis); arrays pass through."""
     if isinstance(obs, dict):
         return np.concatenate([np.asarray(obs[k]) for k in keys], axis=-1)
     return np.asarray(obs)
-
 
 # -------------------------------------------------------------------------------------------------------------------
 # one training step: load_data -> OfflineData (returns-to-go, sample) -> gather_windows -> stack_frames
@@ -212,7 +203,6 @@ def load_data(name, download=True, delayed_reward=False):
                        ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
                        max_ep_len=max_len, goal_dim=goal_dim, obs_keys=keys, horizon=horizon, n_actions=n_actions,
                        raw_frames=raw, delayed_reward=delayed_reward)
-
 
 @dataclass
 class OfflineData:
@@ -350,11 +340,9 @@ class OfflineData:
         keep = np.sort(order[:n])
         return replace(self, episodes=[self.episodes[i] for i in keep])  # carries state_mean/std over
 
-
 def returns_to_go(rewards):
     """R_t = sum_{t'>=t} r_t' (undiscounted, DT Sec. 3.1); float64 accumulation."""
     return np.cumsum(np.asarray(rewards, dtype=np.float64)[::-1])[::-1]
-
 
 def delay_rewards(rewards):
     """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): r'_t = 0 for t < T-1, r'_{T-1} = sum_t r_t,
@@ -362,7 +350,6 @@ def delay_rewards(rewards):
     out = np.zeros_like(rewards)
     out[-1] = np.sum(rewards, dtype=np.float64)
     return out
-
 
 def gather_windows(flat, start, end, K, ring=0):
     """Windows of K rows ending at row `end` (inclusive) that never reach before row `start` (their episode's first
@@ -396,7 +383,6 @@ def gather_windows(flat, start, end, K, ring=0):
     )
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}   # dtypes as above
 
-
 def stack_frames(frames, start, rows, at=lambda r: r):
     """Atari's state at each of `rows`: its frame and the FRAME_STACK - 1 before it, oldest first, with the frames
     before the episode's first row (`start`, one per window) set to 0, as DT's Atari env fills its frame buffer at
@@ -405,7 +391,6 @@ def stack_frames(frames, start, rows, at=lambda r: r):
     r = rows[..., None] - (FRAME_STACK - 1) + np.arange(FRAME_STACK)          # (B, K, 4) rows of the stacked frames
     inside = r >= start.reshape(-1, 1, 1)                                       # (B, K, 4) False before the episode
     return frames[at(np.where(inside, r, start.reshape(-1, 1, 1)))] * inside[..., None, None]  # (B, K, 4, 84, 84)
-
 
 # -------------------------------------------------------------------------------------------------------------------
 # reading a Minari dataset (what load_data calls)
@@ -435,7 +420,6 @@ def _open_minari(dataset_id, download):
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
 
-
 def damaged(dataset_id, detail):
     """The one sentence for a dataset that is there but unreadable, saying how to get it again: the data.py command
     that made it (its metadata's data_py_command, or algorithm_name in older datasets), else `minari download`."""
@@ -451,7 +435,6 @@ def damaged(dataset_id, detail):
                  f"download it again with `minari download {dataset_id}`")
     return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that folder and {again}")
 
-
 def dataset_folder(dataset_id):
     """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<namespace>/<name>-vN."""
     from minari.storage.datasets_root_dir import get_dataset_path
@@ -459,7 +442,6 @@ def dataset_folder(dataset_id):
     if os.path.exists(root) and not os.path.isdir(root):
         raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point it at a folder")
     return str(get_dataset_path(dataset_id))
-
 
 def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
     """One Minari episode -> dict of arrays (drops the final observation s_T). frames: Atari's frame transform (the
@@ -487,7 +469,6 @@ def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
     return dict(observations=obs[:T], actions=actions, rewards=np.asarray(ep.rewards, dtype=np.float32),
                 terminated=bool(np.asarray(ep.terminations)[-1]))
 
-
 def _check_finite(source, arrays, ep_start):
     """Refuse NaN/inf: arrays maps a name to an array with one row per step; ep_start (n_episodes,) first rows."""
     for name, a in arrays.items():
@@ -495,7 +476,6 @@ def _check_finite(source, arrays, ep_start):
         if bad.any():
             episode = int(np.searchsorted(ep_start, np.argmax(bad), side="right")) - 1
             raise DataError(f"{source} has NaN or infinite {name}, first in episode {episode}, so it cannot be used")
-
 
 # -------------------------------------------------------------------------------------------------------------------
 # Atari: the environment and the frames (load_data, OfflineData.make_env, evaluate.py)
@@ -518,18 +498,15 @@ def _atari_spaces(dataset_id, obs_space, action_space, spec):
     raise DataError(f"dataset '{dataset_id}' has Atari observations of shape {shape}; the models read 84x84 grayscale "
                     f"frames (DQN-replay's) or RGB screens (Minari's atari/*, made 84x84 at load)")
 
-
 def atari_frame_wrappers(env):
     """Raw 210x160 RGB screens (Minari's atari/*) -> the papers' 84x84 grayscale, by gymnasium's own wrappers (OpenCV's
     INTER_AREA): on the eval env, and on each dataset frame at load (_atari_spaces), so both see the same pixels."""
     from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
     return ResizeObservation(GrayscaleObservation(env), (84, 84))
 
-
 def make_atari_env(spec, render_mode=None):
     """An Atari dataset's eval env: gymnasium.make on its spec (with AtariPreprocessing where the spec names it)."""
     return _ale().make(spec, render_mode=render_mode)
-
 
 def atari_env_spec(game):
     """The papers' Atari evaluation env as an EnvSpec: ALE/<Game>-v5 without sticky actions, with ALE's own frame skip
@@ -553,13 +530,11 @@ def atari_env_spec(game):
                   max_num_frames_per_episode=108_000)
     return replace(base, kwargs=kwargs, additional_wrappers=(preprocessing,))
 
-
 def atari_frame_skip(spec):
     """Emulator frames (1/60 s each) per env step: AtariPreprocessing's frame_skip times ALE's own frameskip."""
     skips = [w.kwargs.get("frame_skip", 4) for w in spec.additional_wrappers or () if w.name == "AtariPreprocessing"]
     skip = skips[0] * spec.kwargs.get("frameskip", 1) if skips else spec.kwargs.get("frameskip", 4)
     return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
-
 
 def _ale():
     """-> gymnasium with ale-py's ALE/* envs registered, its banner off; one sentence if ale-py or OpenCV is missing."""
@@ -574,7 +549,6 @@ def _ale():
     gym.register_envs(ale_py)
     return gym
 
-
 # -------------------------------------------------------------------------------------------------------------------
 # synthetic data (the model files' --bench)
 
@@ -585,7 +559,6 @@ def available_memory():
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
-
 
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0):
     """Random MuJoCo-like episodes with no environment (env_spec None) for --bench: returns scaled by 1e-3, the best
@@ -602,7 +575,6 @@ def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_di
     return OfflineData(dataset_id="synthetic", family="mujoco", episodes=eps, env_spec=None, return_scale=1e-3,
                        target_returns=[best], max_ep_len=length, goal_dim=goal_dim)
 
-
 def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
     """Random 84 x 84 frames, actions and rewards in Atari's layout (family 'atari'), for --bench on Atari's shapes;
     Breakout's eval env is recorded (train() checks that ale-py can make it) but never run."""
@@ -612,7 +584,6 @@ def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
                 terminated=False) for _ in range(episodes)]
     return OfflineData(dataset_id="synthetic-atari", family="atari", episodes=eps, env_spec=atari_env_spec("breakout"),
                        n_actions=n_actions, max_ep_len=length, target_returns=[90.0])
-
 
 # ===================================================================================================================
 # Dataset tools: below this line nothing is used by the model files or evaluate.py. The converters (D4RL HDF5,
@@ -624,7 +595,6 @@ def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
 
 D4RL_ROBOTS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5", "ant": "Ant-v5"}
 D4RL_KEYS = ("observations", "actions", "rewards", "terminals", "timeouts")  # and optionally next_observations
-
 
 def _read_d4rl(path):
     """A D4RL MuJoCo HDF5 file -> dict of arrays with N rows each (rewards, terminals, timeouts flattened to (N,))."""
@@ -655,7 +625,6 @@ def _read_d4rl(path):
         raise DataError(f"{path} does not hold one row per step in {', '.join(bad)} (rewards has {n} rows)")
     return a
 
-
 def _d4rl_env(path, dataset_id, env_id):
     """The v5 env of the file's robot (from the file name or the dataset id), or --env."""
     if env_id is not None:
@@ -667,7 +636,6 @@ def _d4rl_env(path, dataset_id, env_id):
                         f"({'found ' + ' and '.join(robots) if robots else 'none of ' + ', '.join(D4RL_ROBOTS)}); "
                         f"pass --env, e.g. --env Hopper-v5")
     return D4RL_ROBOTS[robots[0]]
-
 
 def convert_d4rl(path, dataset_id, env_id=None):
     """A D4RL MuJoCo HDF5 file -> the local Minari dataset `dataset_id` (under MINARI_DATASETS_PATH), with the
@@ -722,7 +690,6 @@ def convert_d4rl(path, dataset_id, env_id=None):
           f"{n:,} steps, env {env_id}, {refs}, written to {folder}")
     return len(buffers)
 
-
 # -------------------------------------------------------------------------------------------------------------------
 # DQN-replay (Dopamine's replay-buffer checkpoints) -> local Minari dataset (python data.py convert-dqn-replay)
 #
@@ -741,7 +708,6 @@ def convert_d4rl(path, dataset_id, env_id=None):
 DQN_REPLAY_FIELDS = ("observation", "action", "reward", "terminal")
 DQN_REPLAY_MAX_ROWS = 10_000_000  # rows a checkpoint may declare (Dopamine's hold 1M): a larger header is refused
 DQN_BLANK_ROWS = 3                # Dopamine's blank transitions before an episode (frame stack 4, minus 1)
-
 
 @contextlib.contextmanager
 def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
@@ -778,7 +744,6 @@ def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
                             f"accepts (DQN-replay buffers hold 1M)")
         yield f, dtype, int(shape[0]) if shape else 1
 
-
 def _npy_fill(f, out, path, last=True):
     """Fill the array `out` with the next bytes of the open array file f -> out. last: nothing may follow (and
     reaching the end makes gzip check its CRC). One sentence if the file ends early or is damaged."""
@@ -797,7 +762,6 @@ def _npy_fill(f, out, path, last=True):
         raise DataError(f"{path} is damaged (bytes after its array, or a failed gzip check); download it again")
     return out
 
-
 def _npy_read(path, kinds, scalar=False):
     """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB), or one number (scalar)."""
     with _npy_open(path, (), kinds, scalar) as (f, dtype, n):
@@ -805,7 +769,6 @@ def _npy_read(path, kinds, scalar=False):
             raise DataError(f"{path} is truncated or damaged (its header declares {n:,} rows, more than its "
                             f"{os.path.getsize(path):,} bytes can hold); download it again")
         return _npy_fill(f, np.empty(n, dtype), path)
-
 
 def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
     """Buffer `number`'s whole episodes, in order, until `budget` steps (the episode that reaches it is kept whole)
@@ -880,7 +843,6 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
         out.append((frames[b + blank:b + e - s + 1], act[s + blank:e].astype(np.int64),
                     rew[s + blank:e].astype(np.float32)))
     return out
-
 
 def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes of its last `buffers`
@@ -959,7 +921,6 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
           f"AtariPreprocessing, {n_actions} actions, {refs}, written to {out}")
     return len(episodes)
 
-
 # -------------------------------------------------------------------------------------------------------------------
 # several Minari datasets of one environment -> one local dataset (python data.py mix)
 
@@ -1005,7 +966,6 @@ def mix(sources, dataset_id):
           f"{spec.id}, written to {folder}")
     return len(buffers)
 
-
 # -------------------------------------------------------------------------------------------------------------------
 # writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix)
 #
@@ -1017,7 +977,6 @@ def mix(sources, dataset_id):
 
 PARTIAL_PREFIX = ".data.py-partial-"
 STOP = dict(signals=[], in_place=False, hold=False)  # the stop signals caught; the new dataset in place; held
-
 
 def _new_dataset_folder(dataset_id):
     """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or taken, or the
@@ -1046,11 +1005,9 @@ def _new_dataset_folder(dataset_id):
         raise _unwritable(root, PermissionError("not writable"))
     return folder, root
 
-
 def _unwritable(root, e):
     return DataError(f"cannot write a dataset in {root} ({e.strerror or e}); set MINARI_DATASETS_PATH to a folder "
                      f"you can write")
-
 
 def _clean_partial(root):
     """Remove the partial datasets interrupted commands left in `root`, but not one whose lock a live command holds."""
@@ -1068,7 +1025,6 @@ def _clean_partial(root):
                 continue
             print(f"removing {path}: a partial dataset left by an interrupted data.py command")
             shutil.rmtree(path, ignore_errors=True)
-
 
 def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
     """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing, with its command line
@@ -1120,7 +1076,6 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
         _hold(False)  # a stop signal that waited is acted on here
     return folder
 
-
 # -------------------------------------------------------------------------------------------------------------------
 # command line
 
@@ -1137,10 +1092,8 @@ def info(name):
     dt = (time.time() - t0) / 200
     print(f"sampling: {64 / dt:,.0f} windows/s ({1e3 * dt:.2f} ms per batch of 64 x K=20)")
 
-
 class Stopped(BaseException):
     """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt: a dataset write is undone alike."""
-
 
 def _stop(signum, frame):
     """Ctrl-C and SIGTERM in a command: noted in STOP (a finaliser swallows what it raises: _write_dataset looks);
@@ -1152,7 +1105,6 @@ def _stop(signum, frame):
     else:
         _act(signum)
 
-
 def _act(signum):
     """A stop signal acted on: only said once the new dataset is in place, else raised where the program is."""
     if STOP["in_place"]:
@@ -1160,25 +1112,21 @@ def _act(signum):
     else:
         raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
 
-
 def _hold(on):
     """Stop signals wait (on) or act again (off); one that waited is acted on when the hold ends."""
     STOP["hold"] = on
     if not on and (signum := STOP.pop("waiting", None)):
         _act(signum)
 
-
 def _unraisable(u):
     """sys.unraisablehook in a command: a stop raised inside a finaliser is lost there quietly (STOP has it)."""
     if not isinstance(u.exc_value, (KeyboardInterrupt, Stopped)):
         sys.__unraisablehook__(u)
 
-
 def _positive(text):
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number above 0")
     return int(text)
-
 
 def main(argv=None):
     import difflib
@@ -1250,7 +1198,6 @@ def main(argv=None):
             for s, handler in previous.items():
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
         STOP.update(signals=[], in_place=False, hold=False)
-
 
 if __name__ == "__main__":
     main()

@@ -90,11 +90,9 @@ import torch.nn.functional as F
 import data as data_lib
 import evaluate as ev
 
-
 def arg(default, help, run=False):
     """A Config field and flag; run=True: not what is trained (not in the run folder's name, may differ on --resume)."""
     return field(default=default, metadata={"help": help, "run": run})
-
 
 @dataclass
 class Config:
@@ -152,7 +150,6 @@ class Config:
     bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
     params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
 
-
 # Atari: Table 9 as the preset "" (departure 5; AndssY/dema@e2aed7e atari/configs/config.py#L1), 10 epochs of 1%
 # DQN-replay. The code counts tokens: a warmup of 512 x 20 tokens (3 steps of 128 x 30), the cosine's end at
 # 6 (500000 - 3K) K tokens, i.e. step 23,432 whatever K (atari/run_atari.py#L169).
@@ -172,13 +169,11 @@ PRESETS = {"": dict(atari=ATARI),
                        warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
                        mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50), atari=ATARI_CPU)}
 
-
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 
 def fp32(t):
     """Upcast to float32 (float64 stays float64, for the tests)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
-
 
 # The selective scan (Mamba's S6 recurrence, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), with the signature and semantics
 # of mamba's reference (state-spaces/mamba@afd5fb5 mamba_ssm/ops/selective_scan_interface.py#L91, selective_scan_ref):
@@ -197,14 +192,12 @@ def _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus):
         delta = F.softplus(delta)                                            # threshold 20, as the CUDA kernel
     return u, delta, A, B, C
 
-
 def _scan_finish(y, u, D, z, dtype_in):
     if D is not None:
         y = y + u * D.to(y.dtype)[:, None]                                   # skip connection D u
     if z is not None:
         y = y * F.silu(z.to(y.dtype))                                        # gate
     return y.to(dtype_in)
-
 
 def _scan_loop(h, delta, du, A, B, C):
     """Eq. (5) read left to right from the state h (b, di, N): -> (y (b, di, L), the last h)."""
@@ -215,7 +208,6 @@ def _scan_loop(h, delta, du, A, B, C):
         h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)      # (b, di, N)   h_t = A_bar h + B_bar u_t
         ys.append((h * C_t[:, None, :]).sum(-1))                             # (b, di)      y_t = <C_t, h_t>
     return torch.stack(ys, dim=-1), h                                        # (b, di, L), (b, di, N)
-
 
 def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, chunk=0):
     """The reference: a loop over time; autograd keeps ~2 states per token. chunk > 0: chunks of that many tokens,
@@ -234,7 +226,6 @@ def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None
         ys.append(y)
     return _scan_finish(torch.cat(ys, dim=-1), u, D, z, dtype_in)
 
-
 def _hillis_steele(a, b):
     """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, with the official kernel's operator
     (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1), in ceil(log2 L) rounds: after shift s each position holds the
@@ -246,7 +237,6 @@ def _hillis_steele(a, b):
         a[:, :, s:] *= a[:, :, :-s].clone()          # clone: the slices overlap in memory
         s *= 2
     return b
-
 
 class _LinearScan(torch.autograd.Function):
     """h = scan(a, b) with a hand-written backward, itself a reverse scan with the same operator:
@@ -266,7 +256,6 @@ class _LinearScan(torch.autograd.Function):
         h_prev = torch.cat([torch.zeros_like(h[:, :, :1]), h[:, :, :-1]], dim=2)    # h_{t-1}, h_{-1} = 0
         return g * h_prev, g
 
-
 def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """The same recurrence by an associative scan over time, in log2(L) rounds over (b, di, L, N) tensors. Only exp
     of non-positive numbers is taken: a large negative A Delta underflows to 0 (never exp(A S_i) exp(-A S_j))."""
@@ -277,7 +266,6 @@ def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None, 
     h = _LinearScan.apply(a, b)                                              # (b, di, L, N)  all h_t
     y = (h * C.transpose(1, 2)[:, None]).sum(-1)                             # (b, di, L)     y_t = <C_t, h_t>
     return _scan_finish(y, u, D, z, dtype_in)
-
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan='auto', chunk=0):
     # auto: the loop on CPU, where it was faster at every training size timed (--bench-scan); the log-depth scan on
@@ -290,7 +278,6 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
             return selective_scan_parallel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
         return selective_scan_sequential(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk)
 
-
 class RMSNorm(nn.Module):
     """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (official code: mamba's fused RMSNorm, eps 1e-5, no bias;
     state-spaces/mamba@afd5fb5 mamba_ssm/ops/triton/layernorm.py#L481)."""
@@ -302,7 +289,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
 
 class Mamba(nn.Module):
     """Mamba-1 mixer (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> causal depthwise
@@ -395,7 +381,6 @@ class Mamba(nn.Module):
         alpha = alpha * delta[:, :, None, :] * causal                        # (b, di, Ti, Tj)
         return alpha[:, :, 0] if last_row else alpha
 
-
 class Block(nn.Module):
     """Sec. 4.2, Fig. 1 right: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the method;
     state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297). --residual post, "DeMa with post." (Tables 3-4,
@@ -421,11 +406,9 @@ class Block(nn.Module):
         x = x + out
         return (x + self.mlp(self.norm2(x)) if self.post else x), cache
 
-
 def previous_actions(actions, prev_action):
     """a_{t-1} at every position (b, K, act): prev_action is data.py's a_{t-1} of the window's first step."""
     return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
-
 
 class DeMa(nn.Module):
     """Tokens [R_t, a_{t-1}, s_t] per step ("B3LD", Sec. 4.1) or one of the three concatenated ("BL3D"), Linear E (3E)
@@ -528,7 +511,6 @@ class DeMa(nn.Module):
         return attn
 # <<< model: end
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # the paper's pieces: per-dataset sizes, data, loss, policy
 
@@ -537,7 +519,6 @@ CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), resid
                scan=("auto", "sequential", "parallel"), s6_ablation=("", "zero", "random", "swap"))
 WINDOW = ("states", "actions", "rtg", "timesteps", "mask", "prev_action")     # a batch's keys, in DeMa.forward's order
 S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
-
 
 def check_model(cfg):
     """DeMa's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first bad one."""
@@ -568,7 +549,6 @@ def check_model(cfg):
         if bad:
             raise data_lib.DataError(why)
 
-
 def paper_values(name, mode="transformer"):
     """Per-dataset settings: D.1 (MuJoCo), Tables 14-15 and F.2 (mazes), D.2 and Table 10 (Atari; Table 9: PRESETS)."""
     atari, name = data_lib.is_atari(name), name.lower()
@@ -591,17 +571,14 @@ def paper_values(name, mode="transformer"):
         return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1, **maze_eval)
     return {}
 
-
 def paper_settings(cfg, given):
     """paper_values() under `given`: Config's defaults < PRESETS[""] (Atari) < the dataset's row < --preset < flags."""
     return dataclasses.replace(cfg, **{k: v for k, v in paper_values(cfg.dataset or cfg.env, cfg.mode).items()
                                       if k not in given})
 
-
 def build_model(cfg, info):
     """The model the data's spaces call for: Atari's (image states, discrete actions: info["discrete"]) or MuJoCo's."""
     return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"], discrete=info.get("discrete", False))
-
 
 def param_groups(model, cfg):
     """AdamW's groups: the official MuJoCo code decays every parameter, the Atari code not biases, norms, or its *emb*
@@ -613,7 +590,6 @@ def param_groups(model, cfg):
     return [{"params": [p for n, p in model.named_parameters() if n not in rest]},
             {"params": [p for n, p in model.named_parameters() if n in rest], "weight_decay": 0.0}]
 
-
 def lr_factor(s, cfg):
     """--lr's factor at step s: linear warmup, then constant (AndssY/dema@e2aed7e gym/experiment.py#L455) or, with
     --lr-decay-steps N, max(0.1, (1 + cos(pi p)) / 2), p = (s - warmup) / (N - warmup) not clamped: 0.1 from p = 0.8,
@@ -622,7 +598,6 @@ def lr_factor(s, cfg):
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     p = (s - cfg.warmup_steps) / max(1, cfg.lr_decay_steps - cfg.warmup_steps)
     return max(0.1, 0.5 * (1.0 + math.cos(math.pi * p)))
-
 
 def get_batch(d, n, cfg, rng, longest=False):
     """n windows of K steps (App. C), or RNN-like n whole trajectories drawn in proportion to length (longest: the
@@ -635,7 +610,6 @@ def get_batch(d, n, cfg, rng, longest=False):
     start = d.ep_start[ep]
     return data_lib.gather_windows(d.flat, start, start + steps - 1, int(steps.max()))
 
-
 def predict(model, b, cfg, training=False):
     """A data.py / evaluate.py window -> (predicted actions, target actions, loss mask)."""
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in WINDOW)
@@ -645,7 +619,6 @@ def predict(model, b, cfg, training=False):
         rtg, mask = rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
 
-
 def loss_fn(model, batch, cfg):
     pred, target, mask = predict(model, batch, cfg, training=True)                 # (b, K, act) each; Atari: logits
     if target.dtype == torch.int64:            # Sec. 3.1, App. C: cross-entropy for discrete actions (Atari)
@@ -653,7 +626,6 @@ def loss_fn(model, batch, cfg):
     else:                                      # Sec. 3.1: MSE for continuous actions
         err = ((pred.float() - target) ** 2).mean(-1)                               # (b, K)
     return (err * mask).sum() / mask.sum()     # App. C: the padding's loss is masked
-
 
 def policy(model, cfg):
     """The action (Atari: logits) for evaluate.evaluate. Transformer-like: the window re-run from a zero state.
@@ -674,7 +646,6 @@ def policy(model, cfg):
         return a
     return act_rnn
 
-
 def targets(cfg, d):
     """--target-return, else DT's two per environment (data.py); Atari: Table 9's (data.DEMA_ATARI_TARGETS)."""
     if cfg.target_return is not None:
@@ -684,7 +655,6 @@ def targets(cfg, d):
         return [data_lib.DEMA_ATARI_TARGETS.get(game, d.target_returns[0])]
     return d.target_returns
 
-
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
     model.eval()
@@ -693,7 +663,6 @@ def evaluate(model, d, cfg, device):
                                greedy=cfg.greedy)) for g in targets(cfg, d)]
     model.train()
     return results
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # training: dt.py's loop; DeMa's own are the model, the batches, AdamW's groups and schedule, the attention figure
@@ -742,7 +711,6 @@ def train(cfg, run, d=None):
         attention_figure(model, d, cfg, os.path.join(run.out, "attention.png"))
     return run.finish(results)
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # figures, analyses (Fig. 4, App. J; Fig. 5) and benchmarks (--bench times train() on synthetic data): they never train
 
@@ -751,7 +719,6 @@ def plt_agg():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
-
 
 def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     """Hidden attention on dataset windows (full ones where there are any): every layer's last query row (the s_t
@@ -786,7 +753,6 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     print(f"hidden attention -> {path}: mean |alpha| at distance {'/'.join(map(str, shown))}: "
           + " / ".join(f"{prof.mean(0)[i]:.3g}" for i in shown))
 
-
 def load_model(cfg, given):
     """An analysis's run, from its checkpoint -> (its cfg, its model in eval mode, its folder, its data)."""
     cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
@@ -795,14 +761,12 @@ def load_model(cfg, given):
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS), d
 
-
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, out, d = load_model(cfg, given)
     context = cfg.context if cfg.mode == "transformer" else 1
     ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
-
 
 def attention_episode(cfg, given):
     """--attention (Fig. 4, App. J): one episode at the first target; at every decision each layer's last attention row,
@@ -849,7 +813,6 @@ def attention_episode(cfg, given):
           f"mean |alpha| at distance 0/{model.n}: {attn.mean((0, 1))[-1]:.3g} / {attn.mean((0, 1))[-1 - model.n]:.3g}"
           + period)
 
-
 def ablate_s6(model, how, layers, donor=None, seed=0):
     """Sec. 4.2, Fig. 5: the S6 parameters of `layers`, in place: 'zero' (the block then passes its input through the
     residual alone), 'random' (Mamba's initialisation, drawn with `seed`) or 'swap' (the same layer of `donor`)."""
@@ -864,7 +827,6 @@ def ablate_s6(model, how, layers, donor=None, seed=0):
             for name in S6_PARAMETERS:
                 p = mixer.get_parameter(name)
                 p.copy_(torch.zeros_like(p) if how == "zero" else source.get_parameter(name))
-
 
 def s6_ablation(cfg, given):
     """--s6-ablation (Sec. 4.2, Fig. 5): both scores per target, of the checkpoint and of its ablate_s6 change."""
@@ -894,7 +856,6 @@ def s6_ablation(cfg, given):
               f"{r1['normalized'].mean():.2f} (original {r0['normalized'].mean():.2f}) "
               f"return={r1['returns'].mean():.2f} (original {r0['returns'].mean():.2f}) episodes={len(r1['returns'])}")
 
-
 def bench(cfg):
     """--bench (evaluate.bench_modes): train()'s own steps on synthetic data, hopper's or Atari's shapes (Table 7)."""
     length = max(200, 2 * cfg.context)
@@ -906,7 +867,6 @@ def bench(cfg):
         with timer:
             train(mode_cfg, timer, d)
 
-
 def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
     """Best-of-reps wall time (ms) of forward + backward of one selective scan, fp32."""
     g = torch.Generator().manual_seed(seed)
@@ -916,7 +876,6 @@ def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
     leaves = [t.requires_grad_() for t in (u, delta, A, B, C)]
     times = timeit.repeat(lambda: fn(*leaves, delta_softplus=True).sum().backward(), number=1, repeat=reps + 1)
     return 1e3 * min(times[1:])                                                     # the first run warms up
-
 
 def bench_scan(cfg):
     """--bench-scan: one scan's forward + backward at the paper's training size (batch 64, L=60, d_inner 128, N 64),
@@ -933,14 +892,12 @@ def bench_scan(cfg):
         print(f"{b:5d} {d_inner:7d} {n:3d} {L:5d} {ts:14.1f} {tp:12.1f}  {'sequential' if ts <= tp else 'parallel'}",
               flush=True)
 
-
 # dt.py's sizes for --params (this file imports no other model file; tests/test_dema.py checks them against dt.py)
 DT_ROWS = [("dt paper (H=128)", dict(n_embd=128, n_layer=3)),
            ("dt --preset cpu", dict(n_embd=64, n_layer=2)),
            ("dt Atari (6 x 128, 8 heads, K=30; 1000 timesteps)", dict(n_embd=128, n_layer=6, context=30, act_dim=4,
                                                                         atari=True)),
            ("dt Atari --preset cpu", dict(n_embd=64, n_layer=2, context=8, act_dim=4, atari=True))]
-
 
 def dt_parameters(n_embd, n_layer, obs_dim=11, act_dim=3, max_ep_len=1000, context=0, atari=False):
     """dt.py's DecisionTransformer's (atari: AtariDecisionTransformer's) parameter count, for any head count."""
@@ -954,7 +911,6 @@ def dt_parameters(n_embd, n_layer, obs_dim=11, act_dim=3, max_ep_len=1000, conte
         embed = max_ep_len * C + (C + C) + (obs_dim * C + C) + (act_dim * C + C) + 2 * C
         head = C * act_dim + act_dim                                         # Linear(C, act_dim), then tanh
     return embed + n_layer * block + 2 * C + head                            # + the final LayerNorm
-
 
 def param_table():
     """--params: DeMa's parameters with the pre (the method) and post blocks, and dt.py's. Hopper: Table 7's 175.5K /
@@ -979,7 +935,6 @@ def param_table():
     for label, kw in DT_ROWS:
         print(f"{label:58s} {dt_parameters(**kw):>12,}")
 
-
 def parse_flags(argv=None):
     """-> (cfg, given): `given` holds what the command line and a named --preset set, not the paper's Atari setting
     (the preset "") laid under them, so that paper_settings can put a game's own row in its place."""
@@ -995,7 +950,6 @@ def parse_flags(argv=None):
             print(f"--preset cpu --mode rnn on Atari: {flags}")
     return cfg, typed | set(named)
 
-
 def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
@@ -1010,7 +964,6 @@ def main(argv=None):
             return (attention_episode if cfg.attention else s6_ablation if cfg.s6_ablation else gif)(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
-
 
 if __name__ == "__main__":
     main()

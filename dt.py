@@ -52,11 +52,9 @@ import torch.nn.functional as F
 import data as data_lib
 import evaluate as ev
 
-
 def arg(default, help, run=False):
     """A Config field that is a flag; run=True: it changes nothing trained (not in the run folder's name)."""
     return field(default=default, metadata={"help": help, "run": run})
-
 
 @dataclass
 class Config:
@@ -99,7 +97,6 @@ class Config:
     bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run's checkpoint", run=True)
     gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
 
-
 # --preset cpu: hopper-medium on 2 CPU cores in minutes, the lr decayed so that the last checkpoint is settled. Mazes:
 # K=1, no dropout (noisy actions are a history to copy; dropout blurs the position and goal: medium-dense, seed 0, goal
 # reached 28% at K=10, 90% at K=1 without dropout). Atari's paper setting is kzl's atari/run_dt_atari.py#L79-L87: 5
@@ -112,7 +109,6 @@ PRESETS = {"": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batc
                        mazes=dict(context=1, dropout=0.0, eval_episodes=50),
                        atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
                                   steps=5000, eval_every=1000, eval_episodes=10, dropout=0.1))}
-
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 
@@ -134,7 +130,6 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C)
         return self.resid_drop(self.c_proj(y))
 
-
 class Block(nn.Module):
     """GPT-2 block: pre-LayerNorm attention and MLP, each with a residual connection."""
 
@@ -150,7 +145,6 @@ class Block(nn.Module):
     def forward(self, x, attn_mask):
         x = x + self.attn(self.ln_1(x), attn_mask)
         return x + self.mlp(self.ln_2(x))
-
 
 class DecisionTransformer(nn.Module):
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
@@ -199,7 +193,6 @@ class DecisionTransformer(nn.Module):
         x = self.ln_f(x).reshape(B, K, n, -1)                                   # (B, K, n, C)
         return self.predict_action(x[:, :, n - 2])   # Sec. 3 / Alg. 1: a_t predicted from the s_t token: (B, K, act)
 
-
 def causal_padding_mask(mask, n):
     """(B, K) real-step mask, n tokens per step -> (B, 1, nK, nK) attention mask: causal, and no attention to left
     padding; a padding query may see itself (its output is never used), so that no row of the softmax is empty."""
@@ -207,7 +200,6 @@ def causal_padding_mask(mask, n):
     causal = torch.ones(real.shape[1], real.shape[1], dtype=torch.bool, device=mask.device).tril()
     eye = torch.eye(real.shape[1], dtype=torch.bool, device=mask.device)
     return (causal & (real[:, None, :] | eye))[:, None]                        # (B, 1, nK, nK)
-
 
 class PatchEncoder(nn.Module):
     """StARformer's Table 5 "DT with ViT" state token: the 4 x 84 x 84 stack cut into 144 patches of 7 x 7 x 4, each
@@ -227,7 +219,6 @@ class PatchEncoder(nn.Module):
         patches = x.reshape(N, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(N, self.n, c * p * p)
         z = self.embed_patch(patches) + self.e_spatial                         # (N, 144, d)
         return self.proj(z.flatten(1))                                          # (N, C)
-
 
 class AtariDecisionTransformer(nn.Module):
     """DT on Atari (Sec. 5.1; kzl atari/mingpt/model_atari.py#L126-L157): the tokens (R_t, s_t, a_t) with s_t read by
@@ -275,25 +266,21 @@ class AtariDecisionTransformer(nn.Module):
         return self.head(x[:, :, n - 2])                 # logits for a_t from the s_t token: (B, K, |A|)
 # <<< model: end
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # the paper's pieces: data, learning-rate schedule, loss, policy
 
 SCRIPT = "dt"
-
 
 def load_dataset(cfg):
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     # %BC (Sec. 5.3): the best episodes by return up to this share of the steps; state statistics stay the full data's
     return d.keep_top(cfg.top_fraction) if cfg.top_fraction < 1 else d
 
-
 def build_model(cfg, info):
     """The model the data's spaces call for: DT's Atari model for discrete actions, the gym model otherwise."""
     if info.get("discrete"):
         return AtariDecisionTransformer(cfg, info["act_dim"], info["max_ep_len"])
     return DecisionTransformer(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
-
 
 def param_groups(model, cfg):
     """AdamW's parameter groups. kzl's gym code decays every parameter (gym/experiment.py#L237-L241); its Atari code
@@ -305,7 +292,6 @@ def param_groups(model, cfg):
     rest = [p for p in model.parameters() if id(p) not in matrices]
     return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
 
-
 def lr_factor(s, cfg):
     """Multiplier of --lr at step s: linear warmup, then constant (kzl gym/experiment.py#L242-L245), or with --lr-decay
     a cosine down to 0.1 (kzl's Atari cosine, atari/mingpt/trainer_atari.py#L115-L125, counts tokens: departure 5)."""
@@ -313,7 +299,6 @@ def lr_factor(s, cfg):
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
 
 def loss_fn(model, batch, cfg):
     pred = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])  # (B, K, act)
@@ -324,20 +309,17 @@ def loss_fn(model, batch, cfg):
         err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                         # (B, K)
     return (err * batch["mask"]).sum() / batch["mask"].sum()       # real steps only
 
-
 def policy(model):
     """Alg. 1's action: the live envs' contexts -> the current step's action (Atari: logits, sampled by evaluate)."""
     def act(batch, live):
         return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[:, -1]
     return act
 
-
 def targets(cfg, d):
     """Return-to-go prompts, raw units: --target-return, else the paper's two per environment; none for BC."""
     if not cfg.return_token:
         return [None]
     return [cfg.target_return] if cfg.target_return is not None else d.target_returns
-
 
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
@@ -346,7 +328,6 @@ def evaluate(model, d, cfg, device):
                                greedy=cfg.greedy)) for g in targets(cfg, d)]
     model.train()
     return results
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # training
@@ -390,7 +371,6 @@ def train(cfg, run, d=None):
             stop.exit(step, run.out)
     return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # --gif and --bench-eval (read a run's checkpoint, never train) and --bench (times train() on synthetic data)
 
@@ -401,19 +381,16 @@ def load_model(cfg, given):
     model.load_state_dict(ck["model"])
     return cfg, model.to(ev.pick_device(cfg.device)).eval(), load_dataset(cfg), ev.run_folder(SCRIPT, cfg, PRESETS)
 
-
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, d, out = load_model(cfg, given)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
-
 def bench_eval(cfg, given):
     """--bench-eval: 10 episodes of the run's checkpoint, batched against sequential evaluation (same returns)."""
     cfg, model, d, _ = load_model(cfg, given)
     ev.compare_with_sequential(policy(model.cpu()), d, 10, targets(cfg, d)[0], cfg.seed, cfg.context)
-
 
 def bench(cfg):
     """--bench: train()'s steps timed on synthetic hopper data, or Atari frames for an Atari --env (DeMa Table 7)."""
@@ -425,10 +402,8 @@ def bench(cfg):
         with timer:
             train(mode_cfg, timer, d)
 
-
 def parse_flags(argv=None):
     return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
-
 
 def main(argv=None):
     with ev.one_sentence_errors():
@@ -444,7 +419,6 @@ def main(argv=None):
             return (bench_eval if cfg.bench_eval else gif)(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
-
 
 if __name__ == "__main__":
     main()

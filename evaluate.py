@@ -121,7 +121,6 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
     return _result(d, returns, lengths, success, steps_to_goal, positions) | dict(seconds=time.time() - t0) | (
         dict(frames=frames) if render_every else {})
 
-
 class Contexts:
     """The rolling contexts of n envs, kept as data.gather_windows reads them. Each env keeps its last W steps in a
     ring: the K of the window, the step before it (its a_{t-1}, r_{t-1}) and, on Atari, the frames a state stacks, so
@@ -154,10 +153,8 @@ class Contexts:
         self.flat["actions"][row], self.flat["rewards"][row] = action, reward
         self.begin(i, t + 1, obs, rtg)
 
-
 def _as_numpy(a):
     return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
-
 
 def choose(logits, rng, greedy):
     """A discrete action from one env's logits: a draw from their softmax (DT's Atari code, temperature 1), or the
@@ -167,18 +164,15 @@ def choose(logits, rng, greedy):
     p = np.exp(logits.astype(np.float64) - logits.max())
     return int(min(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right"), len(p) - 1))
 
-
 def _position(obs):
     """The agent's x, y: achieved_goal of a maze's dict observation, else the first two entries (PointMaze layout)."""
     return np.asarray(obs["achieved_goal"] if isinstance(obs, dict) else obs, dtype=np.float64)[:2]
-
 
 def _result(d, returns, lengths, success, steps_to_goal, positions):
     res = dict(returns=returns, lengths=lengths, normalized=d.normalize_score(returns))
     if d.goal_reaching:
         res.update(success=success, steps_to_goal=steps_to_goal, positions=[np.array(p) for p in positions])
     return res
-
 
 def summarize(res):
     """One line: mean +- std of the normalised score and return (and maze success / steps to the goal)."""
@@ -187,7 +181,6 @@ def summarize(res):
     if "success" in res:
         s += f" success={100 * res['success'].mean():.0f}% steps_to_goal={res['steps_to_goal'].mean():.0f}"
     return s
-
 
 def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=False):
     """Reference: the same protocol, one episode at a time, windows built from plain Python lists (independent of
@@ -244,7 +237,6 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
         env.close()
     return _result(d, returns, lengths, success, steps_to_goal, positions)
 
-
 def compare_with_sequential(act, d, episodes, target_return, seed, context):
     """dt.py's --bench-eval: one line with the batched and the sequential time and whether the returns agree."""
     rb = evaluate(act, d, episodes, target_return, seed, context, progress=False)
@@ -255,12 +247,10 @@ def compare_with_sequential(act, d, episodes, target_return, seed, context):
           f"{rb['seconds']:.2f}s, sequential {ts:.2f}s, speed-up {ts / rb['seconds']:.1f}x; same returns: "
           f"{np.allclose(rb['returns'], rs['returns'])}")
 
-
 # ================================================================================================================
 # The --gif episode, which a model file's main() makes with --gif (after training, or from a finished run).
 
 GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
-
 
 def episode_gif(act, d, target_return, seed, context, device, out, title, greedy=False):
     """--gif: one evaluation episode -> <out>/episode.gif, with the title, step and return so far on each frame. MuJoCo:
@@ -303,7 +293,6 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
           f"{path}")
     return res
 
-
 def wrap_text(text, font, width):
     """text in lines that fit `width` pixels in `font`, broken at spaces and underscores (variant names)."""
     lines, line = [], ""
@@ -313,7 +302,6 @@ def wrap_text(text, font, width):
             line = ""
         line += word
     return lines + [line.rstrip()]
-
 
 def pick_gl():
     """An offscreen OpenGL backend for MuJoCo, where the user set none: MUJOCO_GL is left as it is when set, else the
@@ -331,7 +319,6 @@ def pick_gl():
     raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
                     "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
 
-
 # ================================================================================================================
 # The run record: a model file's main() calls parse_flags, check_flags and opens a Run (with --bench, bench_modes'
 # Bench records) inside one_sentence_errors(); train() calls check_data, check_memory, run.start/log/save/finish.
@@ -344,7 +331,6 @@ EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
 PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
 FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
-
 
 def parse_flags(Config, presets, argv, prog, description):
     """Every Config field is a flag (--batch-size for batch_size); --preset applies first, explicit flags win.
@@ -370,19 +356,16 @@ def parse_flags(Config, presets, argv, prog, description):
         values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
     return Config(**values), set(values)
 
-
 def family_setting(presets, preset, dataset):
     """A preset's entry for the dataset's family ("mazes" or "atari"), else {}. The preset "" is the paper's."""
     family = "mazes" if is_maze(dataset) else "atari" if data_lib.is_atari(dataset) else None
     return presets.get(preset, {}).get(family, {}) if family else {}
-
 
 def preset_values(presets, preset, dataset):
     """The settings laid under the flags for this dataset: the paper's for its family (presets[""]), then the
     preset's own, then the preset's for the family (family_setting); Config's defaults under all of them."""
     own = {k: v for k, v in presets.get(preset, {}).items() if k not in FAMILIES}
     return family_setting(presets, "", dataset) | own | family_setting(presets, preset, dataset)
-
 
 def check_flags(cfg, *one_of):
     """The checks every script shares, before any work: one sentence (DataError) about the first bad value. one_of:
@@ -417,12 +400,10 @@ def check_flags(cfg, *one_of):
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise DataError(f"--out {cfg.out} is a file, not a folder")
 
-
 def pick_device(name):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     return torch.device(name)
-
 
 def check_data(cfg, d, atari=False):
     """Settings that mean nothing for this data, in one sentence before the run folder is touched. atari: the model
@@ -441,19 +422,16 @@ def check_data(cfg, d, atari=False):
         raise DataError(f"--target-return {target:g} is more than 100 times the largest episode return in "
                         f"{d.dataset_id} ({top:.4g}), far outside what the model saw; give a target near the data's")
 
-
 def free_memory(device):
     """Bytes free on `device`: CUDA's count, else the OS's available memory (data.available_memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return data_lib.available_memory()
 
-
 def gb(n):
     """Bytes in words: MB, GB or TB."""
     e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
     return f"{n / 2 ** e:.3g} {unit}"
-
 
 def check_memory(model, loss, template, batch_size, device):
     """The bytes one training step needs, counted on the meta device before anything is allocated: `loss(batch)` on
@@ -473,7 +451,6 @@ def check_memory(model, loss, template, batch_size, device):
                         f"{device}; lower --batch-size, --context or the model's size")
     return need
 
-
 def variant_name(cfg, presets):
     """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
     default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_context5_no-return-token'."""
@@ -487,11 +464,9 @@ def variant_name(cfg, presets):
                          if isinstance(v, float) else f"{flag}{v}")
     return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
 
-
 def run_folder(script, cfg, presets):
     return cfg.out or os.path.join("runs", script, (cfg.dataset or cfg.env).replace("/", "-"),
                                    variant_name(cfg, presets), f"seed{cfg.seed}")
-
 
 def read_checkpoint(path, script):
     try:
@@ -502,7 +477,6 @@ def read_checkpoint(path, script):
     if not isinstance(ck, dict) or ck.get("script") != script or not CKPT_KEYS <= set(ck):
         raise DataError(f"{path} is not a checkpoint of {script}.py; move it away or pass another --out")
     return ck
-
 
 def load_run(script, cfg, given, presets):
     """The run in cfg's folder, read only (--resume, the analyses) -> (its settings under the flags given now, its
@@ -524,7 +498,6 @@ def load_run(script, cfg, given, presets):
         raise DataError(f"--steps {cfg.steps} is below the step this run has reached ({ck['step']}) and a run cannot "
                         f"be shortened; give --steps {ck['step']} or more, or drop --steps")
     return type(cfg)(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"})), ck
-
 
 def lock_folder(out):
     """Hold <out>/.lock for this process's life; the OS releases it when the process ends, even by kill -9."""
@@ -549,7 +522,6 @@ def lock_folder(out):
     f.flush()
     return f
 
-
 def refuse_occupied(out, script):
     """A run starts only in a new or empty folder: one holding a run needs --resume; any other is never written to."""
     files = sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []
@@ -565,7 +537,6 @@ def refuse_occupied(out, script):
     if files:
         raise DataError(f"{out} already holds files that are not a run of {script}.py ({', '.join(files[:3])}"
                         f"{', ...' * (len(files) > 3)}); nothing there is overwritten, so pass a new or empty --out")
-
 
 def write_atomic(path, write):
     """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
@@ -585,7 +556,6 @@ def write_atomic(path, write):
         else:   # torch's own words, without its C++ source location
             reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1].split("] ")[-1][:100]
         raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
-
 
 class StopSignal:
     """Ctrl-C (SIGINT) or SIGTERM in training: the loop ends its step (and evaluation), the run saves and exit() ends
@@ -611,7 +581,6 @@ class StopSignal:
     def exit(self, step, out):
         print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
         raise SystemExit(128 + self.signum)
-
 
 class Run:
     """One run's folder (runs/<script>/<env>/<variant>/seed<N>/, or --out): config.json, log.csv (a row per log step
@@ -800,7 +769,6 @@ class Run:
               f"{best}episodes={len(res['returns'])}")
         return res
 
-
 def duration(seconds):
     """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
     for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
@@ -808,18 +776,15 @@ def duration(seconds):
             return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
     return f"{seconds:.0f} s"
 
-
 def score(x):
     """A normalised score for log.csv: empty where the data has no reference returns (undefined rather than NaN)."""
     return f"{x:.2f}" if math.isfinite(x) else ""
-
 
 def pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
-
 
 def plot_curve(rows, path, hundred, title):
     """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
@@ -851,7 +816,6 @@ def plot_curve(rows, path, hundred, title):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
 
 class Bench(contextlib.suppress):
     """--bench: stands in for Run in train(), so that exactly its steps are timed: nothing is written; steps 4 .. 3 + n
@@ -891,7 +855,6 @@ class Bench(contextlib.suppress):
     def add_row(self, **values):
         pass
 
-
 def bench_modes(cfg, script, variant, tokens):
     """--bench: (the configuration, its Bench record) for each mode: eager, torch.compile and, on CUDA, compiled with
     bf16 autocast. `with bench: train(mode_cfg, bench)` runs to Bench.Done; min(--steps, 20) steps are timed."""
@@ -903,7 +866,6 @@ def bench_modes(cfg, script, variant, tokens):
         c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp, steps=10 ** 9, log_every=10 ** 9,
                                 eval_every=10 ** 9)
         yield c, Bench(c, label, n, tokens, eager_ms)
-
 
 @contextlib.contextmanager
 def one_sentence_errors():
@@ -932,7 +894,6 @@ def one_sentence_errors():
         print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
         raise SystemExit(130)
 
-
 # ================================================================================================================
 # report (python evaluate.py report [RUNS_DIR]). A run folder is any folder under RUNS_DIR with config.json and log.csv
 # as Run writes them; runs are grouped by (dataset_id, script, variant), whatever the folder names say.
@@ -945,7 +906,6 @@ def _number(v):
     if not math.isfinite(x):
         raise ValueError(v)
     return x
-
 
 def read_run(folder):
     """-> dict(folder, key=(dataset_id, script, variant), steps, seed, status, evals, last, best). evals: the
@@ -993,14 +953,12 @@ def read_run(folder):
         run["status"] = f"in progress at step {step} of {run['steps']}"
     return run
 
-
 def _mean_std(values, scale=1.0):
     """'mean ± std' over seeds, population std (ddof=0, so 0.0 with one seed); '-' when any value is missing."""
     if any(v is None for v in values):
         return "-"
     v = scale * np.asarray(values, dtype=np.float64)
     return f"{v.mean():.1f} ± {v.std():.1f}"
-
 
 def report(runs_dir="runs"):
     """The markdown table over the seeds of every run under runs_dir (its first lines say what each column holds),
@@ -1060,7 +1018,6 @@ def report(runs_dir="runs"):
                         f"a folder you can write to, or copy the runs to one") from None
     return text
 
-
 def plot_report(groups, path):
     """One subplot per dataset: each group's normalised score vs step, mean over seeds, band = min..max over seeds."""
     plt = pyplot()
@@ -1089,7 +1046,6 @@ def plot_report(groups, path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
 # ================================================================================================================
 # The command line: python evaluate.py report [RUNS_DIR]
 
@@ -1106,7 +1062,6 @@ def main(argv=None):
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
-
 
 if __name__ == "__main__":
     main()

@@ -82,12 +82,10 @@ from huggingface_hub import hf_hub_download, try_to_load_from_cache
 import data as data_lib
 import evaluate as ev
 
-
 def arg(default, help, run=False):
     """A Config field that is also a command-line flag. run=True: it does not change what is trained (seed,
     evaluation, output, device...), so it is left out of the run folder's variant name and may differ on --resume."""
     return field(default=default, metadata={"help": help, "run": run})
-
 
 @dataclass
 class Config:
@@ -138,12 +136,10 @@ class Config:
     text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text, Markov heads marked", run=True)
     sample: str = arg("", "PROMPT: print GPT-2's continuation, the proof that the real weights loaded", run=True)
 
-
 # 2 CPU cores, minutes: the first GPT-2 block (768 wide, so the pretrained weights fit; layer 0 holds the Markov heads),
 # K=10, a short warmup, one evaluation; mazes: dt.py's K=1 without dropout, 50 episodes. A demonstration only.
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300, eval_every=300,
                        eval_episodes=10, log_every=25, mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
-
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 
@@ -189,7 +185,6 @@ class CausalSelfAttention(nn.Module):
         y = o.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C): heads side by side
         return self.resid_drop(self.c_proj(y)), aux
 
-
 class MLP(nn.Module):
     """The 4x wide feed-forward layer: 'gelu_new' (GPT-2's tanh GELU) or 'quick_gelu' (CLIP's x * sigmoid(1.702 x))."""
 
@@ -206,7 +201,6 @@ class MLP(nn.Module):
         h = F.gelu(h, approximate="tanh") if self.activation == "gelu_new" else h * torch.sigmoid(1.702 * h)
         return self.drop(self.c_proj(h))
 
-
 class Block(nn.Module):
     """GPT-2 block: pre-LN attention and MLP, each residual; with activation='quick_gelu', CLIP's text-tower layer."""
 
@@ -222,13 +216,11 @@ class Block(nn.Module):
         x = x + a
         return x + self.mlp(self.ln_2(x)), aux
 
-
 def _init_weights(m):
     if isinstance(m, (nn.Linear, nn.Embedding)):
         nn.init.normal_(m.weight, mean=0.0, std=0.02)
     if isinstance(m, nn.Linear) and m.bias is not None:
         nn.init.zeros_(m.bias)
-
 
 class DecisionTransformer(nn.Module):
     """GPT2-DT / GPT2-DTMA: DT's embeddings and action head around GPT-2 blocks (App. C: "GPT2-small pretrained
@@ -292,7 +284,6 @@ class DecisionTransformer(nn.Module):
         a_pred = self.predict_action(x[:, :, 1])   # Eq. 2: a'_t from the s_t token: (B, K, act)
         return a_pred, dict(gates=gates, probs=probs)
 
-
 @dataclass
 class GPT2Config:     # GPT-2 small's; CLIP_TEXT below holds CLIP's text tower under the same names
     vocab_size: int = 50257
@@ -302,7 +293,6 @@ class GPT2Config:     # GPT-2 small's; CLIP_TEXT below holds CLIP's text tower u
     n_head: int = 12
     layer_norm_epsilon: float = 1e-5
     activation: str = "gelu_new"          # the MLP's (GPT-2: tanh GELU)
-
 
 class GPT2(nn.Module):
     """The GPT-2 language model (inference only: --sample, --text-attention). Parameter names follow Hugging Face's
@@ -350,7 +340,6 @@ MARKOV_HEADS = (1, 5, 10)   # GPT-2 small's layer-0 Markov heads (Tab. 1; Eq. 9 
 CLIP_TAB8 = ((True, 2.26), (True, 1.67), (False, 5.89), (False, 6.49), (True, 2.49), (True, 2.25), (True, 2.99),
              (False, 7.49))
 
-
 def head_qk_matrix(c_attn_weight, n_head, i, layout="model"):
     """A_i = W_i^q (W_i^k)^T of head i (Def. 4.2) from c_attn_weight (3C, C), biases and the LN1 gain ignored as in the
     paper: layout 'model' the C x C bilinear form q_i . k_j = x_i A x_j^T (Def. 4.1, Thm 4.3), 'head' the D x D
@@ -360,7 +349,6 @@ def head_qk_matrix(c_attn_weight, n_head, i, layout="model"):
     Wq = c_attn_weight.detach()[i * D:(i + 1) * D].double()                # (D, C)
     Wk = c_attn_weight.detach()[C + i * D:C + (i + 1) * D].double()        # (D, C)
     return Wq.t() @ Wk if layout == "model" else Wq @ Wk.t()               # (C, C) or (D, D)
-
 
 def markov_stats(A, r=20.0, eps=1e-8):
     """Def. 4.1: A is Markov iff (i) every A_ii > 0 and (ii) mean_i |A_ii| / mean_{i!=j} |A_ij| > r; eps in the
@@ -373,7 +361,6 @@ def markov_stats(A, r=20.0, eps=1e-8):
     cond_i = bool((diag > 0).all())
     return {"cond_i": cond_i, "ratio": ratio, "markov": cond_i and ratio > r}
 
-
 def markov_table(c_attn_weight, n_head):
     """Per head of one layer, for both layouts: condition (i) and the ratio of (ii). -> list of dict rows."""
     rows = []
@@ -385,11 +372,9 @@ def markov_table(c_attn_weight, n_head):
         rows.append(row)
     return rows
 
-
 def find_markov_heads(c_attn_weight, n_head, r=20.0):
     """The Markov heads of a layer by Def. 4.1 on the C x C reading, threshold r. -> tuple of head indices."""
     return tuple(i for i in range(n_head) if markov_stats(head_qk_matrix(c_attn_weight, n_head, i), r)["markov"])
-
 
 def markov_gate_mass(gates, mask, heads):
     """G_Markov (Tabs. 5-6, Eq. 9): the layer-0 gate weight of the Markov heads, summed over those heads and averaged
@@ -398,7 +383,6 @@ def markov_gate_mass(gates, mask, heads):
     g = gates[..., list(heads)].sum(-1)                                     # (B, 3K)
     return (g * m).sum() / m.sum().clamp_min(1.0)
 
-
 def diagonal_attention_mass(probs, mask=None):
     """Mean attention a token pays to itself (Thm 4.3, Fig. 4), per head: probs (B,N,T,T) -> (N,); mask (B,T): the
     rows to average. Row 0 is left out: a causal first token can only attend to itself."""
@@ -406,13 +390,11 @@ def diagonal_attention_mass(probs, mask=None):
     m = torch.ones_like(d[:, :1]) if mask is None else mask[:, None, 1:].to(d.dtype)   # (B, 1, T-1)
     return (d * m).sum(dim=(0, 2)) / (m.sum() * 1.0).clamp_min(1.0)
 
-
 def attention_by_distance(probs, query):
     """Figs. 1/7: the attention of token `query` to the tokens 0..query back, averaged over layers, windows and heads.
     probs: list of (B,N,T,T) per layer. -> (query+1,), summing to 1."""
     P = torch.stack(list(probs))[..., query, :query + 1]                    # (L, B, N, query+1): keys 0..query
     return P.flip(-1).mean(dim=(0, 1, 2))                                   # (query+1,): distance 0 = itself
-
 
 @torch.no_grad()
 def head_importance(model, batch):
@@ -437,13 +419,11 @@ def head_importance(model, batch):
         imp[layer] = (abl.view(N, B, -1) - base[None]).norm(dim=-1).mean(dim=1).cpu()
     return imp
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # the paper's pieces: the blocks and their Markov heads, optimiser groups, context, loss, policy, G_Markov
 
 SCRIPT = "gpt2_dtma"
 GPTJ_NAMES = ("gptj", "gpt-j", "gpt-j-6b", "eleutherai/gpt-j-6b")   # GPTJ-DT ([P-new] Tab. 7): refused (check_model)
-
 
 def check_model(cfg):
     """This file's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first."""
@@ -485,7 +465,6 @@ def check_model(cfg):
         raise data_lib.DataError(f"--keep-ckpt-at {cfg.keep_ckpt_at} must be a step that the run checkpoints: 0 to "
                                  f"--steps {cfg.steps}, a multiple of --eval-every {cfg.eval_every}")
 
-
 def build_model(cfg, info):
     """GPT2-DT(MA) with the first n_layer blocks of --init, or their shape from scratch (--init random). A new build
     records in info what a rebuild (--resume, analyses) needs without the weights: the shape and the Markov heads."""
@@ -523,14 +502,12 @@ def build_model(cfg, info):
         p.requires_grad_(not (cfg.freeze_attention and any(part in name for part in frozen)))
     return model
 
-
 def shape_of(cfg):
     """A new run's blocks before any weight is read: --init's config ('random': GPT-2 small's), --n-layer of them."""
     g = (GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12) if cfg.init == "random" else
          config_of(cfg.init, allow_download=False))
     return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer, eps=g.layer_norm_epsilon,
                 activation=g.activation)
-
 
 def param_groups(model):
     """AdamW's groups over the trained parameters (App. C), the gate without weight decay: decay pulls W_g to 0, i.e.
@@ -540,11 +517,9 @@ def param_groups(model):
               dict(params=[p for n, p in trained if ".gate_" in n], weight_decay=0.0)]
     return [g for g in groups if g["params"]]
 
-
 def paper_context(cfg, d):
     """The paper's K when --context is not given: 20 on MuJoCo, 50 on the mazes (departure 9)."""
     return cfg if cfg.context is not None else dataclasses.replace(cfg, context=50 if d.goal_reaching else 20)
-
 
 def loss_fn(model, batch, cfg):
     """Eq. 3's squared error over the real steps + GPT2-P's alpha * G_Markov (Eq. 9), both means (departure 7). Under
@@ -557,18 +532,15 @@ def loss_fn(model, batch, cfg):
         loss = loss + cfg.markov_penalty * markov_gate_mass(aux["gates"][0], batch["mask"], model.markov_heads)
     return loss
 
-
 def policy(model):
     """The action for evaluate.evaluate: the live envs' contexts -> the action predicted at the current step."""
     def act(batch, live):
         return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[0][:, -1]
     return act
 
-
 def targets(cfg, d):
     """Return-to-go prompts, raw units: --target-return, else the dataset's (the paper does not give its targets)."""
     return [cfg.target_return] if cfg.target_return is not None else d.target_returns
-
 
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
@@ -577,7 +549,6 @@ def evaluate(model, d, cfg, device):
                for g in targets(cfg, d)]
     model.train()
     return results
-
 
 @torch.no_grad()
 def g_markov(model, probe):
@@ -588,7 +559,6 @@ def g_markov(model, probe):
     gates = model(probe["states"], probe["actions"], probe["rtg"], probe["timesteps"], probe["mask"])[1]["gates"]
     model.train()
     return {"g_markov": f"{markov_gate_mass(gates[0], probe['mask'], model.markov_heads).item():.4f}"}
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # training: dt.py's loop; GPT2-DTMA's own are the pretrained blocks, the optimiser groups, the loss's GPT2-P term, and
@@ -647,7 +617,6 @@ def train(cfg, run, d=None):
             stop.exit(step, run.out)
     return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # figures and analyses: each reads a run's checkpoint (load_model) and never trains; --markov without a run,
 # --text-attention and --sample need only the GPT-2 weights
@@ -658,7 +627,6 @@ def plt_agg():
     import matplotlib.pyplot as plt
     return plt
 
-
 def save_figure(fig, path, say=True):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -666,12 +634,10 @@ def save_figure(fig, path, say=True):
     if say:
         print(f"wrote {path}")
 
-
 def heatmap(fig, ax, A, cbar="attention probability", cmap="viridis", vmin=0, vmax=1, **labels):
     """The matrix A (numpy) on ax with its colour bar; labels go to ax.set (xlabel, title, ticks...)."""
     fig.colorbar(ax.imshow(A, cmap=cmap, vmin=vmin, vmax=vmax), ax=ax, fraction=0.046, label=cbar)
     ax.set(**labels)
-
 
 def table(header, rows, fmt=".3f"):
     """Print a markdown table, float cells in format fmt."""
@@ -679,10 +645,8 @@ def table(header, rows, fmt=".3f"):
     for row in rows:
         print("| " + " | ".join(f"{x:{fmt}}" if isinstance(x, float) else str(x) for x in row) + " |")
 
-
 def label(heads):
     return "{" + ", ".join(map(str, heads)) + "}"
-
 
 def plot_gates(rows, path, heads, n_head, title):
     """Fig. 9: the layer-0 MoA weight of the Markov heads (G_Markov) and of the other heads over training."""
@@ -699,13 +663,11 @@ def plot_gates(rows, path, heads, n_head, title):
     ax.legend(fontsize=8)
     save_figure(fig, path, say=False)
 
-
 def start_model(cfg, info, device="cpu"):
     """The model the run started from ('before fine-tuning'), rebuilt as train() builds it: same seed and weights."""
     torch.manual_seed(cfg.seed)
     fresh = {k: info[k] for k in ("obs_dim", "act_dim", "max_ep_len", "goal_dim")}
     return build_model(cfg, fresh).to(device).eval()
-
 
 def markov_analysis(cfg, run=None):
     """--markov: Def. 4.1 on every layer-0 head at the start (--init) and, with a run, after fine-tuning, for A read
@@ -770,7 +732,6 @@ def markov_analysis(cfg, run=None):
     save_figure(fig, os.path.join(out, "markov_heads.png"))
     return tables
 
-
 def windows_and_start(cfg, run, n=32):
     """n windows of the run's dataset without left padding (a fixed draw), and the run's starting model."""
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
@@ -782,14 +743,12 @@ def windows_and_start(cfg, run, n=32):
     windows = {k: torch.cat([b[k] for b in got])[:n] for k in got[0]}
     return windows, start_model(cfg, run["ck"]["info"], next(run["model"].parameters()).device)
 
-
 @torch.no_grad()
 def attention_probs(model, b):
     """The per-layer attention probabilities of `model` on the windows b: list of (B,N,3K,3K) on the CPU."""
     dev = next(model.parameters()).device
     aux = model(*(b[k].to(dev) for k in ("states", "actions", "rtg", "timesteps", "mask")), need_probs=True)[1]
     return [p.cpu() for p in aux["probs"]]
-
 
 def attention_maps(cfg, run):
     """--attention-maps, Fig. 4: layer-0 attention (3K x 3K, mean of 32 windows) before fine-tuning (fresh DT
@@ -812,7 +771,6 @@ def attention_maps(cfg, run):
                     yticks=ticks)
     save_figure(fig, os.path.join(run["out"], "attention_maps.png"))
     return P
-
 
 def attention_distance(cfg, run):
     """--attention-distance, Figs. 1/7: the attention of the last state token s_K by distance, mean of heads, layers
@@ -839,7 +797,6 @@ def attention_distance(cfg, run):
     ax.legend(fontsize=8)
     save_figure(fig, os.path.join(run["out"], "attention_distance.png"))
     return curves
-
 
 def importance_analysis(cfg, run, n_contexts=64):
     """--importance, Fig. 2 / Fig. 8: roll the fine-tuned model out in the env (on --device), keep the contexts it
@@ -876,7 +833,6 @@ def importance_analysis(cfg, run, n_contexts=64):
     save_figure(fig, os.path.join(run["out"], "head_importance.png"))
     return imp
 
-
 def gif(cfg, run):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     model = run["model"]
@@ -884,14 +840,12 @@ def gif(cfg, run):
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, run["out"], f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
-
 def sample_text(cfg, max_new_tokens=40):
     """--sample PROMPT: GPT-2's continuation, the proof that the real weights loaded."""
     model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
     ids = enc.encode(cfg.sample) or [enc.eot_token]
     out = model.generate(torch.tensor([ids]), max_new_tokens, generator=torch.Generator().manual_seed(cfg.seed))
     print(cfg.sample + enc.decode(out[0, len(ids):].tolist()))
-
 
 def text_attention(cfg):
     """--text-attention TEXT: GPT-2's layer 0 on real text: how much each head attends to the token itself (the
@@ -923,7 +877,6 @@ def text_attention(cfg):
     os.makedirs(out, exist_ok=True)
     save_figure(fig, os.path.join(out, "text_attention.png"))
 
-
 def load_model(cfg, given):
     """An analysis's run: its settings, and dict(model in eval mode, checkpoint, folder), from its checkpoint."""
     cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
@@ -931,10 +884,8 @@ def load_model(cfg, given):
     model.load_state_dict(ck["model"])
     return cfg, dict(model=model.to(ev.pick_device(cfg.device)).eval(), ck=ck, out=ev.run_folder(SCRIPT, cfg, PRESETS))
 
-
 ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attention_distance": attention_distance,
             "importance": importance_analysis, "gif": gif}   # flag -> fn(cfg, run): reads the run's checkpoint
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # pretrained weights (GPT-2, and CLIP's text tower for CLIP-DT): huggingface_hub finds them in its cache or downloads
@@ -947,15 +898,12 @@ CLIP_TEXT = GPT2Config(vocab_size=49408, n_positions=77, n_embd=512, n_layer=12,
 HUB = {"gpt2": dict(repos=("gpt2", "openai-community/gpt2"), what="GPT-2 small", config=GPT2Config()),
        "clip": dict(repos=("openai/clip-vit-base-patch32",), what="CLIP ViT-B/32", config=CLIP_TEXT)}   # [P-new] Tab. 7
 
-
 class CheckpointError(data_lib.DataError):
     """A GPT-2 or CLIP checkpoint that cannot be used (missing, truncated, malformed, wrong names, dtypes or shapes)."""
-
 
 def hub(init):
     """The HUB entry that --init names, else None (a path, or 'random')."""
     return next((h for name, h in HUB.items() if init == name or init in h["repos"]), None)
-
 
 def find_weights(init="gpt2", allow_download=True):
     """--init -> its model.safetensors: a path's (the file, or its folder), a hub name's from the Hugging Face cache,
@@ -990,7 +938,6 @@ def find_weights(init="gpt2", allow_download=True):
                               f"it, or the name 'gpt2' or 'clip')")
     return p
 
-
 def config_of(init, allow_download=True):
     """The config of --init's checkpoint: the config.json beside it, else the hub name's own (GPT-2 small's for a file
     without one). allow_download=False (flag checks, a run's shape): a hub name not on disk yet gives its own."""
@@ -1000,7 +947,6 @@ def config_of(init, allow_download=True):
         return config_from_json(cfg_path)
     return hub(init)["config"] if hub(init) else GPT2Config()
 
-
 def load_checkpoint(init="gpt2"):
     """-> (config, the blocks' state dict: names h.<i>.*, ln_f.*, nn.Linear layout), checked name by name and shape by
     shape: GPT-2's (also wte and wpe), or CLIP's text tower mapped onto the same names."""
@@ -1008,7 +954,6 @@ def load_checkpoint(init="gpt2"):
     if cfg.activation == "quick_gelu":            # CLIP's text tower
         return cfg, clip_state_from_hf(read_safetensors(path, keep=CLIP_TEXT_BLOCKS), cfg)
     return cfg, gpt2_state_from_hf(read_safetensors(path), cfg)
-
 
 def load_gpt2_lm(init="gpt2"):
     """The GPT-2 language model with its pretrained weights ('random': GPT-2 small's), in eval mode."""
@@ -1021,7 +966,6 @@ def load_gpt2_lm(init="gpt2"):
     model.load_state_dict(sd, strict=True, assign=True)
     return model.eval()
 
-
 def tiktoken_gpt2():
     try:
         import tiktoken
@@ -1029,7 +973,6 @@ def tiktoken_gpt2():
     except Exception as e:   # offline: tiktoken fetches its BPE files once (requests / urllib errors, by version)
         raise CheckpointError(f"tiktoken's GPT-2 encoding is not available ({type(e).__name__}); it downloads its BPE "
                               f"files once: run with a network, or set TIKTOKEN_CACHE_DIR to their folder") from None
-
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -1040,7 +983,6 @@ GPT2_LIMITS = dict(vocab_size=1_000_000, n_positions=65_536, n_embd=12_288, n_la
 CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings", n_embd="hidden_size",
                  n_layer="num_hidden_layers", n_head="num_attention_heads",   # CLIP's config.json names, same limits
                  layer_norm_epsilon="layer_norm_eps")
-
 
 def read_safetensors(path, keep=""):
     """Parse a .safetensors file by hand -> dict[str, torch.Tensor] (CPU), only the names that start with keep (every
@@ -1104,7 +1046,6 @@ def read_safetensors(path, keep=""):
             out[name] = t.reshape(header[name]["shape"])
         return out
 
-
 def check_tensors(sd, shapes, what):
     """Every tensor of `shapes` is in sd, floating-point and of its shape, else a CheckpointError, not a half-load."""
     missing = sorted(set(shapes) - set(sd))
@@ -1120,7 +1061,6 @@ def check_tensors(sd, shapes, what):
         if tuple(sd[k].shape) != s:
             raise CheckpointError(f"tensor '{k}' has shape {tuple(sd[k].shape)}, expected {s}")
 
-
 def block_shapes(cfg):
     """The tensors load_checkpoint returns for the blocks (names h.<i>.*, ln_f.*, nn.Linear layout) -> shape."""
     C = cfg.n_embd
@@ -1130,7 +1070,6 @@ def block_shapes(cfg):
                              ("mlp.c_fc", (4 * C, C)), ("mlp.c_proj", (C, 4 * C))):
             shapes[f"h.{i}.{part}.weight"], shapes[f"h.{i}.{part}.bias"] = weight, weight[:1]   # (out, in), (out,)
     return shapes
-
 
 def gpt2_state_from_hf(sd, cfg):
     """HF GPT-2 tensors (with or without the 'transformer.' prefix) -> GPT2's state dict, checked name by name, dtype
@@ -1142,7 +1081,6 @@ def gpt2_state_from_hf(sd, cfg):
     check_tensors(sd, shapes, "GPT-2")
     return {k: sd[k].float().contiguous() for k in shapes}
 
-
 # the tensors CLIP-DT reads from a CLIP file (CLIPModel's names or CLIPTextModel's): the text tower's layers and final
 # LayerNorm; not its embeddings (DT replaces them, as GPT-2's wte and wpe), text_projection, the vision tower
 CLIP_TEXT_BLOCKS = ("text_model.encoder.layers.", "text_model.final_layer_norm.", "encoder.layers.",
@@ -1150,7 +1088,6 @@ CLIP_TEXT_BLOCKS = ("text_model.encoder.layers.", "text_model.final_layer_norm."
 # the blocks' names -> HF CLIPEncoderLayer's (whose nn.Linear layout is the blocks': nothing is transposed)
 CLIP_TO_BLOCK = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.c_proj": "self_attn.out_proj",
                  "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-
 
 def clip_names(name):
     """A tensor of block_shapes -> the CLIP text-tower tensors it is made of (c_attn: q_proj, k_proj, v_proj)."""
@@ -1162,7 +1099,6 @@ def clip_names(name):
         return [f"encoder.layers.{i}.self_attn.{q}_proj.{x}" for q in "qkv"]
     return [f"encoder.layers.{i}.{CLIP_TO_BLOCK[part]}.{x}"]
 
-
 def clip_state_from_hf(sd, cfg):
     """HF CLIP text-tower tensors (CLIPModel's 'text_model.' prefix or CLIPTextModel's bare names) -> the blocks' state
     dict (as gpt2_state_from_hf makes it), checked name by name, dtype and shape."""
@@ -1173,7 +1109,6 @@ def clip_state_from_hf(sd, cfg):
             shapes[theirs] = (rows // len(clip_names(name)), *cols)       # c_attn's 3C rows: C each of q, k, v
     check_tensors(sd, shapes, "CLIP text-tower")
     return {name: torch.cat([sd[k] for k in clip_names(name)]).float().contiguous() for name in block_shapes(cfg)}
-
 
 def config_from_json(path):
     """HF config.json -> GPT2Config: GPT-2's, or CLIP's text tower where its model_type says so (CLIPModel's
@@ -1215,7 +1150,6 @@ def config_from_json(path):
                               f"{values['n_embd']}, the blocks' MLP width")
     return dataclasses.replace(default, **values, layer_norm_epsilon=float(eps))
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # --bench (times train() on synthetic data) and main()
 
@@ -1228,10 +1162,8 @@ def bench(cfg):
         with timer:
             train(mode_cfg, timer, d)
 
-
 def parse_flags(argv=None):
     return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
-
 
 def main(argv=None):
     with ev.one_sentence_errors():
@@ -1248,7 +1180,6 @@ def main(argv=None):
             return ANALYSES[analysis](*load_model(cfg, given))
         with ev.Run(SCRIPT, cfg, given, PRESETS, columns=["g_markov"]) as run:   # --resume: run.cfg is the run's own
             return train(run.cfg, run)
-
 
 if __name__ == "__main__":
     main()

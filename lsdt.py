@@ -75,11 +75,9 @@ import torch.nn.functional as F
 import data as data_lib
 import evaluate as ev
 
-
 def arg(default, help, run=False):
     """A Config field and flag. run=True: not what is trained (not in the variant name, may differ on --resume)."""
     return field(default=default, metadata={"help": help, "run": run})
-
 
 @dataclass
 class Config:
@@ -129,12 +127,10 @@ class Config:
     plot_paths: bool = arg(False, "write paths.png: --eval-episodes maze rollouts of the checkpoint (Fig. 8)", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the checkpoint at its first target", run=True)
 
-
 # A small LSDT for 2 CPU cores (dt.py's cpu budget) over the dataset's row: Config < row < --arch < --preset < flags.
 # Mazes: K=1, as their noisy actions are a history to copy (medium-dense, seed 0: 92% reach the goal at K=1, 24% at 20).
 PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000,
                        eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
-
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 # Under --amp (bf16 autocast) the Linears and matmuls run in bf16; nothing here is a recurrence or a long sum.
@@ -144,7 +140,6 @@ def conv_dims(cfg):
     if cfg.arch == "lsdt":
         return [int(round(cfg.conv_ratio * cfg.n_embd))] * cfg.n_layer
     return [cfg.n_embd] * (cfg.n_layer - 1) + [0 if cfg.arch == "dc_h" else cfg.n_embd]   # DC_h: attention last
-
 
 class CausalSelfAttention(nn.Module):
     """Long-term branch (Sec. 3.2.1): causal multi-head self-attention on D_a channels, W_O being the mixer's. P is
@@ -179,7 +174,6 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, nh, L, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)                   # (B, L, D_a)
         return self.drop(y)
-
 
 class DynamicConv(nn.Module):
     """Short-term branch: causal DynamicConv (Wu et al. 2019; paper Eq. 1) as the official code computes it, ESPnet's
@@ -219,7 +213,6 @@ class DynamicConv(nn.Module):
         y = (win.view(B, L, k, H, 4) * alpha[..., None]).sum(2)            # (B, L, H, 4): Eq. 1's sum over taps
         return self.out(y.reshape(B, L, C) + self.bias)                    # (B, L, D_c)
 
-
 class DCConv(nn.Module):
     """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1): three static causal depthwise filters of
     window L_w, one per token type (R, s, a), token i taking its own type's (no softmax, GLU or projection).
@@ -241,7 +234,6 @@ class DCConv(nn.Module):
         types = torch.arange(L, device=x.device) % self.n_types           # (L,) 0 = R, 1 = s, 2 = a
         y = torch.einsum("blcw,lcw->blc", win, self.weight[types])        # (B, L, D_c)
         return y + self.bias[types]
-
 
 class HybridFusion(nn.Module):
     """Hybrid Fusion Module (App. B.3, Eqs. 2-4): Y_o = softmax(MLP(Y)) * Y, MLP: W -> W/2 -> W, on Y = concat(Y_att,
@@ -270,7 +262,6 @@ class HybridFusion(nn.Module):
         if self.keep:
             self.weights = (a[..., 0, :] if self.over_branches else a).detach()   # (B, L, D) A, or A_att = 1 - A_conv
         return out
-
 
 class LongShortMixer(nn.Module):
     """The Masked Long-Short token mixer (Sec. 3.2.1, Fig. 4; the figure atop this file), then dropout; --routing's
@@ -321,7 +312,6 @@ class LongShortMixer(nn.Module):
             y = self.c_proj(y)                                # W_O
         return self.resid_drop(y)
 
-
 class Block(nn.Module):
     """One layer. 'post' (official code): x = LN(x + mixer(x)); x = LN(x + MLP(x)).
     'pre' (the paper's Figure 1, dt.py's GPT-2 block, and DC): x = x + mixer(LN(x)); x = x + MLP(LN(x)).
@@ -343,7 +333,6 @@ class Block(nn.Module):
             return x + self.mlp(self.ln_2(x))
         x = self.ln_1(x + self.mixer(x, attn_mask, real))
         return self.ln_2(x + self.mlp(x))
-
 
 class LSDT(nn.Module):
     """dt.py's DecisionTransformer with LongShortMixer blocks: tokens (R_1, s_1, a_1, R_2, ...), or (R_t, s_t) (D.2) ->
@@ -408,7 +397,6 @@ class LSDT(nn.Module):
                 m.keep = on
 # <<< model: end
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # the paper's pieces: the per-dataset settings, data, learning-rate schedule, loss, policy
 
@@ -453,7 +441,6 @@ _DC = dict(conv="dc", conv_ratio=1.0, norm="pre", dropout=0.1, embd_dropout=0.1,
            n_head=1, batch_size=64, lr=1e-4, weight_decay=1e-4)
 ARCH_DEFAULTS = {"dc": _DC, "dc_h": dict(_DC, n_head=2)}
 
-
 def paper_row(name):
     """PAPER_TABLE key for a short name (env-level) or Minari id (namespace/env/level-vN), else None."""
     parts = name.lower().split("/")
@@ -465,7 +452,6 @@ def paper_row(name):
     level = level.removesuffix("-dense").removesuffix("-sparse")  # the paper's Maze2d rows are sparse; dense too
     key = f"{env}-{level}"
     return key if key in PAPER_TABLE else None
-
 
 def paper_settings(cfg, given):
     """The dataset's PAPER_TABLE row and --arch's defaults laid under the preset and the flags in `given`: Config <
@@ -481,13 +467,11 @@ def paper_settings(cfg, given):
     changes = {k: v for k, v in layers.items() if k not in kept and getattr(cfg, k) != v}
     return replace(cfg, **changes), changes
 
-
 def settings_source(cfg):
     """Where paper_settings' values come from, in words: the dataset's row, --arch's defaults, or both."""
     row = paper_row(cfg.dataset or cfg.env) if cfg.paper_table else None
     return " and ".join(([f"the paper's row for {row}"] if row else []) +
                         ([f"--arch {cfg.arch}'s defaults"] if cfg.arch in ARCH_DEFAULTS else [])) or "nothing"
-
 
 def check_model(cfg, changes=()):
     """LSDT's own flags, after paper_settings (its `changes` named where they take part): one sentence (DataError)."""
@@ -523,12 +507,10 @@ def check_model(cfg, changes=()):
             raise data_lib.DataError(f"the dynamic-conv branch gets {dc} channels ({share}), not a multiple of 4 (4 "
                                      f"channels share each kernel, Table 13){why(*set_by)}")
 
-
 def build_model(cfg, info):
     """The state embedded: observation ++ goal (Sec. 3.3; data.py puts it last), the goal cut by --no-goal-state."""
     return LSDT(cfg, info["obs_dim"] - (0 if cfg.goal_state else info["goal_dim"]), info["act_dim"],
                 info["max_ep_len"])
-
 
 def lr_factor(s, cfg):
     """Multiplier of --lr at step s: warmup ((s + 1) / warmup, both codes), then LSDT: a cosine to 0 at --steps (Table
@@ -540,7 +522,6 @@ def lr_factor(s, cfg):
     progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
     return 0.5 * (1 + math.cos(math.pi * progress))
 
-
 def get_batch(d, n, cfg, rng):
     """n of data.py's windows (departure 7); --no-goal-state drops the goal from the states."""
     b = d.sample(n, cfg.context, rng)
@@ -548,12 +529,10 @@ def get_batch(d, n, cfg, rng):
         b["states"] = b["states"][..., :-d.goal_dim]
     return b
 
-
 def loss_fn(model, batch, cfg):
     pred = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])  # (B, K, act)
     err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                             # (B, K)
     return (err * batch["mask"]).sum() / batch["mask"].sum()      # MSE on actions over real (unpadded) steps (code)
-
 
 def policy(model):
     """For evaluate.evaluate: contexts -> the current step's action, the states cut to the width the model embeds."""
@@ -564,11 +543,9 @@ def policy(model):
                      batch["mask"])[:, -1]
     return act
 
-
 def targets(cfg, d):
     """Return-to-go prompts, raw units: --target-return, else the paper's (Table 5, from the row), else data.py's."""
     return [cfg.target_return] if cfg.target_return is not None else d.target_returns
-
 
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
@@ -577,7 +554,6 @@ def evaluate(model, d, cfg, device):
                for g in targets(cfg, d)]
     model.train()
     return results
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # training: dt.py's loop; LSDT's own are the model, the schedule (lr_factor) and the goal-state choice (get_batch)
@@ -626,7 +602,6 @@ def train(cfg, run, d=None):
             stop.exit(step, run.out)
     return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # figures and analyses (read a run's checkpoint, never train), --bench (times train() on synthetic data), main()
 
@@ -656,7 +631,6 @@ def mixing_maps(model, batch, layer=0, index=0):
         maps["hfm"] = mixer.fuse.weights[index].cpu()                                  # (L, D)
     return maps
 
-
 def load_model(cfg, given):
     """An analysis's run from its checkpoint. -> (cfg, model in eval mode, its device, its dataset, its folder)"""
     cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
@@ -666,13 +640,11 @@ def load_model(cfg, given):
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
     return cfg, model.to(device).eval(), device, d, ev.run_folder(SCRIPT, cfg, PRESETS)
 
-
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
     cfg, model, device, d, out = load_model(cfg, given)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, out,
                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
-
 
 def mixing_analysis(cfg, given):
     """--plot-mixing (Fig. 3, 9, 11): block 1's mixing_maps on the fullest of 8 windows of the data -> mixing.png."""
@@ -722,7 +694,6 @@ def mixing_analysis(cfg, given):
     plt.close(fig)
     print(f"mixing maps: {path}")
 
-
 def paths_analysis(cfg, given):
     """--plot-paths (Fig. 8, B.1): the checkpoint's --eval-episodes maze paths over the data's goals -> paths.png."""
     cfg, model, device, d, out = load_model(cfg, given)
@@ -754,7 +725,6 @@ def paths_analysis(cfg, given):
     plt.close(fig)
     print(f"paths: {path} ({ev.summarize(res)})")
 
-
 def bench(cfg):
     """--bench: train()'s steps timed, eager vs compiled (and + bf16 on CUDA), on hopper-shaped synthetic data."""
     d = data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=max(200, 2 * cfg.context))
@@ -763,10 +733,8 @@ def bench(cfg):
         with timer:
             train(mode_cfg, timer, d)
 
-
 def parse_flags(argv=None):
     return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
-
 
 def main(argv=None):
     with ev.one_sentence_errors():
@@ -782,7 +750,6 @@ def main(argv=None):
             print(f"set by {settings_source(cfg)}: {changes}")
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
-
 
 if __name__ == "__main__":
     main()

@@ -97,11 +97,9 @@ import torch.nn.functional as F
 import data as data_lib
 import evaluate as ev
 
-
 def arg(default, help, run=False):
     """A Config field and flag. run=True: not what is trained (not in the variant name, may differ on --resume)."""
     return field(default=default, metadata={"help": help, "run": run})
-
 
 @dataclass
 class Config:
@@ -151,7 +149,6 @@ class Config:
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the checkpoint at its first target", run=True)
     greedy: bool = arg(False, "Atari: the argmax action, not a softmax draw as the code (greedy can stall)", run=True)
 
-
 # Atari, the paper's setting (the preset ""): Table 6 (lr 6e-4, betas (0.9, 0.95), clip 1.0, decay 0.1; Config's
 # sizes), T=30 (Sec. 5.1); where the paper is silent, the official Atari code: batch 64, 10 epochs over 1% DQN-replay's
 # 500k steps (7,813 each) with 10 episodes after each, warmup over 512 x 20 tokens (6 steps of 64 x 30), a cosine to a
@@ -175,7 +172,6 @@ PRESETS = {
     # elicassion/StARformer@c4a537e gym/experiment.py#L280
     "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
 }
-
 
 # >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
 # Under --amp (bf16 autocast) the matrix products run in bf16; nothing here is a recurrence or a long sum.
@@ -201,7 +197,6 @@ class SelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(N, S, W)                   # (N, S, W)
         return self.resid_drop(self.c_proj(y))
 
-
 class Block(nn.Module):
     """Pre-LN transformer layer, Sec. 2.1: Z' = MSA(LN(X)) + X ; Z = MLP(LN(Z')) + Z' (GELU, Table 6; 4x, code).
     elicassion/StARformer@c4a537e atari_and_dmc/starformer.py#L117"""
@@ -217,7 +212,6 @@ class Block(nn.Module):
     def forward(self, x, attn_mask=None):        # x (N, S, W); attn_mask bool (N, 1, S, S), True = may attend
         x = x + self.attn(self.ln_1(x), attn_mask)
         return x + self.mlp(self.ln_2(x))
-
 
 class StepSeqLayer(nn.Module):
     """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a). project=False: a Step layer
@@ -250,7 +244,6 @@ class StepSeqLayer(nn.Module):
         y = self.seq(y, seq_mask)                                             # Sec. 3.3.2: Y_out^l = F_seq^l(Y_in^l)
         return Z, y[:, 1::2]                    # Sec. 3.3.2: h_t^l = y_out;2t^l, the g slots are dropped (B,T,D)
 
-
 class NatureCNN(nn.Module):
     """Mnih et al. (2015) encoder for integrated image-state tokens h^0 (Sec. 3.3.1; the code ends in Tanh).
     elicassion/StARformer@c4a537e atari_and_dmc/starformer.py#L91"""
@@ -267,7 +260,6 @@ class NatureCNN(nn.Module):
     def forward(self, x):                        # (N, c, H, W) -> (N, D)
         return self.fc(self.conv(x))
 
-
 class PatchState(nn.Module):
     """Table 3 "conv -> ViT": h^0 from a second patch embedding, not shared with the Step Transformer's (Sec. 5.4);
     as the official code's 'vit': each patch FC to d, the n_state tokens flattened, FC to D, Tanh.
@@ -281,9 +273,7 @@ class PatchState(nn.Module):
     def forward(self, patches):                  # (B, T, n_state, patch_dim) -> (B, T, D)
         return self.fc(self.embed(patches).flatten(2))
 
-
 NULL_ACTION = -10.0   # Gym null action a_0 in every dimension, following DT (A.2)
-
 
 def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_action=NULL_ACTION):
     """(a_{t-1}, r_{t-1}) of every group (Sec. 2.2) from data.py's window: actions (B,T,A) [discrete: (B,T) long] and
@@ -297,7 +287,6 @@ def step_inputs(actions, rewards, timesteps, prev_action, prev_reward, null_acti
     prev_r = torch.where(start.unsqueeze(-1), 0.0, prev_r)
     return prev_a, prev_r
 
-
 def sequence_mask(real, n):
     """(B,T) real-step mask, n Sequence tokens per step (2: g_t, h_t interleaved; 1: one stream) -> (B,1,nT,nT):
     causal (Sec. 3.3.2: no token attends to a later timestep) and no padded key (departures 6, 7); every token may
@@ -306,7 +295,6 @@ def sequence_mask(real, n):
     causal = torch.ones(key_ok.shape[1], key_ok.shape[1], dtype=torch.bool, device=real.device).tril()
     eye = torch.eye(key_ok.shape[1], dtype=torch.bool, device=real.device)
     return ((causal & key_ok[:, None, :]) | eye)[:, None]                   # (B,1,nT,nT)
-
 
 class StARformer(nn.Module):
     """obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, uint8 frames, patch tokens).
@@ -442,14 +430,12 @@ class StARformer(nn.Module):
                 {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
 # <<< model: end
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # the paper's pieces: data, learning-rate schedule, loss, policy
 
 SCRIPT = "starformer"
 CHOICES = dict(reward_input=("reward", "rtg"), state_token=("conv", "none", "patch"),   # Tables 2, 3
                connection=("layerwise", "fusion", "stack"))                             # Table 4
-
 
 def check_model(cfg):
     """StARformer's own flags (evaluate.check_flags has the common ones): one sentence about the first bad one."""
@@ -477,7 +463,6 @@ def check_model(cfg):
         if bad:
             raise data_lib.DataError(why)
 
-
 def check_model_data(cfg, d):
     """StARformer's flags that the data's kind rules out, in one sentence before the run folder is touched."""
     if d.family == "atari" and cfg.state_mlp:
@@ -487,13 +472,11 @@ def check_model_data(cfg, d):
         raise data_lib.DataError(f"--patch-size {cfg.patch_size} does not divide the {d.obs_shape[1]}x"
                                  f"{d.obs_shape[2]} frames into whole patches")
 
-
 def build_model(cfg, info):
     """The model the data's spaces call for: the image model where info says discrete (Atari), else the vector one."""
     if info.get("discrete"):
         return StARformer(cfg, tuple(info["obs_shape"]), info["act_dim"], discrete=True)
     return StARformer(cfg, info["obs_dim"], info["act_dim"])
-
 
 def lr_factor(s, cfg):
     """Multiplier of --lr at step s: linear warmup, then constant, or with --lr-decay a cosine down to 0.1.
@@ -503,13 +486,11 @@ def lr_factor(s, cfg):
     progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-
 def predict(model, b):
     """A data.py / evaluate.py batch -> the predicted a_t at every position (B, K, act). Training and evaluation
     both come through here, so group t holds (a_{t-1}, r_{t-1}, s_t) in both (departure 5)."""
     return model(b["states"], b["actions"], b["rewards"], b["rtg"], b["timesteps"], b["mask"], b["prev_action"],
                  b["prev_reward"])
-
 
 def loss_fn(model, batch, cfg):
     pred = predict(model, batch)                                                        # (B, K, act)
@@ -520,7 +501,6 @@ def loss_fn(model, batch, cfg):
         err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                         # (B, K)
     return (err * batch["mask"]).sum() / batch["mask"].sum()   # Sec. 3.4: averaged over the T (real) predictions
 
-
 def policy(model):
     """For evaluate.evaluate: contexts -> the current step's action (Atari: logits, sampled, or argmax with --greedy).
     Group t holds r_{t-1} (Sec. 3.4): the current step's reward in the batch (0, unknown) is never read.
@@ -529,14 +509,12 @@ def policy(model):
         return predict(model, batch)[:, -1]
     return act
 
-
 def targets(cfg, d):
     """--reward-input rtg: return-to-go prompts in raw units (--target-return, else DT's two per environment).
     With r_{t-1} input there is no target: [None] (log.csv's target column stays empty)."""
     if cfg.reward_input == "rtg" and cfg.reward_token:
         return [cfg.target_return] if cfg.target_return is not None else d.target_returns
     return [None]
-
 
 def evaluate(model, d, cfg, device):
     """--eval-episodes episodes in parallel for each target (one, None, with r_{t-1} input). -> [(target, results)]"""
@@ -545,7 +523,6 @@ def evaluate(model, d, cfg, device):
                                greedy=cfg.greedy)) for g in targets(cfg, d)]
     model.train()
     return results
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # training: dt.py's loop; StARformer's own are the model, AdamW's parameter groups and betas, and predict()
@@ -590,7 +567,6 @@ def train(cfg, run, d=None):
             stop.exit(step, run.out)
     return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # --gif (reads a run's checkpoint, never trains), --bench (times train() on synthetic data) and main()
 
@@ -605,7 +581,6 @@ def gif(cfg, given):
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device,
                    ev.run_folder(SCRIPT, cfg, PRESETS), f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
-
 def bench(cfg):
     """--bench: train()'s steps timed, eager vs compiled (and + bf16 on CUDA), on synthetic data of hopper's shape, or
     Atari's where the dataset is Atari (the image model). Tokens: the Sequence Transformer's (g_t, h_t) per step."""
@@ -616,10 +591,8 @@ def bench(cfg):
         with timer:
             train(mode_cfg, timer, d)
 
-
 def parse_flags(argv=None):
     return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
-
 
 def main(argv=None):
     with ev.one_sentence_errors():
@@ -632,7 +605,6 @@ def main(argv=None):
             return gif(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
-
 
 if __name__ == "__main__":
     main()

@@ -967,6 +967,97 @@ def mix(sources, dataset_id):
     return len(buffers)
 
 # -------------------------------------------------------------------------------------------------------------------
+# Breakout, made offline (python data.py make breakout-mixed)
+#
+# Mixed-quality play, as a DQN agent's replay is, in the papers' evaluation env (atari_env_spec). A scripted paddle
+# controller reads the ball and the paddle from the console's RAM (AtariARI's annotation of Breakout's RAM, Anand et
+# al. 2019: ball x at 99, ball y at 101, paddle x at 72; y grows downward and is 0 while no ball is in play), presses
+# FIRE when no ball is in play and moves the paddle under the point where the falling ball will reach the paddle's
+# row. In an episode each action is replaced with probability eps by a uniformly random one; episode k plays at
+# eps BREAKOUT_EPS[k % 10], so any number of episodes spreads eps from 0 (the controller alone) to 1 (random play).
+
+BREAKOUT_RAM = dict(ball_x=99, ball_y=101, paddle_x=72)
+BREAKOUT_WALLS = (56, 200)     # the ball's x where it turns at the left and at the right wall (measured in the env)
+BREAKOUT_PADDLE_ROW = 177      # the ball's y where it meets the paddle (measured)
+BREAKOUT_PADDLE_MIDDLE = 10    # ball x - paddle x at the paddle's middle (measured: it returns the ball at -1..21)
+BREAKOUT_EPS = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0)
+BREAKOUT_EPISODES = 12 * len(BREAKOUT_EPS)
+
+def _breakout_landing(x, y, vx, vy, row=BREAKOUT_PADDLE_ROW, walls=BREAKOUT_WALLS):
+    """The ball's x when it reaches y = row, from (x, y) moving (vx, vy) a step (vy > 0, falling): the straight line,
+    folded at the side walls (a bounce mirrors x), i.e. the line's x taken modulo there-and-back between the walls."""
+    lo, hi = walls
+    period = 2 * (hi - lo)
+    u = (x + vx * (row - y) / vy - lo) % period    # how far along the unfolded path, from the left wall
+    return lo + min(u, period - u)
+
+def _breakout_action(ram, last):
+    """The controller: RAM now and the ball's (x, y) a step before (None: no ball then) -> (action, the ball's (x, y)
+    now or None). Actions: 0 NOOP, 1 FIRE, 2 RIGHT, 3 LEFT."""
+    x, y, paddle = (int(ram[BREAKOUT_RAM[k]]) for k in ("ball_x", "ball_y", "paddle_x"))
+    if y == 0:
+        return 1, None                             # no ball in play: serve
+    target = x                                     # rising (or just served): follow the ball
+    if last is not None and y > last[1]:
+        target = _breakout_landing(x, y, x - last[0], y - last[1])
+    target -= BREAKOUT_PADDLE_MIDDLE
+    if abs(paddle - target) <= 2:                  # close enough (the paddle has momentum)
+        return 0, (x, y)
+    return (2 if paddle < target else 3), (x, y)
+
+def _make_breakout(seed=0, steps=None):
+    """BREAKOUT_EPISODES episodes (with `steps`: episodes until that many steps, the last cut there, truncated) ->
+    (EpisodeBuffers, _write_dataset's keyword arguments, a line on the behaviour). Seeded: the reset seeds (the no-op
+    starts) and the random actions come from numpy's Generator(seed)."""
+    from minari.data_collector import EpisodeBuffer
+    spec = atari_env_spec("breakout")
+    env = make_atari_env(spec)
+    ale = env.unwrapped.ale
+    rng = np.random.default_rng(seed)
+    buffers, returns, total, t0 = [], {eps: [] for eps in BREAKOUT_EPS}, 0, time.time()
+    while (len(buffers) < BREAKOUT_EPISODES) if steps is None else (total < steps):
+        eps = BREAKOUT_EPS[len(buffers) % len(BREAKOUT_EPS)]
+        obs, _ = env.reset(seed=int(rng.integers(2**31)))
+        frames, actions, rewards, terms, truncs, last = [obs], [], [], [], [], None
+        while True:
+            action, last = _breakout_action(ale.getRAM(), last)
+            if rng.random() < eps:
+                action = int(rng.integers(4))
+            obs, reward, term, trunc, _ = env.step(action)
+            total += 1
+            cut = steps is not None and total >= steps        # --steps reached: the episode ends here, truncated
+            frames.append(obs)
+            actions.append(action)
+            rewards.append(float(reward))                     # raw game points
+            terms.append(bool(term))
+            truncs.append(bool(trunc or cut) and not term)
+            if term or trunc or cut:
+                break
+        buffers.append(EpisodeBuffer(id=len(buffers), observations=np.stack(frames), infos={},  # (T+1, 84, 84) uint8
+                                     actions=np.array(actions, np.int64), rewards=rewards, terminations=terms,
+                                     truncations=truncs))
+        returns[eps].append(sum(rewards))
+        if len(buffers) % len(BREAKOUT_EPS) == 0:
+            print(f"breakout-mixed: {len(buffers)} episodes, {total:,} steps, {time.time() - t0:.0f}s")
+    env.close()
+    low, high = ATARI_GAMER_SCORES["Breakout"]
+    mean = float(np.mean([r for rs in returns.values() for r in rs]))
+    alone, random_play = returns[0.0], returns[1.0]
+    behaviour = (f"mean return {mean:.1f} ({100 * (mean - low) / (high - low):.1f} gamer-normalised); the controller "
+                 f"alone (eps 0, {len(alone)} episode{'s' * (len(alone) != 1)}): {min(alone):.0f} to "
+                 f"{max(alone):.0f}, mean {np.mean(alone):.1f}")
+    if random_play:
+        behaviour += f"; random play (eps 1): mean {np.mean(random_play):.1f}"
+    write_kwargs = dict(env=spec, eval_env=spec, observation_space=env.observation_space,
+                        action_space=env.action_space, ref_min_score=low, ref_max_score=high,
+                        algorithm_name="scripted RAM-reading paddle controller, each action random with an "
+                        "episode-wide probability eps (data.py make breakout-mixed)",
+                        description=f"{len(buffers)} episodes, {total:,} steps of Breakout, mixed-quality play: eps "
+                        f"{', '.join(map(str, BREAKOUT_EPS))} in turn, seed {seed}",
+                        jpeg_encoding=False)  # lossless frames
+    return buffers, write_kwargs, behaviour
+
+# -------------------------------------------------------------------------------------------------------------------
 # writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix)
 #
 # A dataset is written whole into a hidden folder in the datasets folder (same filesystem; Minari lists no hidden

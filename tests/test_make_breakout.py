@@ -1,5 +1,8 @@
 """data.py's Breakout maker (make breakout-mixed): the RAM addresses its controller reads, its landing point against
 hand-computed ones, and a tiny made dataset that data.py loads and dt.py trains and evaluates on."""
+import os
+
+import h5py
 import numpy as np
 import pytest
 
@@ -74,6 +77,8 @@ def test_a_tiny_make_loads_lossless_and_its_controller_outscores_random_play(mad
     dataset_id, buffers, behaviour = made_breakout
     assert sum(len(b.actions) for b in buffers) == 300                 # --steps: the last episode cut there
     assert buffers[-1].truncations[-1] and not buffers[-1].terminations[-1]
+    with h5py.File(os.path.join(data.dataset_folder(dataset_id), "data", "main_data.hdf5")) as f:
+        assert f["episode_0/observations"].compression == "gzip"       # _write_dataset compresses Minari's arrays
     d = data.load_data(dataset_id)
     assert d.family == "atari" and d.n_actions == 4 and (d.ref_min, d.ref_max) == (1.7, 30.5)
     assert len(d.episodes) == len(buffers)

@@ -5,8 +5,8 @@ Minari datasets -> episodes -> training windows: the only data code the model fi
     batch = d.sample(64, 20, rng)              # dict of torch tensors, shapes below
 
 The top of the file is what the model files and evaluate.py use, in the order a training step meets it; below the
-"Dataset tools" fence: the converters, mix, atomic writes and the command line. Lines that follow DT's official code
-name it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
+"Dataset tools" fence: the converters, mix, make, atomic writes and the command line. Lines that follow DT's official
+code name it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
 https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/gym/experiment.py#L103).
 
 What a window holds (B windows of K steps, left-padded, the last position is always a real step):
@@ -37,6 +37,7 @@ Command line:
     python data.py convert-d4rl hopper_medium-v2.hdf5 d4rl/hopper/medium-v2 [--env Hopper-v5]
     python data.py mix hopper-medium hopper-expert local/hopper/medium-expert-v0    # D4RL's medium-expert recipe
     python data.py convert-dqn-replay Breakout/1/replay_logs Breakout dqn-replay/breakout/1pct-v0   # 1% of DQN-replay
+    python data.py make pointmaze-medium-dense   # made offline, Minari's way: made/pointmaze/medium-dense-v0
 """
 import argparse
 import contextlib
@@ -587,7 +588,7 @@ def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
 
 # ===================================================================================================================
 # Dataset tools: below this line nothing is used by the model files or evaluate.py. The converters (D4RL HDF5,
-# DQN-replay), mix, the atomic dataset writes and the command line (python data.py ...).
+# DQN-replay), mix, make (datasets made offline), the atomic dataset writes and the command line (python data.py ...).
 # ===================================================================================================================
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -967,6 +968,157 @@ def mix(sources, dataset_id):
     return len(buffers)
 
 # -------------------------------------------------------------------------------------------------------------------
+# making a dataset offline (python data.py make NAME)
+#
+# PointMaze, by the method Minari used for its D4RL/pointmaze sets (d4rl-minari-dataset-generation, after D4RL's
+# maze2d): gymnasium-robotics' maze as a continuing task (a new goal when one is reached, no reset), a waypoint planner
+# over the maze's cells steering a PD controller, N(0, 0.5^2) noise on every action, and the one long run cut into
+# episodes at each goal reached (truncated, never terminated). The eval env is Minari's: one fixed goal cell, the
+# ball kept running at the goal until the horizon (300 / 600 / 800 steps).
+
+MAKE_NAMES = {f"pointmaze-{maze}{dense}": f"D4RL/pointmaze/{maze}{dense}-v2"
+              for maze in ("umaze", "medium", "large") for dense in ("", "-dense")}
+MAKE_NAMES["breakout-mixed"] = "1% of DQN-replay Breakout (the DT paper's data)"
+MAZE_ENVS = {"umaze": "UMaze", "medium": "Medium", "large": "Large"}       # gymnasium-robotics' PointMaze_<name>-v3
+MAZE_EVAL_GOALS = {"umaze": (1, 1), "medium": (6, 6), "large": (7, 9)}     # the eval maps' goal cell, as Minari's
+MAZE_STEPS = {"umaze": 200_000, "medium": 300_000, "large": 400_000}  # default --steps (under a minute each, 2 cores)
+MAZE_REF_EPISODES = 100  # episodes of the random and the noise-free policy for the reference returns (Minari's 100)
+
+def make(name, dataset_id=None, seed=0, steps=None):
+    """python data.py make NAME: the local Minari dataset `dataset_id` (default made/<env>/<kind>-v0), made offline
+    from `seed`; prints what it made. -> its folder."""
+    import difflib
+    if name not in MAKE_NAMES:
+        near = difflib.get_close_matches(name, MAKE_NAMES, n=1)
+        raise DataError(f"make knows no '{name}'; it makes {', '.join(MAKE_NAMES)}"
+                        + (f" (did you mean {near[0]}?)" if near else ""))
+    if seed < 0:
+        raise DataError(f"--seed {seed} is negative; pass a whole number from 0")
+    dataset_id = dataset_id or _made_id(name)
+    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before any work)
+    t0 = time.time()
+    if name == "breakout-mixed":
+        buffers, write_kwargs, behaviour = _make_breakout(seed, steps)
+    else:
+        buffers, write_kwargs, behaviour = _make_pointmaze(name, seed, steps)
+    command = ["make", name, dataset_id, *(["--seed", seed] if seed else []), *(["--steps", steps] if steps else [])]
+    folder = _write_dataset(dataset_id, buffers, command, {"stands_in_for": MAKE_NAMES[name]}, **write_kwargs)
+    returns = np.array([sum(b.rewards) for b in buffers])                         # (episodes,)
+    q = np.percentile(returns, [0, 50, 75, 100])
+    print(f"{dataset_id} (stands in for {MAKE_NAMES[name]}): {len(buffers):,} episodes, "
+          f"{sum(len(b.rewards) for b in buffers):,} steps\n"
+          f"episode returns: min {q[0]:.4g}, median {q[1]:.4g}, 75th percentile {q[2]:.4g}, max {q[3]:.4g}, "
+          f"mean {returns.mean():.4g}\n{behaviour}\nmade in {time.time() - t0:.0f} s, written to {folder}")
+    return folder
+
+def _made_id(name):
+    """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
+    return "made/" + name.replace("-", "/", 1) + "-v0"
+
+def maze_steps(maze_map, goal):
+    """The planner: value iteration over the maze's cells (as D4RL's and Minari's QIteration) with a cost of 1 per
+    move up, down, left or right. maze_map: rows of cells, 1 a wall (0, 'g', 'r', 'c' open); goal: (row, col).
+    -> (rows, cols) moves from each cell to the goal, inf for walls and cells that cannot reach it."""
+    free = np.array([[cell != 1 for cell in row] for row in maze_map])        # (H, W) open cells
+    steps = np.full(free.shape, np.inf)                                         # (H, W)
+    steps[goal] = 0.0
+    while True:
+        p = np.pad(steps, 1, constant_values=np.inf)                            # (H + 2, W + 2)
+        best = np.minimum.reduce([p[:-2, 1:-1], p[2:, 1:-1], p[1:-1, :-2], p[1:-1, 2:]])  # (H, W) best neighbour
+        new = np.where(free, np.minimum(steps, best + 1), np.inf)               # Bellman update, V = min(V, 1 + V')
+        if np.array_equal(new, steps):
+            return steps
+        steps = new
+
+def next_cell(steps, cell):
+    """The waypoint cell: the neighbour of `cell` (row, col) fewest moves from the goal (ties: up, down, left,
+    right)."""
+    r, c = cell
+    return min([(r - 1, c), (r + 1, c), (r, c - 1), (r, c + 1)], key=lambda n: steps[n])
+
+def _waypoint_action(obs, maze, plans, kp=10.0, kd=1.0):
+    """The expert: a PD controller (D4RL's pointmaze/waypoint_controller.py gains, p 10, d -1) toward the centre of
+    the next cell on the planner's path, or the goal itself once in its cell. plans: maze_steps per goal cell.
+    -> (2,) action."""
+    pos, vel, goal = obs["achieved_goal"], obs["observation"][2:], obs["desired_goal"]    # (2,) each
+    cell, goal_cell = tuple(maze.cell_xy_to_rowcol(pos)), tuple(maze.cell_xy_to_rowcol(goal))
+    if goal_cell not in plans:
+        plans[goal_cell] = maze_steps(maze.maze_map, goal_cell)
+    waypoint = goal if cell == goal_cell else maze.cell_rowcol_to_xy(np.array(next_cell(plans[goal_cell], cell)))
+    return np.clip(kp * (waypoint - pos) - kd * vel, -1.0, 1.0)
+
+def _maze_returns(spec, policy, episodes, seed):
+    """policy(obs) in a fresh env of `spec` for `episodes` episodes (the first reset seeded, as Minari's
+    get_average_reference_score). -> (mean return, fraction of episodes that reached the goal)."""
+    import gymnasium as gym
+    env = gym.make(spec)
+    returns, reached = np.zeros(episodes), np.zeros(episodes, dtype=bool)
+    obs, _ = env.reset(seed=seed)
+    for i in range(episodes):
+        done = False
+        while not done:
+            obs, reward, terminated, truncated, info = env.step(policy(obs))
+            returns[i] += reward
+            reached[i] |= info["success"]
+            done = terminated or truncated
+        obs, _ = env.reset()
+    return returns.mean(), reached.mean()
+
+def _make_pointmaze(name, seed, steps):
+    """Minari's PointMaze collection (see above). -> (EpisodeBuffers, create_dataset_from_buffers' keyword
+    arguments, the behaviour line)."""
+    import gymnasium as gym
+    from minari.data_collector import EpisodeBuffer
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        import gymnasium_robotics   # (its import prints a notice about its Adroit envs)
+    gym.register_envs(gymnasium_robotics)
+    maze_name = name.split("-")[1]
+    env_id = f"PointMaze_{MAZE_ENVS[maze_name]}{'Dense' if name.endswith('-dense') else ''}-v3"
+    steps = steps or MAZE_STEPS[maze_name]
+    horizon = gym.spec(env_id).max_episode_steps                               # 300 / 600 / 800
+    eval_map = [list(row) for row in gym.spec(env_id).kwargs["maze_map"]]
+    eval_map[MAZE_EVAL_GOALS[maze_name][0]][MAZE_EVAL_GOALS[maze_name][1]] = "g"
+    eval_spec = gym.make(env_id, maze_map=eval_map, continuing_task=True, reset_target=False).spec
+    env = gym.make(env_id, continuing_task=True, reset_target=True, max_episode_steps=steps)
+    maze, plans, rng = env.unwrapped.maze, {}, np.random.default_rng(seed)
+
+    def noisy(obs):  # the behaviour policy: the expert plus N(0, 0.5^2) on each action, clipped
+        return np.clip(_waypoint_action(obs, maze, plans) + 0.5 * rng.standard_normal(2), -1, 1).astype(np.float32)
+
+    buffers, obs_list, actions, rewards = [], [], [], []
+    obs, _ = env.reset(seed=seed)
+    for t in range(steps):
+        obs_list.append(obs)
+        actions.append(noisy(obs))
+        obs, reward, _, _, info = env.step(actions[-1])
+        rewards.append(float(reward))
+        # an episode ends at the first step within 0.45 of its goal (the env draws the next goal; the ball goes on),
+        # at the env's horizon, or at the last step
+        if info["success"] or len(actions) == horizon or t == steps - 1:
+            obs_list.append(obs)                                                # s_T, also the next episode's s_0
+            buffers.append(EpisodeBuffer(
+                id=len(buffers), observations={k: np.stack([o[k] for o in obs_list]) for k in obs},  # (T + 1, .)
+                actions=np.stack(actions), rewards=rewards, terminations=[False] * len(actions),
+                truncations=[False] * (len(actions) - 1) + [True], infos={}))
+            obs_list, actions, rewards = [], [], []
+    # reference returns as Minari measures them, in the eval env: random actions and the noise-free expert
+    ref_min, _ = _maze_returns(eval_spec, lambda obs: rng.uniform(-1, 1, 2).astype(np.float32), MAZE_REF_EPISODES,
+                               seed)
+    ref_max, _ = _maze_returns(eval_spec, lambda obs: _waypoint_action(obs, maze, plans).astype(np.float32),
+                               MAZE_REF_EPISODES, seed)
+    score, reached = _maze_returns(eval_spec, noisy, MAZE_REF_EPISODES, seed)
+    behaviour = (f"behaviour policy (the noisy controller), {MAZE_REF_EPISODES} eval episodes: return {score:.1f} "
+                 f"(normalised {100 * (score - ref_min) / (ref_max - ref_min):.1f}), goal reached in "
+                 f"{100 * reached:.0f}%; reference returns {ref_min:.1f} (random actions) / {ref_max:.1f} (no noise)")
+    write_kwargs = dict(
+        env=env.spec, eval_env=eval_spec, observation_space=env.observation_space, action_space=env.action_space,
+        ref_min_score=ref_min, ref_max_score=ref_max, num_episodes_average_score=MAZE_REF_EPISODES,
+        algorithm_name="value-iteration waypoints + PD controller, action noise N(0, 0.5^2) (data.py make)",
+        description=f"stands in for {MAKE_NAMES[name]}: {steps:,} steps of a continuing {env_id} run (seed {seed}), "
+                    f"cut into episodes at each goal reached", jpeg_encoding=False)
+    return buffers, write_kwargs, behaviour
+
+# -------------------------------------------------------------------------------------------------------------------
 # Breakout, made offline (python data.py make breakout-mixed)
 #
 # Mixed-quality play, as a DQN agent's replay is, in the papers' evaluation env (atari_env_spec). A scripted paddle
@@ -1058,7 +1210,7 @@ def _make_breakout(seed=0, steps=None):
     return buffers, write_kwargs, behaviour
 
 # -------------------------------------------------------------------------------------------------------------------
-# writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix)
+# writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix, make)
 #
 # A dataset is written whole into a hidden folder in the datasets folder (same filesystem; Minari lists no hidden
 # folder) and renamed into place when complete: an interrupt (Ctrl-C, SIGTERM, kill -9) never leaves a partial dataset
@@ -1241,7 +1393,8 @@ def main(argv=None):
     import difflib
     import threading
     p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert D4RL or "
-                   "DQN-replay data, or mix datasets of one environment (new datasets are written all or nothing).")
+                   "DQN-replay data, mix datasets of one environment, or make one offline (new datasets are written "
+                   "all or nothing).")
     sub = p.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",
@@ -1261,6 +1414,22 @@ def main(argv=None):
     p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset (D4RL's medium-expert)")
     p_mix.add_argument("sources", nargs="+", metavar="SOURCE", help="short names or Minari ids, in order")
     p_mix.add_argument("dataset_id", help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
+    p_make = sub.add_parser(
+        "make", help="make a dataset offline in minutes: PointMaze by Minari's method, Breakout by a scripted player",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description="Make a local Minari dataset offline, "
+        "seeded. NAME, and what it stands in for:\n" + "".join(f"  {n:24}{what}\n" for n, what in MAKE_NAMES.items())
+        + "PointMaze, by Minari's method: a continuing task, a planner (value iteration over the maze's\ncells) "
+        "steering a PD controller, N(0, 0.5^2) noise on every action, episodes cut at each goal\nreached, Minari's "
+        f"eval env. Its reference returns are measured as Minari measures them:\n{MAZE_REF_EPISODES} eval episodes "
+        "of random actions, and of the controller without noise.")
+    p_make.add_argument("name", metavar="NAME", help=", ".join(MAKE_NAMES))
+    p_make.add_argument("dataset_id", nargs="?", default=None,
+                        help="the new dataset's Minari id (default: made/pointmaze/<maze>[-dense]-v0, "
+                             "made/breakout/mixed-v0)")
+    p_make.add_argument("--seed", type=int, default=0, help="the seed of everything random (default: %(default)s)")
+    p_make.add_argument("--steps", type=_positive, default=None, metavar="N",
+                        help="steps to collect (default: PointMaze umaze / medium / large " + " / ".join(
+                            f"{n:,}" for n in MAZE_STEPS.values()) + ")")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
         if "/" not in argv[0] and argv[0] not in SHORT_NAMES:  # neither a command nor a dataset name
@@ -1282,6 +1451,9 @@ def main(argv=None):
             info(args.name)
         elif args.command == "mix":
             mix(args.sources, args.dataset_id)
+        elif args.command == "make":
+            args.dataset_id = args.dataset_id or _made_id(args.name)  # (said by a stop signal's line below)
+            make(args.name, args.dataset_id, args.seed, args.steps)
         elif args.command == "convert-dqn-replay":
             convert_dqn_replay(args.folder, args.game, args.dataset_id, args.buffers, args.steps)
         else:

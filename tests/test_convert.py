@@ -600,7 +600,7 @@ def test_unknown_command_names_the_commands(capsys):
                        ("hoper-medium", " (did you mean hopper-medium?)")):
         err = dqn_error([word, "a", "b"], capsys)
         assert err.strip() == f"error: unknown command '{word}'; the commands are info, convert-d4rl, " \
-                              f"convert-dqn-replay, mix{near}"
+                              f"convert-dqn-replay, mix, make{near}"
     err = dqn_error(["bogus"], capsys)
     assert err.startswith("error: unknown command 'bogus'; the commands are info, convert-d4rl, convert-dqn-replay, "
-                          "mix (or name a dataset")
+                          "mix, make (or name a dataset")

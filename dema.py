@@ -11,6 +11,7 @@ at every decision; RNN-like DeMa (--mode rnn) carries the conv and SSM states th
     python dema.py --env hopper-medium --preset cpu    # small configuration for a 2-core laptop
     python dema.py --env hopper-medium --mode rnn --batch-size 16 --scan-chunk 30     # RNN-like DeMa, ~8 GB
     python dema.py --out <run folder> --attention      # Fig. 4: hidden attention along one evaluation episode
+    python dema.py --out <run folder> --target-sweep   # DT's Fig. 4: the return achieved against the one asked for
     python dema.py --out <run folder> --s6-ablation zero --s6-layers 0      # Fig. 5: evaluate with layer 0's S6 zeroed
     python dema.py --bench-scan | --params             # scan timings; parameter counts next to dt.py's (no run needed)
     python dema.py --dataset dqn-replay/breakout/1pct-v0   # Atari (Table 5): Table 9's setting, cross-entropy
@@ -147,6 +148,8 @@ class Config:
     s6_layers: str = arg("all", "the layers --s6-ablation changes: 'all' or 0-based indices, e.g. 0,2", run=True)
     s6_donor: str = arg("", "--s6-ablation swap: another DeMa's run folder or ckpt.pt (same D, N, W, expand)", run=True)
     gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint (Atari in colour)", run=True)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): the return achieved at 8 targets, from the "
+                                    "data's lowest to above its best", run=True)
     bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
     params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
 
@@ -768,6 +771,15 @@ def gif(cfg, given):
     ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
+def target_sweep(cfg, given):
+    """--target-sweep (DT's Fig. 4): the run's checkpoint at 8 targets from the data's lowest return to above its best,
+    --eval-episodes each -> target_sweep.png and .csv (never trains)."""
+    cfg, model, out, d = load_model(cfg, given)
+    context = cfg.context if cfg.mode == "transformer" else 1                   # RNN-like: its state holds the rest
+    device = next(model.parameters()).device
+    ev.target_sweep(policy(model, cfg), d, cfg.eval_episodes, cfg.seed + 10_000, context, device, out,
+                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+
 def attention_episode(cfg, given):
     """--attention (Fig. 4, App. J): one episode at the first target; at every decision each layer's last attention row,
     |alpha| averaged over channels -> attention_episode.npz (steps, n_layer, T) and a heat map per layer (.png)."""
@@ -954,14 +966,15 @@ def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
         cfg = paper_settings(cfg, given)                            # the dataset's E, D, lr, ... under the flags
-        ev.check_flags(cfg, "bench_scan", "params", "bench", "attention", "s6_ablation", "gif")   # before any work
+        ev.check_flags(cfg, "bench_scan", "params", "bench", "attention", "s6_ablation", "gif", "target_sweep")
         check_model(cfg)
         if cfg.bench_scan or cfg.params:
             return bench_scan(cfg) if cfg.bench_scan else param_table()
         if cfg.bench:
             return bench(cfg)
-        if cfg.attention or cfg.s6_ablation or cfg.gif:
-            return (attention_episode if cfg.attention else s6_ablation if cfg.s6_ablation else gif)(cfg, given)
+        if cfg.attention or cfg.s6_ablation or cfg.gif or cfg.target_sweep:
+            return (attention_episode if cfg.attention else s6_ablation if cfg.s6_ablation else gif if cfg.gif else
+                    target_sweep)(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
 

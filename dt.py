@@ -11,6 +11,7 @@ At test time the model is prompted with a target return, and R_{t+1} = R_t - r_t
     python dt.py --env hopper-medium --no-return-token                # behaviour cloning (the paper's BC row)
     python dt.py --env hopper-medium --no-return-token --top-fraction 0.1     # %BC: BC on the best 10%
     python dt.py --dataset dqn-replay/breakout/1pct-v0    # Atari (Sec. 5.1): DT's Atari model, chosen from the data
+    python dt.py --out <run folder> --target-sweep    # Fig. 4: the return achieved against the one asked for
 
 Glossary (paper symbol -> code name):
     R_t     return-to-go, sum of the rewards from t to the episode's end      rtg (B, K, 1), times return_scale
@@ -96,6 +97,8 @@ class Config:
     bench: bool = arg(False, "time training steps, eager vs compiled (and bf16 on CUDA), on synthetic data", run=True)
     bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run's checkpoint", run=True)
     gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
+    target_sweep: bool = arg(False, "target_sweep.png (Fig. 4): the return achieved at 8 targets, from the data's "
+                                    "lowest to above its best", run=True)
 
 # --preset cpu: hopper-medium on 2 CPU cores in minutes, the lr decayed so that the last checkpoint is settled. Mazes:
 # K=1, no dropout (noisy actions are a history to copy; dropout blurs the position and goal: medium-dense, seed 0, goal
@@ -372,7 +375,7 @@ def train(cfg, run, d=None):
     return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
 # ----------------------------------------------------------------------------------------------------------------
-# --gif and --bench-eval (read a run's checkpoint, never train) and --bench (times train() on synthetic data)
+# --gif, --target-sweep, --bench-eval (read a run's checkpoint, never train) and --bench (train() timed, synthetic data)
 
 def load_model(cfg, given):
     """An analysis's run, from its checkpoint -> (its settings, its model in eval mode, its data, its folder)"""
@@ -386,6 +389,17 @@ def gif(cfg, given):
     cfg, model, d, out = load_model(cfg, given)
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+
+def target_sweep(cfg, given):
+    """--target-sweep (Fig. 4): the run's checkpoint at 8 targets from the data's lowest return to above its best,
+    --eval-episodes each -> target_sweep.png and .csv (never trains)."""
+    if not ev.load_run(SCRIPT, cfg, given, PRESETS)[0].return_token:
+        raise data_lib.DataError("this run is behaviour cloning (--no-return-token): its model reads no return-to-go, "
+                                 "so there is no target to sweep")
+    cfg, model, d, out = load_model(cfg, given)
+    device = next(model.parameters()).device
+    ev.target_sweep(policy(model), d, cfg.eval_episodes, cfg.seed + 10_000, cfg.context, device, out,
+                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 def bench_eval(cfg, given):
     """--bench-eval: 10 episodes of the run's checkpoint, batched against sequential evaluation (same returns)."""
@@ -408,15 +422,15 @@ def parse_flags(argv=None):
 def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
-        ev.check_flags(cfg, "bench", "bench_eval", "gif")           # every flag, before any work
+        ev.check_flags(cfg, "bench", "bench_eval", "gif", "target_sweep")   # every flag, before any work
         if not 0 < cfg.top_fraction <= 1:
             raise data_lib.DataError(f"--top-fraction must lie in (0, 1], got {cfg.top_fraction}")
         if cfg.state_encoder not in ("conv", "patch"):
             raise data_lib.DataError(f"unknown --state-encoder '{cfg.state_encoder}'; use conv or patch")
         if cfg.bench:
             return bench(cfg)
-        if cfg.bench_eval or cfg.gif:
-            return (bench_eval if cfg.bench_eval else gif)(cfg, given)
+        if cfg.bench_eval or cfg.gif or cfg.target_sweep:
+            return (bench_eval if cfg.bench_eval else gif if cfg.gif else target_sweep)(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
 

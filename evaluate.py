@@ -10,8 +10,8 @@ same null values); the current step's action and reward are not known yet and ar
 indices the rows belong to (timesteps[:, -1] == 0 marks a fresh episode, where a recurrent model resets its state).
 It returns (len(live), act_dim) actions.
 
-Then the --gif episode, the run record (which a model file's main() and train() call; nothing here calls back) and
-`report`, the command line:
+Then the --gif episode and the --target-sweep figure (DT's Fig. 4), the run record (which a model file's main() and
+train() call; nothing here calls back) and `report`, the command line:
     python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure
 """
 import argparse
@@ -248,7 +248,7 @@ def compare_with_sequential(act, d, episodes, target_return, seed, context):
           f"{np.allclose(rb['returns'], rs['returns'])}")
 
 # ================================================================================================================
-# The --gif episode, which a model file's main() makes with --gif (after training, or from a finished run).
+# The --gif episode and the --target-sweep figure, which a model file's main() makes from a finished run.
 
 GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
 
@@ -318,6 +318,63 @@ def pick_gl():
             return backend
     raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
                     "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
+
+SWEEP_TARGETS = 8   # --target-sweep's targets
+
+def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
+    """--target-sweep, the DT paper's Figure 4 (does the model follow the return it is asked for?): the policy prompted
+    with SWEEP_TARGETS targets evenly spaced from the data's lowest episode return to a quarter above its best,
+    `episodes` episodes each (evaluate(), the same env seeds at every target) -> a line per target, target_sweep.csv
+    and target_sweep.png in `out`: the achieved return (mean, band +-1 std over the episodes) against the target, the
+    diagonal (the return asked for) and the data's best episode, in the data's normalised score where it has reference
+    returns, else raw. The title names the checkpoint's step (<out>/ckpt.pt). DQN-replay's episode returns count
+    rewards clipped to +-1 (as its returns-to-go do), while the env's are the game's own. -> [(target, evaluate()'s
+    result)]"""
+    worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
+    targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)                # (8,) raw returns
+    scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
+    norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)  # the figure's units
+    # the checkpoint's step, for the title (memory-mapped: only the step is read)
+    step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True, mmap=True)["step"])
+    print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} (the data's lowest "
+          f"episode return) to {targets[-1]:.1f} (its best, {best:.1f}, and a quarter more), {episodes} episodes each",
+          flush=True)
+    results, rows = [], []
+    for g in targets:
+        res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy)
+        results.append((float(g), res))
+        print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "") + f": {summarize(res)}",
+              flush=True)
+        rows.append(dict(target=f"{g:.2f}", target_normalized=score(d.normalize_score(g)),
+                         eval_return=f"{res['returns'].mean():.2f}", eval_return_std=f"{res['returns'].std():.2f}",
+                         normalized_score=score(res["normalized"].mean()),
+                         normalized_score_std=score(res["normalized"].std()), episodes=episodes))
+    with open(os.path.join(out, "target_sweep.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plt = pyplot()
+    x = norm(targets)                                                                  # (8,)
+    y = np.array([norm(res["returns"]).mean() for _, res in results])                  # (8,) mean over the episodes
+    sd = np.array([norm(res["returns"]).std() for _, res in results])                  # (8,)
+    unit = (f"normalised: 0 = random, 100 = {'a human gamer' if d.family == 'atari' else 'expert'}" if scored else
+            "raw: the data has no reference returns")
+    lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
+    lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))                 # both axes alike
+    fig, ax = plt.subplots(figsize=(5.6, 5.6))
+    ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
+    ax.plot(x, y, "o-", color="tab:blue", ms=4, label=f"achieved: mean of {episodes} episodes, band ±1 std")
+    ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
+    ax.axhline(norm(best), ls=":", color="tab:red", label=f"best episode in the data (return {best:.4g})")
+    ax.set(xlim=lim, ylim=lim, aspect="equal",                                         # the diagonal at 45 degrees
+           xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
+    ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, checkpoint at step "
+                 f"{step}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)   # under, off the lines
+    fig.savefig(os.path.join(out, "target_sweep.png"), dpi=120, bbox_inches="tight")      # (the legend kept whole)
+    plt.close(fig)
+    print(f"target_sweep.png and target_sweep.csv -> {out}")
+    return results
 
 # ================================================================================================================
 # The run record: a model file's main() calls parse_flags, check_flags and opens a Run (with --bench, bench_modes'

@@ -12,6 +12,7 @@ gate weighs every layer's heads (Eqs. 6-8), so that fine-tuning can turn the Mar
     python gpt2_dtma.py --env hopper-medium --preset cpu      # the first GPT-2 block, 300 steps: a 2-core CPU
     python gpt2_dtma.py --sample "The meaning of life is"     # proof that the real GPT-2 weights loaded
     python gpt2_dtma.py --env hopper-medium --importance      # an analysis of the run's checkpoint (never trains)
+    python gpt2_dtma.py --out <run folder> --target-sweep     # DT's Fig. 4: the return achieved against the target
 
 The paper's variants are flags, each help naming its tables: --no-moa (GPT2-DT), --init random (DT, DTMA), --init clip
 --no-moa (CLIP-DT), --markov-penalty 0.1 (GPT2-P), --freeze-attention --no-moa (GPT2-DT (part)), --context; log.csv's
@@ -132,6 +133,8 @@ class Config:
     attention_distance: bool = arg(False, "attention by token distance, early and late (Figs. 1/7)", run=True)
     importance: bool = arg(False, "head importance by zeroing each head during rollouts (Figs. 2, 8)", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the run's checkpoint", run=True)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): the return achieved at 8 targets, from the "
+                                    "data's lowest to above its best", run=True)
     # checks of the GPT-2 weights alone (no run needed)
     text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text, Markov heads marked", run=True)
     sample: str = arg("", "PROMPT: print GPT-2's continuation, the proof that the real weights loaded", run=True)
@@ -840,6 +843,14 @@ def gif(cfg, run):
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
                    next(model.parameters()).device, run["out"], f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
+def target_sweep(cfg, run):
+    """--target-sweep (DT's Fig. 4): the run's checkpoint at 8 targets from the data's lowest return to above its best,
+    --eval-episodes each -> target_sweep.png and .csv (never trains)."""
+    model = run["model"]
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    ev.target_sweep(policy(model), d, cfg.eval_episodes, cfg.seed + 10_000, cfg.context,
+                    next(model.parameters()).device, run["out"], f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+
 def sample_text(cfg, max_new_tokens=40):
     """--sample PROMPT: GPT-2's continuation, the proof that the real weights loaded."""
     model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
@@ -885,7 +896,7 @@ def load_model(cfg, given):
     return cfg, dict(model=model.to(ev.pick_device(cfg.device)).eval(), ck=ck, out=ev.run_folder(SCRIPT, cfg, PRESETS))
 
 ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps, "attention_distance": attention_distance,
-            "importance": importance_analysis, "gif": gif}   # flag -> fn(cfg, run): reads the run's checkpoint
+            "importance": importance_analysis, "gif": gif, "target_sweep": target_sweep}   # flag -> fn(cfg, run)
 
 # ----------------------------------------------------------------------------------------------------------------
 # pretrained weights (GPT-2, and CLIP's text tower for CLIP-DT): huggingface_hub finds them in its cache or downloads

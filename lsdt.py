@@ -16,6 +16,7 @@ branch, Eq. 1); the Hybrid Fusion Module (HFM, App. B.3) re-weights their concat
     python lsdt.py --env hopper-medium --preset cpu  # small configuration for a 2-core laptop
     MINARI_DATASETS_PATH=<local datasets> python lsdt.py --dataset replica/pointmaze/medium-dense-v0 --preset cpu
     python lsdt.py --out <run folder> --plot-mixing  # the run's attention / kernel / HFM maps (never retrains)
+    python lsdt.py --out <run folder> --target-sweep # DT's Fig. 4: the return achieved against the one asked for
 
 What each flag reproduces:
     --conv-ratio XI          Fig. 7 and Table 14 (the xi sweep; 0 = DT, 1 = CDT)
@@ -126,6 +127,8 @@ class Config:
     plot_mixing: bool = arg(False, "write mixing.png: block 1's maps in the run's checkpoint (Fig. 3, 9, 11)", run=True)
     plot_paths: bool = arg(False, "write paths.png: --eval-episodes maze rollouts of the checkpoint (Fig. 8)", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the checkpoint at its first target", run=True)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): the return achieved at 8 targets, from the "
+                                    "data's lowest to above its best", run=True)
 
 # A small LSDT for 2 CPU cores (dt.py's cpu budget) over the dataset's row: Config < row < --arch < --preset < flags.
 # Mazes: K=1, as their noisy actions are a history to copy (medium-dense, seed 0: 92% reach the goal at K=1, 24% at 20).
@@ -646,6 +649,13 @@ def gif(cfg, given):
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device, out,
                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
 
+def target_sweep(cfg, given):
+    """--target-sweep (DT's Fig. 4): the run's checkpoint at 8 targets from the data's lowest return to above its best,
+    --eval-episodes each -> target_sweep.png and .csv (never trains)."""
+    cfg, model, device, d, out = load_model(cfg, given)
+    ev.target_sweep(policy(model), d, cfg.eval_episodes, cfg.seed + 10_000, cfg.context, device, out,
+                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}")
+
 def mixing_analysis(cfg, given):
     """--plot-mixing (Fig. 3, 9, 11): block 1's mixing_maps on the fullest of 8 windows of the data -> mixing.png."""
     cfg, model, device, d, out = load_model(cfg, given)
@@ -739,13 +749,14 @@ def parse_flags(argv=None):
 def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
-        ev.check_flags(cfg, "bench", "plot_mixing", "plot_paths", "gif")   # every flag, before any work
+        ev.check_flags(cfg, "bench", "plot_mixing", "plot_paths", "gif", "target_sweep")   # before any work
         cfg, changes = paper_settings(cfg, given)                   # the dataset's row and --arch's, under the flags
         check_model(cfg, changes)
         if cfg.bench:
             return bench(cfg)
-        if cfg.plot_mixing or cfg.plot_paths or cfg.gif:
-            return (mixing_analysis if cfg.plot_mixing else paths_analysis if cfg.plot_paths else gif)(cfg, given)
+        if cfg.plot_mixing or cfg.plot_paths or cfg.gif or cfg.target_sweep:
+            return (mixing_analysis if cfg.plot_mixing else paths_analysis if cfg.plot_paths else gif if cfg.gif else
+                    target_sweep)(cfg, given)
         if changes and not cfg.resume:
             print(f"set by {settings_source(cfg)}: {changes}")
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg

@@ -13,6 +13,7 @@ not on a return-to-go: by default there is no target return.
     python starformer.py --env hopper-expert --preset code     # the official gym code's sizes (0.7M)
     MINARI_DATASETS_PATH=<folder of local datasets> python starformer.py --dataset replica/hopper/medium-v0 --preset cpu
     python starformer.py --dataset dqn-replay/breakout/1pct-v0        # Atari: the image model, Table 6 + official code
+    python starformer.py --out <run folder> --target-sweep     # a --reward-input rtg run: DT's Fig. 4 (never trains)
 
 The paper's Gym numbers (Table 1) are on D4RL's expert data (its Hopper statistics, 3511 +- 328.6, are expert-v2's),
 though its text says sub-optimal: compare with --env {hopper,halfcheetah,walker2d}-expert. Its variants, each a flag:
@@ -147,6 +148,8 @@ class Config:
     compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
     bench: bool = arg(False, "time training steps (eager vs compiled, AMP on CUDA) on synthetic data; exit", run=True)
     gif: bool = arg(False, "write episode.gif: one evaluation episode of the checkpoint at its first target", run=True)
+    target_sweep: bool = arg(False, "with --reward-input rtg: target_sweep.png (DT's Fig. 4), the return achieved at "
+                                    "8 targets, from the data's lowest to above its best", run=True)
     greedy: bool = arg(False, "Atari: the argmax action, not a softmax draw as the code (greedy can stall)", run=True)
 
 # Atari, the paper's setting (the preset ""): Table 6 (lr 6e-4, betas (0.9, 0.95), clip 1.0, decay 0.1; Config's
@@ -581,6 +584,20 @@ def gif(cfg, given):
     ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device,
                    ev.run_folder(SCRIPT, cfg, PRESETS), f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
+def target_sweep(cfg, given):
+    """--target-sweep (DT's Fig. 4), a --reward-input rtg run: its checkpoint at 8 targets from the data's lowest return
+    to above its best, --eval-episodes each -> target_sweep.png and .csv (never trains)."""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    if cfg.reward_input != "rtg" or not cfg.reward_token:
+        raise data_lib.DataError("this run's model reads no return-to-go (it was trained without --reward-input rtg), "
+                                 "so there is no target to sweep")
+    device = ev.pick_device(cfg.device)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    ev.target_sweep(policy(model.to(device).eval()), d, cfg.eval_episodes, cfg.seed + 10_000, cfg.context, device,
+                    ev.run_folder(SCRIPT, cfg, PRESETS), f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+
 def bench(cfg):
     """--bench: train()'s steps timed, eager vs compiled (and + bf16 on CUDA), on synthetic data of hopper's shape, or
     Atari's where the dataset is Atari (the image model). Tokens: the Sequence Transformer's (g_t, h_t) per step."""
@@ -597,12 +614,12 @@ def parse_flags(argv=None):
 def main(argv=None):
     with ev.one_sentence_errors():
         cfg, given = parse_flags(argv)
-        ev.check_flags(cfg, "bench", "gif")                         # every flag, before any work
+        ev.check_flags(cfg, "bench", "gif", "target_sweep")         # every flag, before any work
         check_model(cfg)
         if cfg.bench:
             return bench(cfg)
-        if cfg.gif:
-            return gif(cfg, given)
+        if cfg.gif or cfg.target_sweep:
+            return (gif if cfg.gif else target_sweep)(cfg, given)
         with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
             return train(run.cfg, run)
 

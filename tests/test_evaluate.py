@@ -1,5 +1,11 @@
-"""Batched evaluation against the one-episode-at-a-time reference (which builds its windows from plain lists)."""
+"""Batched evaluation against the one-episode-at-a-time reference (which builds its windows from plain lists), and
+--target-sweep (DT's Figure 4) from a run's checkpoint."""
+import importlib
+import os
+import re
+
 import numpy as np
+import pytest
 import torch
 
 import data
@@ -198,3 +204,96 @@ def test_progress_line_names_its_score_and_log_says_which_evaluations_were_greed
     assert f"| last eval {e['normalized_score']} (normalised; return {e['eval_return']}) (step 2)" in \
         capsys.readouterr().out
     assert {r["greedy"] for r in eval_rows(out)} == {""}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --target-sweep: DT's Figure 4 from a run's checkpoint
+
+TINY_DT = ["--n-embd", "16", "--n-layer", "1", "--context", "4", "--batch-size", "8", "--warmup-steps", "2",
+           "--steps", "2", "--eval-every", "2", "--eval-episodes", "1"]
+
+
+def files(folder):
+    return {f: (folder / f).read_bytes() for f in sorted(os.listdir(folder)) if f != ".lock"}
+
+
+def test_target_sweep_evaluates_eight_targets_from_the_checkpoint_and_never_trains(tiny_hopper, tmp_path, capsys):
+    """8 targets evenly spaced from the tiny data's lowest episode return to 1.25 x its best (the returns summed here
+    from Minari's own episodes), 2 episodes each, as evaluate() plays them with the run's seed + 10_000; the run's
+    files (ckpt.pt, log.csv, ...) stay byte for byte; only target_sweep.png and .csv are added."""
+    import csv
+    import minari
+    from PIL import Image
+    import dt
+    out = tmp_path / "run"
+    dt.main(["--dataset", tiny_hopper, *TINY_DT, "--seed", "3", "--out", str(out)])
+    before = files(out)
+    capsys.readouterr()
+    dt.main(["--out", str(out), "--target-sweep", "--eval-episodes", "2"])
+    said = capsys.readouterr().out
+    assert not re.search(r"^step |^data: |^eval step|^final:", said, re.M)       # no training, no run record
+    assert len(re.findall(r"^  target ", said, re.M)) == 8 and "at step 2:" in said
+    after = files(out)
+    assert after.pop("target_sweep.png") and after.pop("target_sweep.csv") and after == before
+    returns = [float(np.sum(e.rewards)) for e in minari.load_dataset(tiny_hopper).iterate_episodes()]
+    lo, hi = min(returns), 1.25 * max(returns)
+    with open(out / "target_sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["target"]) for r in rows] == pytest.approx([lo + i * (hi - lo) / 7 for i in range(8)], abs=0.006)
+    assert {r["episodes"] for r in rows} == {"2"}
+    cfg, model, d, _ = dt.load_model(dt.parse_flags(["--out", str(out)])[0], {"out"})
+    first = evaluate.evaluate(dt.policy(model), d, 2, float(rows[0]["target"]), 3 + 10_000, 4, progress=False)
+    assert float(rows[0]["eval_return"]) == pytest.approx(first["returns"].mean(), abs=0.006)
+    assert float(rows[0]["normalized_score"]) == pytest.approx(d.normalize_score(first["returns"]).mean(), abs=0.006)
+    assert Image.open(out / "target_sweep.png").size[0] >= 600
+
+
+def test_target_sweep_needs_a_model_that_reads_a_return_to_go(tiny_hopper, tmp_path, capsys):
+    """StARformer without --reward-input rtg, and DT's behaviour cloning, read no return-to-go: one sentence, exit 1,
+    nothing written."""
+    import dt
+    import starformer
+    runs = [(starformer, ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--step-embd", "8", "--step-head", "2",
+                          *TINY_DT[4:]]),
+            (dt, [*TINY_DT, "--no-return-token"])]
+    for m, tiny in runs:
+        out = tmp_path / m.SCRIPT
+        m.main(["--dataset", tiny_hopper, *tiny, "--out", str(out)])
+        before = files(out)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            m.main(["--out", str(out), "--target-sweep"])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 1 and err.startswith("error: ") and "\n" not in err, err
+        assert "reads no return-to-go" in err and files(out) == before
+
+
+@pytest.mark.parametrize("script, extra", [("dt", []), ("gpt2_dtma", []), ("lsdt", []),
+                                           ("starformer", ["--reward-input", "rtg"]), ("dema", []),
+                                           ("dema", ["--mode", "rnn"])])
+def test_every_return_conditioned_file_sweeps_its_run(script, extra, tiny_hopper, tmp_path, capsys, monkeypatch):
+    """Each file's --target-sweep (an analysis: it names no trained setting, and excludes --gif) hands its run's
+    policy, data, folder, --eval-episodes and evaluation seed (--seed + 10_000) to evaluate.target_sweep, with the
+    context its evaluation uses (RNN-like DeMa: 1, its state holds the rest)."""
+    from test_harness import TINY
+    m = importlib.import_module(script)
+    cfg = m.parse_flags(["--target-sweep"])[0]
+    assert cfg.target_sweep and "--target-sweep" in m.__doc__
+    assert evaluate.variant_name(cfg, m.PRESETS) == evaluate.variant_name(m.parse_flags([])[0], m.PRESETS)
+    with pytest.raises(SystemExit) as e:
+        m.main(["--out", str(tmp_path / "none"), "--gif", "--target-sweep"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err == "error: choose one of --gif, --target-sweep per command", err
+    assert not (tmp_path / "none").exists()
+    out = tmp_path / "run"
+    m.main(["--dataset", tiny_hopper, *TINY[script], *extra, "--steps", "2", "--eval-every", "2", "--eval-episodes",
+            "1", "--seed", "5", "--out", str(out)])
+    calls = []
+    monkeypatch.setattr(evaluate, "target_sweep", lambda *a, **kw: calls.append(a))
+    m.main(["--out", str(out), "--target-sweep", "--eval-episodes", "3"])
+    act, d, episodes, seed, context, _, folder, title = calls[0]
+    K = int(TINY[script][TINY[script].index("--context") + 1])
+    assert (d.dataset_id, episodes, seed, folder) == (tiny_hopper, 3, 10_005, str(out))
+    assert context == (1 if "rnn" in extra else K) and title.startswith(script + " ")
+    batch = d.sample(2, context, np.random.default_rng(0))
+    assert tuple(act(batch, np.arange(2)).shape) == (2, d.act_dim)

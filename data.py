@@ -1273,7 +1273,7 @@ def _gzip_hdf5(path):
     """Rewrite Minari's HDF5 file with each array gzip-compressed in one chunk (Minari writes them uncompressed; h5py
     reads both alike): Atari frames take about a fortieth of the space."""
     import h5py
-    with h5py.File(path, "r") as src, h5py.File(path + ".gz", "w") as dst:
+    with h5py.File(path, "r") as src, h5py.File(path + ".gz", "w", libver="latest") as dst:
         dst.attrs.update(src.attrs)
         def copy(name, obj):
             if isinstance(obj, h5py.Group):

@@ -161,8 +161,8 @@ ATARI = dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0
              steps=78_130, eval_every=7_813, eval_episodes=10)
 # --preset cpu on Atari (replica/breakout/mixed-v0, one core, ~8 minutes): one Step head (SDPA's CPU kernel pays per
 # head), no dropout, K=6; R_t in the reward slot (Table 2), as r_{t-1} cannot ask this mix of a controller and random
-# play for the good episodes (it stayed below the data's median return). 2400 steps: 3600 scored 2 points more (30 episodes
-# of the last checkpoint, seeds 0-2: 34.6 against 32.4, within the noise) in half again the time.
+# play for the good episodes (it stayed below the data's median return). 2400 steps: 3600 scored 2 points more (30
+# episodes of the last checkpoint, seeds 0-2: 34.6 against 32.4, within the noise) in half again the time.
 ATARI_CPU = dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6, batch_size=32, lr=6e-4,
                  warmup_steps=100, steps=2400, eval_every=1200, eval_episodes=10, dropout=0.0, reward_input="rtg")
 PRESETS = {

@@ -1421,7 +1421,10 @@ def main(argv=None):
         + "PointMaze, by Minari's method: a continuing task, a planner (value iteration over the maze's\ncells) "
         "steering a PD controller, N(0, 0.5^2) noise on every action, episodes cut at each goal\nreached, Minari's "
         f"eval env. Its reference returns are measured as Minari measures them:\n{MAZE_REF_EPISODES} eval episodes "
-        "of random actions, and of the controller without noise.")
+        "of random actions, and of the controller without noise.\nbreakout-mixed: a paddle controller that reads the "
+        "ball from the console's RAM, each action\nrandom with an episode-wide probability eps, eps from 0 to 1 across "
+        f"{BREAKOUT_EPISODES} episodes, in the papers'\nevaluation env (AtariPreprocessing, no sticky actions); frames "
+        "stored lossless.")
     p_make.add_argument("name", metavar="NAME", help=", ".join(MAKE_NAMES))
     p_make.add_argument("dataset_id", nargs="?", default=None,
                         help="the new dataset's Minari id (default: made/pointmaze/<maze>[-dense]-v0, "
@@ -1429,7 +1432,7 @@ def main(argv=None):
     p_make.add_argument("--seed", type=int, default=0, help="the seed of everything random (default: %(default)s)")
     p_make.add_argument("--steps", type=_positive, default=None, metavar="N",
                         help="steps to collect (default: PointMaze umaze / medium / large " + " / ".join(
-                            f"{n:,}" for n in MAZE_STEPS.values()) + ")")
+                            f"{n:,}" for n in MAZE_STEPS.values()) + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
         if "/" not in argv[0] and argv[0] not in SHORT_NAMES:  # neither a command nor a dataset name

@@ -38,6 +38,7 @@ Command line:
     python data.py mix hopper-medium hopper-expert local/hopper/medium-expert-v0    # D4RL's medium-expert recipe
     python data.py convert-dqn-replay Breakout/1/replay_logs Breakout dqn-replay/breakout/1pct-v0   # 1% of DQN-replay
     python data.py make pointmaze-medium-dense   # made offline, Minari's way: made/pointmaze/medium-dense-v0
+    python data.py make breakout-mixed           # a scripted player's mixed play: made/breakout/mixed-v0
 """
 import argparse
 import contextlib

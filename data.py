@@ -302,9 +302,7 @@ class OfflineData:
             env = make_atari_env(self.env_spec, render_mode="rgb_array" if render else None)
             return atari_frame_wrappers(env) if self.raw_frames else env
         if self.family == "maze" or str(self.env_spec.entry_point).startswith("gymnasium_robotics"):  # and Adroit
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                import gymnasium_robotics   # (its import prints a notice about its Adroit envs)
-            gym.register_envs(gymnasium_robotics)
+            _robotics()
         if not render:
             return gym.make(self.env_spec)
         # the locomotion robots' own "track" camera follows the body (the default camera would watch it walk away)
@@ -537,6 +535,14 @@ def atari_frame_skip(spec):
     skips = [w.kwargs.get("frame_skip", 4) for w in spec.additional_wrappers or () if w.name == "AtariPreprocessing"]
     skip = skips[0] * spec.kwargs.get("frameskip", 1) if skips else spec.kwargs.get("frameskip", 4)
     return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
+
+def _robotics():
+    """-> gymnasium with gymnasium-robotics' envs (mazes, Adroit) registered, its import's notice silenced."""
+    import gymnasium as gym
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        import gymnasium_robotics   # (its import prints a notice about its Adroit envs)
+    gym.register_envs(gymnasium_robotics)
+    return gym
 
 def _ale():
     """-> gymnasium with ale-py's ALE/* envs registered, its banner off; one sentence if ale-py or OpenCV is missing."""
@@ -1063,23 +1069,23 @@ def _maze_returns(spec, policy, episodes, seed):
             reached[i] |= info["success"]
             done = terminated or truncated
         obs, _ = env.reset()
+    env.close()
     return returns.mean(), reached.mean()
 
 def _make_pointmaze(name, seed, steps):
     """Minari's PointMaze collection (see above). -> (EpisodeBuffers, create_dataset_from_buffers' keyword
     arguments, the behaviour line)."""
-    import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        import gymnasium_robotics   # (its import prints a notice about its Adroit envs)
-    gym.register_envs(gymnasium_robotics)
+    gym = _robotics()
     maze_name = name.split("-")[1]
     env_id = f"PointMaze_{MAZE_ENVS[maze_name]}{'Dense' if name.endswith('-dense') else ''}-v3"
     steps = steps or MAZE_STEPS[maze_name]
     horizon = gym.spec(env_id).max_episode_steps                               # 300 / 600 / 800
     eval_map = [list(row) for row in gym.spec(env_id).kwargs["maze_map"]]
     eval_map[MAZE_EVAL_GOALS[maze_name][0]][MAZE_EVAL_GOALS[maze_name][1]] = "g"
-    eval_spec = gym.make(env_id, maze_map=eval_map, continuing_task=True, reset_target=False).spec
+    eval_env = gym.make(env_id, maze_map=eval_map, continuing_task=True, reset_target=False)
+    eval_spec = eval_env.spec
+    eval_env.close()
     env = gym.make(env_id, continuing_task=True, reset_target=True, max_episode_steps=steps)
     maze, plans, rng = env.unwrapped.maze, {}, np.random.default_rng(seed)
 
@@ -1102,6 +1108,7 @@ def _make_pointmaze(name, seed, steps):
                 actions=np.stack(actions), rewards=rewards, terminations=[False] * len(actions),
                 truncations=[False] * (len(actions) - 1) + [True], infos={}))
             obs_list, actions, rewards = [], [], []
+    env.close()
     # reference returns as Minari measures them, in the eval env: random actions and the noise-free expert
     ref_min, _ = _maze_returns(eval_spec, lambda obs: rng.uniform(-1, 1, 2).astype(np.float32), MAZE_REF_EPISODES,
                                seed)

@@ -572,32 +572,33 @@ def train(cfg, run, d=None):
     return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
 # ----------------------------------------------------------------------------------------------------------------
-# --gif (reads a run's checkpoint, never trains), --bench (times train() on synthetic data) and main()
+# --gif and --target-sweep (read a run's checkpoint, never train), --bench (train() timed, synthetic data), main()
+
+def load_model(cfg, given):
+    """An analysis's run, from its checkpoint -> (its settings, its model in eval mode, its data, its folder)."""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+    return cfg, model.to(ev.pick_device(cfg.device)).eval(), d, ev.run_folder(SCRIPT, cfg, PRESETS)
 
 def gif(cfg, given):
     """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
-    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
-    device = ev.pick_device(cfg.device)
-    model = build_model(cfg, ck["info"])
-    model.load_state_dict(ck["model"])
-    model = model.to(device).eval()
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, device,
-                   ev.run_folder(SCRIPT, cfg, PRESETS), f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+    cfg, model, d, out = load_model(cfg, given)
+    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
+                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 def target_sweep(cfg, given):
     """--target-sweep (DT's Fig. 4), a --reward-input rtg run: its checkpoint at 8 targets from the data's lowest return
     to above its best, --eval-episodes each -> target_sweep.png and .csv (never trains)."""
-    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
-    if cfg.reward_input != "rtg" or not cfg.reward_token:
+    run_cfg = ev.load_run(SCRIPT, cfg, given, PRESETS)[0]
+    if run_cfg.reward_input != "rtg" or not run_cfg.reward_token:
         raise data_lib.DataError("this run's model reads no return-to-go (it was trained without --reward-input rtg), "
                                  "so there is no target to sweep")
-    device = ev.pick_device(cfg.device)
-    model = build_model(cfg, ck["info"])
-    model.load_state_dict(ck["model"])
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    ev.target_sweep(policy(model.to(device).eval()), d, cfg.eval_episodes, cfg.seed + 10_000, cfg.context, device,
-                    ev.run_folder(SCRIPT, cfg, PRESETS), f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+    cfg, model, d, out = load_model(cfg, given)
+    device = next(model.parameters()).device
+    ev.target_sweep(policy(model), d, cfg.eval_episodes, cfg.seed + 10_000, cfg.context, device, out,
+                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 def bench(cfg):
     """--bench: train()'s steps timed, eager vs compiled (and + bf16 on CUDA), on synthetic data of hopper's shape, or

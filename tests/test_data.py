@@ -102,15 +102,14 @@ def test_dict_observations_flattened(make_dataset):
     assert np.allclose(o[:, :4], obs["observation"][:3])
     assert np.allclose(o[:, 4:], [[1, 2]] * 3)                    # the stale first goal is replaced by step 1's
     assert d.family == "maze" and d.goal_reaching and d.return_scale == 1.0 and d.goal_dim == 2
-    assert d.target_returns == [1.0]                              # every episode returns 1: median 1
+    assert d.target_returns == [1.0]                              # every episode returns 1
     flat = data.flatten_obs({"desired_goal": np.array([5.0, 6.0]), "observation": np.array([1.0, 2, 3, 4]),
                              "achieved_goal": np.zeros(2)})
     assert flat.tolist() == [1, 2, 3, 4, 5, 6]
 
 
-def test_pointmaze_target_is_the_median_episode_return(make_dataset):
-    """PointMaze episodes end at their goal and dense rewards grow with length: the target is the median return (the
-    best is the slowest path); other data keeps the best return."""
+def test_the_target_outside_mujoco_and_atari_is_the_best_episode_return(make_dataset):
+    """PointMaze (dense rewards until the goal ends an episode) and any other data: the best episode's return."""
     import gymnasium as gym
     import gymnasium_robotics
     gym.register_envs(gymnasium_robotics)
@@ -123,8 +122,8 @@ def test_pointmaze_target_is_the_median_episode_return(make_dataset):
                     terminations=np.eye(1, T, T - 1, dtype=bool)[0], truncations=np.zeros(T, bool))
 
     eps = [episode([0.5] * 2), episode([0.5] * 6), episode([0.5] * 3), episode([0.5] * 9), episode([0.5] * 4)]
-    d = data.load_data(make_dataset("test/pointmaze/median-v0", eps, env=env))
-    assert d.target_returns == [2.0]                              # returns 1, 3, 1.5, 4.5, 2: the median, not 4.5
+    d = data.load_data(make_dataset("test/pointmaze/best-v0", eps, env=env))
+    assert d.target_returns == [4.5]                              # returns 1, 3, 1.5, 4.5, 2: the best
     flat = [dict(observations=np.zeros((T + 1, 10)), actions=np.zeros((T, 2), np.float32),
                  rewards=np.full(T, 0.5), terminations=np.zeros(T, bool), truncations=np.eye(1, T, T - 1, dtype=bool)[0])
             for T in (2, 6, 3)]

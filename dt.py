@@ -102,7 +102,7 @@ class Config:
 
 # --preset cpu: hopper-medium on 2 CPU cores in minutes, the lr decayed so that the last checkpoint is settled. Mazes:
 # K=1, no dropout (noisy actions are a history to copy; dropout blurs the position and goal: medium-dense, seed 0, goal
-# reached 28% at K=10, 90% at K=1 without dropout). Atari's paper setting is kzl's atari/run_dt_atari.py#L79-L87: 5
+# reached 28% at K=10, 88% at K=1 without dropout). Atari's paper setting is kzl's atari/run_dt_atari.py#L79-L87: 5
 # epochs of 1% DQN-replay (3906 steps of 128), an evaluation after each, warmup 512 x 20 tokens (3 steps).
 # --preset cpu on Atari (replica/breakout/mixed-v0): 4000 steps and two evaluations score as 5000 steps and five
 # did (30 episodes of the last checkpoint, seeds 0-2: 34.7 against 33.6) in 71% of the CPU time; 3300 scored less.

@@ -32,15 +32,18 @@ def test_the_ram_addresses_hold_the_ball_and_the_paddle_the_screen_shows():
     env.reset(seed=0)
     assert ball_and_paddle(env)[1] == 0 and data._breakout_action(env.unwrapped.ale.getRAM()) == 1  # no ball: FIRE
     env.step(1)
-    ball, paddle = set(), set()
+    ball, paddle, ball_at, paddle_at = set(), set(), set(), set()
     for i in range(14):                                       # the served ball falls; the paddle moves both ways
         env.step((0, 2, 3)[i % 3])
         x, y, p = ball_and_paddle(env)
         seen = red_on_screen(env, slice(94, 189))
         if seen is not None:
             ball.add((x - seen[0], y - seen[1]))
+            ball_at.add((x, y))
         paddle.add(p - red_on_screen(env, slice(189, 194))[0])
+        paddle_at.add(p)
     assert ball == {(49, -9)} and paddle == {47}              # (measured once; any other address would drift)
+    assert len(ball_at) >= 10 and len(paddle_at) > 1           # ... over a moving ball and a moving paddle
     env.close()
 
 

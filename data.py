@@ -568,8 +568,8 @@ def available_memory():
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
 
-def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0):
-    """Random MuJoCo-like episodes with no environment (env_spec None) for --bench: returns scaled by 1e-3, the best
+def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0, env_id=None):
+    """Random MuJoCo-like episodes, evaluated in env_id (None: no environment): returns scaled by 1e-3, the best
     episode's return as target; the last goal_dim state entries stay fixed in an episode, like a maze goal."""
     assert 0 <= goal_dim <= obs_dim
     rng = np.random.default_rng(seed)
@@ -580,7 +580,11 @@ def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_di
         eps.append(dict(observations=obs, actions=rng.uniform(-1, 1, (length, act_dim)).astype(np.float32),
                         rewards=rng.uniform(0, 2, length).astype(np.float32), terminated=False))
     best = float(max(e["rewards"].sum() for e in eps))
-    return OfflineData(dataset_id="synthetic", family="mujoco", episodes=eps, env_spec=None, return_scale=1e-3,
+    spec = None
+    if env_id is not None:
+        import gymnasium as gym
+        spec = gym.spec(env_id)
+    return OfflineData(dataset_id="synthetic", family="mujoco", episodes=eps, env_spec=spec, return_scale=1e-3,
                        target_returns=[best], max_ep_len=length, goal_dim=goal_dim)
 
 def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
@@ -592,6 +596,13 @@ def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
                 terminated=False) for _ in range(episodes)]
     return OfflineData(dataset_id="synthetic-atari", family="atari", episodes=eps, env_spec=atari_env_spec("breakout"),
                        n_actions=n_actions, max_ep_len=length, target_returns=[90.0])
+
+def synthetic_like(name, length=200):
+    """--bench's data: random episodes of hopper's shapes, evaluated in Hopper-v5, or of Atari's (Breakout) where
+    `name` is an Atari dataset."""
+    if is_atari(name):
+        return synthetic_atari(length=length)
+    return synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length, env_id="Hopper-v5")
 
 # ===================================================================================================================
 # Dataset tools: below this line nothing is used by the model files or evaluate.py. The converters (D4RL HDF5,

@@ -1,46 +1,54 @@
 """
-Decision Transformer (Chen et al. 2021, "Decision Transformer: Reinforcement Learning via Sequence Modeling"):
-the baseline every other model file in this project is read against.
+Decision Transformer (Chen et al. 2021, "Decision Transformer: Reinforcement Learning via Sequence
+Modeling"): the baseline every other model file in this project is read against.
 
-A trajectory is a sequence of tokens (R_1, s_1, a_1, R_2, s_2, a_2, ...) where R_t is the return-to-go. A causal
-GPT-2-style transformer reads the last K steps (3K tokens) and predicts a_t from the hidden state of the s_t token.
-At test time the model is prompted with a target return, and R_{t+1} = R_t - r_t after each step (paper Sec. 3).
+A trajectory is a sequence of tokens (R_1, s_1, a_1, R_2, s_2, a_2, ...) where R_t is the
+return-to-go. A causal GPT-2-style transformer reads the last K steps (3K tokens) and predicts a_t
+from the hidden state of the s_t token. At test time the model is prompted with a target return,
+and R_{t+1} = R_t - r_t after each step (paper Sec. 3).
 
-    python dt.py --env hopper-medium                  # paper configuration: 100k steps, 128-d, 3 layers, K=20
-    python dt.py --env hopper-medium --preset cpu     # small configuration for a 2-core laptop, ~3 minutes
-    python dt.py --env hopper-medium --no-return-token                # behaviour cloning (the paper's BC row)
-    python dt.py --env hopper-medium --no-return-token --top-fraction 0.1     # %BC: BC on the best 10%
-    python dt.py --dataset dqn-replay/breakout/1pct-v0    # Atari (Sec. 5.1): DT's Atari model, chosen from the data
-    python dt.py --out <run folder> --target-sweep    # Fig. 4: the return achieved against the one asked for
+    python dt.py --env hopper-medium                  # the paper's configuration (a GPU)
+    python dt.py --env hopper-medium --preset cpu     # a small configuration for a 2-core laptop
+    python dt.py --env hopper-medium --no-return-token                     # behaviour cloning (BC)
+    python dt.py --env hopper-medium --no-return-token --top-fraction 0.1  # %BC: BC on the best 10%
+    python data.py make breakout-mixed && python dt.py --dataset made/breakout/mixed-v0 --preset cpu
+    python dt.py --out <run folder> --target-sweep    # Fig. 4: the return got against the target
 
 Glossary (paper symbol -> code name):
-    R_t     return-to-go, sum of the rewards from t to the episode's end      rtg (B, K, 1), times return_scale
-    s_t     state (observation), normalised by the dataset's mean and std    states (B, K, obs_dim)
-    a_t     action, in [-1, 1]                                                actions (B, K, act_dim)
-    t       timestep inside the episode (one embedding per timestep)          timesteps (B, K)
-    K       context: the number of timesteps the model sees (3K tokens)       Config.context
-    C       token width (the paper's embedding dimension, 128)                Config.n_embd
-    mask    1 = a real step, 0 = left padding before an episode's start       mask (B, K)
+    R_t   return-to-go, the sum of rewards from t to the episode's end   rtg (B, K, 1), scaled
+    s_t   state, normalised by the dataset's mean and std                states (B, K, obs_dim)
+    a_t   action, in [-1, 1]                                             actions (B, K, act_dim)
+    t     timestep inside the episode (one embedding per timestep)       timesteps (B, K)
+    K     context: the number of timesteps the model sees (3K tokens)    Config.context
+    C     token width (the paper's embedding dimension, 128)             Config.n_embd
+    mask  1 = a real step, 0 = left padding before an episode's start    mask (B, K)
   Atari (AtariDecisionTransformer, the official atari/ code):
-    s_t     the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)    states (B, K, 4, 84, 84)
-    a_t     one of the game's |A| actions (Discrete)                          actions (B, K) int64; logits (B, K, |A|)
+    s_t   the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model) states (B, K, 4, 84, 84)
+    a_t   one of the game's |A| actions                                  actions (B, K) int64
 
-Layout: Config (the paper's settings, then the run's flags) -> the model (torch alone: copy it) -> the paper's pieces
--> train(), the loop -> --gif, --bench-eval, --bench -> main(); the run record is evaluate.py's. "kzl" below is the
-official code, https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f.
+Layout: Config (the paper's settings, then the run's flags) -> the model (torch alone: copy it)
+-> the paper's pieces -> train(), the loop -> the analyses, and the plumbing and main() that every
+model file shares word for word; the run record is evaluate.py's. "kzl" below is the official code,
+https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
 
 Departures from the paper and the official code:
- 1. Minari's mujoco/*-v0 data and gymnasium's MuJoCo v5 envs, not D4RL's -v2 data and mujoco-py (neither installs
-    today); scores are normalised with D4RL's reference returns.
- 2. A window ends at a uniformly drawn step and is left-padded at an episode's start; kzl's starts at a uniform step
-    and is padded near an episode's end (Atari: shifted back inside). Here every step is a window's newest equally
-    often, and padding looks as it does in evaluation. Padded actions are 0 (kzl: -10); a padding query sees itself.
- 3. --lr-decay (a cosine to a tenth) and --preset cpu are not the paper's; the default is its configuration.
- 4. Atari: the global time embedding reads the window's first timestep in training and evaluation alike (kzl's
-    evaluation feeds the current one; its create_dataset.py#L93-L99 gives a later episode's first step the previous
-    episode's length); frames come from gymnasium's AtariPreprocessing (max-pool, INTER_AREA resize, 1-30 no-ops, as
-    Dopamine made DQN-replay), not kzl's trainer_atari.py#L243-L283 (INTER_LINEAR, then max-pool, 0-29 no-ops).
- 5. Atari: the cosine reaches its floor (0.1) at --steps; kzl's, counted in tokens, at about step 18.6k of 19.5k.
+ 1. Minari's mujoco/*-v0 data and gymnasium's MuJoCo v5 envs, not D4RL's -v2 data and mujoco-py
+    (neither installs today); scores are normalised with D4RL's reference returns.
+ 2. A window ends at a uniformly drawn step and is left-padded at an episode's start, so every
+    step is a window's newest equally often and padding looks as it does in evaluation; kzl's gym
+    window starts at a uniform step (gym/experiment.py#L129) and is left-padded when it runs past
+    the episode's end (#L147-L154), its padded actions -10 (#L149; here 0). Atari: data.py's
+    sampler says how kzl's differs.
+ 3. --lr-decay (a cosine to a tenth) and --preset cpu are not the paper's; the default is its
+    configuration.
+ 4. Atari: the global time embedding reads the window's first timestep in training and evaluation
+    alike (kzl's evaluation feeds the current one; its atari/create_dataset.py#L93-L99 gives an
+    episode's first step the previous episode's length); the frames are evaluate.py's (its
+    docstring says how they differ from kzl's atari/mingpt/trainer_atari.py#L243-L283).
+ 5. Atari: the cosine is 0.1 + 0.9 * (1 + cos) / 2 and reaches 0.1 at --steps; kzl's is
+    max(0.1, (1 + cos) / 2), higher through the middle of training, counted in tokens and clipped
+    from about step 18.6k of 19.5k (atari/mingpt/trainer_atari.py#L116-L124,
+    atari/run_dt_atari.py#L85-L86).
 """
 import math
 from dataclasses import dataclass, field
@@ -53,69 +61,82 @@ import torch.nn.functional as F
 import data as data_lib
 import evaluate as ev
 
+
 def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run folder's name)."""
+    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
     return field(default=default, metadata={"help": help, "run": run})
+
 
 @dataclass
 class Config:
-    # ---- the paper's settings: what is trained (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
-    preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
-    steps: int = arg(100_000, "gradient steps (kzl: 10 iterations x 10k)", run=True)
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step, in data and evaluation (Table 5)")
+    # ---- the paper's settings (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
+    steps: int = arg(100_000, "gradient steps", run=True)  # kzl: 10 iterations x 10k
     batch_size: int = arg(64, "windows per batch")
     context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(1e-4, "AdamW weight decay")
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
-    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (not in the paper)")
+    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (not DT's)")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    amp: bool = arg(False, "bf16 autocast for the forward pass (for CUDA; the loss is reduced in fp32)")
     n_embd: int = arg(128, "token width")
     n_layer: int = arg(3, "transformer blocks")
     n_head: int = arg(1, "attention heads")
     dropout: float = arg(0.1, "dropout on embeddings, attention and residuals")
-    # the paper's behaviour-cloning baselines (Sec. 5.3, Table 3)
-    return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. behaviour cloning")
-    top_fraction: float = arg(1.0, "train on the best episodes by return that hold this fraction of the steps (%BC)")
-    # Atari (the official atari/ code)
-    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
-    state_encoder: str = arg("conv", "Atari: conv (DQN's torso, DT) | patch (StARformer's Table 5 'DT with ViT')")
-    # ---- the run: data, seed, evaluation, output, device, analyses (none of these changes what is trained) ----
+    # the paper's behaviour-cloning baselines (Sec. 5.3, Table 3) and delayed rewards (Table 5)
+    return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. BC")
+    top_fraction: float = arg(1.0, "train on the best episodes holding this share of steps (%BC)")
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 5)")
+    state_encoder: str = arg("conv", "Atari: conv (DQN's torso) | patch (StARformer's DT with ViT)")
+    # the evaluation protocol: kzl evaluates every 10k steps, 100 episodes a target
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          run=True)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
+    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl's)", run=True)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end (kzl: 10k)", run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel (DT's gym code: 100)", run=True)
-    target_return: float = arg(None, "return-to-go prompt, raw units; default: the dataset's targets", run=True)
-    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl draws); it can stall", run=True)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    out: str = arg("", "output folder; default runs/dt/<env>/<variant>/seed<N>", run=True)
-    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
-    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
-    bench: bool = arg(False, "time training steps, eager vs compiled (and bf16 on CUDA), on synthetic data", run=True)
-    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run's checkpoint", run=True)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", run=True)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
     gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (Fig. 4): the return achieved at 8 targets, from the data's "
-                                    "lowest to above its best", run=True)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
 
-# --preset cpu: hopper-medium on 2 CPU cores in minutes, the lr decayed so that the last checkpoint is settled. Mazes:
-# K=1, no dropout (noisy actions are a history to copy; dropout blurs the position and goal: medium-dense, seed 0, goal
-# reached 28% at K=10, 88% at K=1 without dropout). Atari's paper setting is kzl's atari/run_dt_atari.py#L79-L87: 5
-# epochs of 1% DQN-replay (3906 steps of 128), an evaluation after each, warmup 512 x 20 tokens (3 steps).
-# --preset cpu on Atari (replica/breakout/mixed-v0): 4000 steps and two evaluations score as 5000 steps and five
-# did (30 episodes of the last checkpoint, seeds 0-2: 34.7 against 33.6) in 71% of the CPU time; 3300 scored less.
-PRESETS = {"": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4, beta2=0.95,
-                               weight_decay=0.1, grad_clip=1.0, warmup_steps=3, lr_decay=True, steps=19_530,
-                               eval_every=3906, eval_episodes=10)),
-           "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3, warmup_steps=500,
-                       lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
-                       mazes=dict(context=1, dropout=0.0, eval_episodes=50),
-                       atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
-                                  steps=4000, eval_every=2000, eval_episodes=10, dropout=0.1))}
+    # ---- this file's analyses ----
+    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run", run=True)
 
-# >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
+
+# The paper's Atari settings: kzl's atari/run_dt_atari.py#L79-L87 (6 x 128, 8 heads, lr 6e-4,
+# 512 x 20 warmup tokens = 3 steps) and atari/run.sh#L4: 5 epochs of 500k steps of 1% DQN-replay,
+# 3906 steps an epoch, an evaluation after each; Pong (run.sh#L14) with K=50 and batch 512, 977
+# steps an epoch. --preset cpu: hopper in minutes on 2 cores, the lr decayed so that the last
+# checkpoint is settled; mazes at K=1 without dropout (noisy actions are a history to copy); Atari
+# cut where the return stops rising (README).
+PRESETS = {
+    "": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4,
+                        beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_steps=3, lr_decay=True,
+                        steps=19_530, eval_every=3906, eval_episodes=10,
+                        pong=dict(context=50, batch_size=512, warmup_steps=1, steps=4885,
+                                  eval_every=977))),
+    "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3,
+                warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
+                mazes=dict(context=1, dropout=0.0, eval_episodes=50),
+                atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4,
+                           warmup_steps=100, steps=4000, eval_every=2000, eval_episodes=10,
+                           dropout=0.1)),
+}
+
+# >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
@@ -128,12 +149,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, attn_mask):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)                          # 3 x (B, T, C)
-        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,   # softmax(q k^T / sqrt(hs)) v
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C)
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for z in (q, k, v))  # (B, nh, T, hs)
+        # softmax(q k^T / sqrt(hs)) v
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_drop(self.c_proj(y))
+
 
 class Block(nn.Module):
     """GPT-2 block: pre-LayerNorm attention and MLP, each with a residual connection."""
@@ -143,33 +167,39 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        # kzl's gym GPT-2 has ReLU (gym/experiment.py#L218, #L295), its atari/ minGPT GELU (mingpt/model_atari.py#L109)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU() if gelu else nn.ReLU(),
+        # kzl's gym GPT-2 has ReLU (gym/experiment.py#L295), its atari/ minGPT GELU
+        # (atari/mingpt/model_atari.py#L109)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+                                 nn.GELU() if gelu else nn.ReLU(),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
 
     def forward(self, x, attn_mask):
         x = x + self.attn(self.ln_1(x), attn_mask)
         return x + self.mlp(self.ln_2(x))
 
+
 class DecisionTransformer(nn.Module):
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
         super().__init__()
         C = cfg.n_embd
-        # Sec. 3: "an embedding for each timestep is learned and added to each token" (one timestep = 3 tokens), in
-        # place of GPT's positional embedding. kzl gym/decision_transformer/models/decision_transformer.py#L40-L52
+        # Sec. 3: "an embedding for each timestep is learned and added to each token" (one timestep
+        # = 3 tokens), in place of GPT's positional embedding
+        # (kzl gym/decision_transformer/models/decision_transformer.py#L40-L50)
         self.embed_timestep = nn.Embedding(max_ep_len, C)
-        self.return_token = cfg.return_token                 # False: (s, a) tokens only, behaviour cloning (Sec. 5.3)
+        self.return_token = cfg.return_token  # False: (s, a) tokens, behaviour cloning (Sec. 5.3)
         if self.return_token:
-            self.embed_return = nn.Linear(1, C)              # Sec. 3: a linear layer per modality
+            self.embed_return = nn.Linear(1, C)  # Sec. 3: a linear layer per modality
         self.embed_state = nn.Linear(obs_dim, C)
         self.embed_action = nn.Linear(act_dim, C)
-        self.embed_ln = nn.LayerNorm(C)                      # kzl's gym DT normalises the token embeddings
+        self.embed_ln = nn.LayerNorm(C)  # kzl's gym DT normalises the token embeddings
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(C)
-        self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions live in [-1, 1]
+        self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions in [-1, 1]
+
+        # GPT-2's init, the residual projections scaled by 1/sqrt(2 * n_layer)
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
+        for name, p in self.named_parameters():
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
@@ -181,34 +211,42 @@ class DecisionTransformer(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, states, actions, rtg, timesteps, mask):
-        """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions (B,K,act).
-        The prediction at position t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (rtg is unused in BC)."""
+        """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions
+        (B,K,act). The prediction at t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (BC: no R)."""
         B, K, _ = states.shape
-        time = self.embed_timestep(timesteps)                                   # (B, K, C)
-        tokens = [self.embed_state(states) + time,                             # s_t
-                  self.embed_action(actions) + time]                           # a_t
+        time = self.embed_timestep(timesteps)  # (B, K, C)
+        tokens = [self.embed_state(states) + time, self.embed_action(actions) + time]  # s_t, a_t
         if self.return_token:
-            tokens.insert(0, self.embed_return(rtg) + time)                     # R_t comes first in each step
-        n = len(tokens)                                                         # tokens per step: 3 (2 for BC)
-        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                   # (B, nK, C): R_1, s_1, a_1, ... (Alg. 1)
-        x = self.drop(self.embed_ln(x))                                         # (B, nK, C)
-        attn_mask = causal_padding_mask(mask, n)                                # (B, 1, nK, nK)
+            tokens.insert(0, self.embed_return(rtg) + time)  # R_t comes first in each step
+        n = len(tokens)  # tokens per step: 3 (2 for BC)
+
+        # the sequence R_1, s_1, a_1, R_2, ... (Alg. 1)
+        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)  # (B, nK, C)
+        x = self.drop(self.embed_ln(x))  # (B, nK, C)
+        attn_mask = causal_padding_mask(mask, n)  # (B, 1, nK, nK)
         for block in self.blocks:
             x = block(x, attn_mask)
-        x = self.ln_f(x).reshape(B, K, n, -1)                                   # (B, K, n, C)
-        return self.predict_action(x[:, :, n - 2])   # Sec. 3 / Alg. 1: a_t predicted from the s_t token: (B, K, act)
+        x = self.ln_f(x).reshape(B, K, n, -1)  # (B, K, n, C)
+
+        # Sec. 3 / Alg. 1: a_t predicted from the s_t token
+        return self.predict_action(x[:, :, n - 2])  # (B, K, act)
+
 
 def causal_padding_mask(mask, n):
-    """(B, K) real-step mask, n tokens per step -> (B, 1, nK, nK) attention mask: causal, and no attention to left
-    padding; a padding query may see itself (its output is never used), so that no row of the softmax is empty."""
-    real = mask.bool().repeat_interleave(n, dim=1)                              # (B, nK)
-    causal = torch.ones(real.shape[1], real.shape[1], dtype=torch.bool, device=mask.device).tril()
-    eye = torch.eye(real.shape[1], dtype=torch.bool, device=mask.device)
-    return (causal & (real[:, None, :] | eye))[:, None]                        # (B, 1, nK, nK)
+    """(B, K) real-step mask, n tokens per step -> (B, 1, nK, nK) attention mask: causal, and no
+    attention to left padding; a padding query sees itself (its output is never used), so that no
+    row of the softmax is empty."""
+    real = mask.bool().repeat_interleave(n, dim=1)  # (B, nK)
+    T = real.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=mask.device)
+    return (causal & (real[:, None, :] | eye))[:, None]  # (B, 1, nK, nK)
+
 
 class PatchEncoder(nn.Module):
-    """StARformer's Table 5 "DT with ViT" state token: the 4 x 84 x 84 stack cut into 144 patches of 7 x 7 x 4, each
-    linear to d = 64 plus a learned spatial embedding (zeros at init), all 144 flattened, linear to C, tanh."""
+    """StARformer's Table 5 "DT with ViT" state token: the 4 x 84 x 84 stack cut into 144 patches of
+    7 x 7 x 4, each linear to d = 64 plus a learned spatial embedding (zeros at init), all 144
+    flattened, linear to C, tanh."""
 
     def __init__(self, C, shape=(4, 84, 84), p=7, d=64):
         super().__init__()
@@ -219,77 +257,111 @@ class PatchEncoder(nn.Module):
         self.proj = nn.Sequential(nn.Linear(self.n * d, C), nn.Tanh())
 
     def forward(self, x):
-        N, c, H, W = x.shape                                                    # (N, 4, 84, 84)
+        N, c, H, W = x.shape  # (N, 4, 84, 84)
         p = self.p
-        patches = x.reshape(N, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(N, self.n, c * p * p)
-        z = self.embed_patch(patches) + self.e_spatial                         # (N, 144, d)
-        return self.proj(z.flatten(1))                                          # (N, C)
+        patches = x.reshape(N, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+        patches = patches.reshape(N, self.n, c * p * p)  # (N, 144, 196)
+        z = self.embed_patch(patches) + self.e_spatial  # (N, 144, d)
+        return self.proj(z.flatten(1))  # (N, C)
+
 
 class AtariDecisionTransformer(nn.Module):
-    """DT on Atari (Sec. 5.1; kzl atari/mingpt/model_atari.py#L126-L157): the tokens (R_t, s_t, a_t) with s_t read by
-    DQN's conv torso, a_t an embedding, logits for a_t from the s_t token; time is a learned embedding of the window's
-    first timestep plus one per token position (the gym model adds one per timestep); minGPT's GELU blocks."""
+    """DT on Atari (Sec. 5.1; kzl atari/mingpt/model_atari.py#L119-L157 and #L227-L266): the tokens
+    (R_t, s_t, a_t) with s_t read by DQN's conv torso, a_t an embedding, logits for a_t from the s_t
+    token; time is a learned embedding of the window's first timestep plus one per token position
+    (the gym model adds one per timestep); minGPT's GELU blocks."""
 
     def __init__(self, cfg, n_actions, max_ep_len):
         super().__init__()
         C, self.return_token = cfg.n_embd, cfg.return_token
-        self.n = 3 if cfg.return_token else 2                                   # tokens per step (2: BC, (s, a))
-        self.pos_emb = nn.Parameter(torch.zeros(1, self.n * cfg.context, C))    # one per token position in a window
-        self.global_pos_emb = nn.Parameter(torch.zeros(1, max_ep_len, C))       # one per timestep (the window's first)
+        self.n = 3 if cfg.return_token else 2  # tokens per step (2: BC, (s, a))
+        self.pos_emb = nn.Parameter(torch.zeros(1, self.n * cfg.context, C))  # per token position
+        self.global_pos_emb = nn.Parameter(torch.zeros(1, max_ep_len, C))  # per timestep
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg, gelu=True) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(C)
         self.head = nn.Linear(C, n_actions, bias=False)
-        # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above: kzl applies it before building the
-        # embeddings below, which keep PyTorch's default init, all but the action table's N(0, 0.02) (#L150-L157)
+
+        # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above: kzl applies it
+        # before building the embeddings below, which keep PyTorch's default init, all but the
+        # action table's N(0, 0.02) (#L143-L157)
         self.apply(DecisionTransformer._init_weights)
-        # DQN's torso (Mnih et al. 2015): 4 x 84 x 84 -> 64 x 7 x 7 -> C, tanh (--state-encoder patch: PatchEncoder)
+
+        # DQN's torso (Mnih et al. 2015): 4 x 84 x 84 -> 64 x 7 x 7 -> C, tanh
         self.embed_state = PatchEncoder(C) if cfg.state_encoder == "patch" else nn.Sequential(
             nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, C), nn.Tanh())
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, C),
+            nn.Tanh())
         self.embed_return = nn.Sequential(nn.Linear(1, C), nn.Tanh()) if cfg.return_token else None
         self.embed_action = nn.Sequential(nn.Embedding(n_actions, C), nn.Tanh())
         nn.init.normal_(self.embed_action[0].weight, mean=0.0, std=0.02)
 
     def forward(self, states, actions, rtg, timesteps, mask):
-        """states (B,K,4,84,84) uint8, actions (B,K) int64, rtg, timesteps, mask as above -> logits (B,K,|A|)."""
+        """states (B,K,4,84,84) uint8, actions (B,K) int64, rtg, timesteps, mask as above -> logits
+        (B,K,|A|)."""
         B, K = actions.shape
-        frames = states.reshape(B * K, *states.shape[2:]).float() / 255.0         # (BK, 4, 84, 84) in [0, 1]
-        # stored channels-last: the same values, and the convolutions run about 1.3x faster on CPU (measured)
-        s = self.embed_state(frames.contiguous(memory_format=torch.channels_last)).view(B, K, -1)  # (B, K, C)
-        tokens = [s, self.embed_action(actions)]                                # s_t, a_t: (B, K, C) each
+        frames = states.reshape(B * K, *states.shape[2:]).float() / 255.0  # (BK, 4, 84, 84)
+        # channels-last: the same values, and faster convolutions on CPU
+        frames = frames.contiguous(memory_format=torch.channels_last)
+        s = self.embed_state(frames).view(B, K, -1)  # (B, K, C)
+        tokens = [s, self.embed_action(actions)]  # s_t, a_t: (B, K, C) each
         if self.return_token:
-            tokens.insert(0, self.embed_return(rtg))                            # R_t first in each step
+            tokens.insert(0, self.embed_return(rtg))  # R_t first in each step
         n = self.n
-        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)                    # (B, nK, C): R_1, s_1, a_1, R_2, ...
-        # + the window's first timestep's embedding (departure 4; 0 for a left-padded window) + each token position's
-        x = self.drop(x + self.global_pos_emb[0, timesteps[:, 0]][:, None, :] + self.pos_emb[:, :n * K])  # (B, nK, C)
-        attn_mask = causal_padding_mask(mask, n)                                # (B, 1, nK, nK)
+        x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)  # (B, nK, C): R_1, s_1, a_1, ...
+
+        # + the window's first timestep's embedding (departure 4; 0 for a left-padded window) + each
+        # token position's
+        first = self.global_pos_emb[0, timesteps[:, 0]][:, None, :]  # (B, 1, C)
+        x = self.drop(x + first + self.pos_emb[:, :n * K])  # (B, nK, C)
+        attn_mask = causal_padding_mask(mask, n)  # (B, 1, nK, nK)
         for block in self.blocks:
             x = block(x, attn_mask)
-        x = self.ln_f(x).reshape(B, K, n, -1)                                   # (B, K, n, C)
-        return self.head(x[:, :, n - 2])                 # logits for a_t from the s_t token: (B, K, |A|)
+        x = self.ln_f(x).reshape(B, K, n, -1)  # (B, K, n, C)
+        return self.head(x[:, :, n - 2])  # logits for a_t from the s_t token: (B, K, |A|)
+
 # <<< model: end
 
-# ----------------------------------------------------------------------------------------------------------------
-# the paper's pieces: data, learning-rate schedule, loss, policy
+# --------------------------------------------------------------------------------------------------
+# the paper's pieces: data, model, schedule, loss, policy
 
 SCRIPT = "dt"
+LOG_COLUMNS = ()
+
+
+def paper_settings(cfg, given):
+    """This file's flags checked (the paper's own rows are PRESETS) -> cfg."""
+    if not 0 < cfg.top_fraction <= 1:
+        raise data_lib.DataError(f"--top-fraction must lie in (0, 1], got {cfg.top_fraction}")
+    if cfg.state_encoder not in ("conv", "patch"):
+        raise data_lib.DataError(f"unknown --state-encoder '{cfg.state_encoder}'; use conv or "
+                                 f"patch")
+    return cfg
+
 
 def load_dataset(cfg):
     d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    # %BC (Sec. 5.3): the best episodes by return up to this share of the steps; state statistics stay the full data's
+    # %BC (Sec. 5.3): the best episodes by return, up to this share of the steps; the state
+    # statistics stay the full data's
     return d.keep_top(cfg.top_fraction) if cfg.top_fraction < 1 else d
 
+
 def build_model(cfg, info):
-    """The model the data's spaces call for: DT's Atari model for discrete actions, the gym model otherwise."""
+    """The model the data's spaces call for: Atari's for discrete actions, else the gym one."""
     if info.get("discrete"):
         return AtariDecisionTransformer(cfg, info["act_dim"], info["max_ep_len"])
     return DecisionTransformer(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
 
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s."""
+    return (3 if cfg.return_token else 2) * cfg.context * cfg.batch_size
+
+
 def param_groups(model, cfg):
-    """AdamW's parameter groups. kzl's gym code decays every parameter (gym/experiment.py#L237-L241); its Atari code
-    decays only the weights of linear and conv layers (atari/mingpt/model_atari.py#L181-L214)."""
+    """AdamW's parameter groups. kzl's gym code decays every parameter
+    (gym/experiment.py#L237-L241); its Atari code only the weights of linear and conv layers
+    (atari/mingpt/model_atari.py#L181-L214)."""
     if not isinstance(model, AtariDecisionTransformer):
         return [{"params": list(model.parameters())}]
     matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
@@ -297,68 +369,94 @@ def param_groups(model, cfg):
     rest = [p for p in model.parameters() if id(p) not in matrices]
     return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
 
+
 def lr_factor(s, cfg):
-    """Multiplier of --lr at step s: linear warmup, then constant (kzl gym/experiment.py#L242-L245), or with --lr-decay
-    a cosine down to 0.1 (kzl's Atari cosine, atari/mingpt/trainer_atari.py#L115-L125, counts tokens: departure 5)."""
+    """Multiplier of --lr at step s: linear warmup, then constant (kzl gym/experiment.py#L242-L245),
+    or with --lr-decay a cosine down to 0.1 (Atari: departure 5)."""
     if s < cfg.warmup_steps or not cfg.lr_decay:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
     progress = min((s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 1.0)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-def loss_fn(model, batch, cfg):
-    pred = model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])  # (B, K, act)
-    if batch["actions"].dtype == torch.int64:     # Sec. 3: cross-entropy for discrete actions (Atari), on the logits
-        err = F.cross_entropy(pred.float().flatten(0, 1), batch["actions"].flatten(), reduction="none")  # (B * K,)
-        err = err.view_as(batch["mask"])                                                                  # (B, K)
-    else:                                         # Sec. 3: MSE (kzl gym/.../training/seq_trainer.py#L18-L25)
-        err = ((pred.float() - batch["actions"]) ** 2).mean(-1)                                         # (B, K)
-    return (err * batch["mask"]).sum() / batch["mask"].sum()       # real steps only
 
-def policy(model):
-    """Alg. 1's action: the live envs' contexts -> the current step's action (Atari: logits, sampled by evaluate)."""
-    def act(batch, live):
-        return model(batch["states"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])[:, -1]
+def loss_fn(model, batch, cfg):
+    b = batch
+    pred = model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])  # (B, K, act)
+    if b["actions"].dtype == torch.int64:
+        # Sec. 3: cross-entropy for discrete actions (Atari), on the logits
+        err = F.cross_entropy(pred.float().flatten(0, 1), b["actions"].flatten(), reduction="none")
+        err = err.view_as(b["mask"])  # (B, K)
+    else:
+        # Sec. 3: mean-squared error (kzl gym/decision_transformer/training/seq_trainer.py#L18-L25)
+        err = ((pred.float() - b["actions"]) ** 2).mean(-1)  # (B, K)
+    return (err * b["mask"]).sum() / b["mask"].sum()  # real steps only
+
+
+def policy(model, cfg):
+    """Alg. 1's action: the live envs' contexts -> the current step's action (Atari: logits)."""
+    def act(b, live):
+        return model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])[:, -1]
     return act
 
+
+def rollout(cfg):
+    """How evaluate.py runs the policy: the context it keeps; Atari: greedy or sampled actions."""
+    return dict(context=cfg.context, greedy=cfg.greedy)
+
+
 def targets(cfg, d):
-    """Return-to-go prompts, raw units: --target-return, else the paper's two per environment; none for BC."""
+    """Return-to-go prompts, raw units: --target-return, else the paper's (BC: none)."""
     if not cfg.return_token:
         return [None]
     return [cfg.target_return] if cfg.target_return is not None else d.target_returns
 
+
 def evaluate(model, d, cfg, device):
-    """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
+    """Alg. 1 in the dataset's env, --eval-episodes in parallel a target -> [(target, results)]."""
     model.eval()
-    results = [(g, ev.evaluate(policy(model), d, cfg.eval_episodes, g, cfg.seed + 10_000, cfg.context, device,
-                               greedy=cfg.greedy)) for g in targets(cfg, d)]
+    act = policy(model, cfg)
+    results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
+                               **rollout(cfg))) for g in targets(cfg, d)]
     model.train()
     return results
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # training
 
+
 def train(cfg, run, d=None):
-    """Train the model of Sec. 3 (--resume: continue the run) and evaluate it with Alg. 1 -> the first target's final
-    evaluation. evaluate.Run keeps the folder, log and checkpoint (--bench passes its timer and synthetic data)."""
+    """Train the model of Sec. 3 and evaluate it with Alg. 1 -> the first target's final evaluation.
+    run: the evaluate.Run that keeps the folder, log and checkpoint (--resume: restores them)."""
     d = load_dataset(cfg) if d is None else d
-    ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
+    ev.check_data(cfg, d, atari=True)  # a context or target that means nothing for this data
     device, info = ev.pick_device(cfg.device), d.info()
+
+    # one step's memory, from shapes alone, before anything is allocated
     template = d.sample(2, cfg.context, np.random.default_rng(0))
-    with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
+    with torch.device("meta"):
         meta = build_model(cfg, info)
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
+        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
+                               device)
+
+    # the model, the optimiser and the schedule
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)
-    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    rng = np.random.default_rng(cfg.seed)                           # draws the training windows
-    step = run.start(cfg, model, opt, sched, rng, d, info, need)    # --resume: all of the above as the run left it
+    rng = np.random.default_rng(cfg.seed)  # draws the training windows
+
+    # open the run, or with --resume restore all of the above as the run left it
+    step = run.start(cfg, model, opt, sched, rng, d, info, need)
     fwd = torch.compile(model) if cfg.compile else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)   # --amp: bf16 forward pass
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
     results = None
-    with ev.StopSignal() as stop:                                   # Ctrl-C: end this step, save, exit 130
+    with ev.StopSignal() as stop:  # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
-            batch = {k: v.to(device, non_blocking=True) for k, v in d.sample(cfg.batch_size, cfg.context, rng).items()}
+            batch = d.sample(cfg.batch_size, cfg.context, rng)
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+            # forward, backward, clip the gradient, step the optimiser and the schedule
             with autocast:
                 loss = loss_fn(fwd, batch, cfg)
             opt.zero_grad(set_to_none=True)
@@ -367,74 +465,98 @@ def train(cfg, run, d=None):
             opt.step()
             sched.step()
             step += 1
-            run.log(step, loss, sched.get_last_lr()[0])             # every --log-every steps: a line and log.csv
+
+            # log every --log-every steps; evaluate (Alg. 1) and checkpoint every --eval-every
+            run.log(step, loss, sched.get_last_lr()[0])
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                results = evaluate(model, d, cfg, device)           # Alg. 1 in the env, for each target
-                run.save(step, model, opt, sched, rng, results)     # log.csv, then ckpt.pt, then curve.png
+                results = evaluate(model, d, cfg, device)
+                run.save(step, model, opt, sched, rng, results)  # log.csv, ckpt.pt, curve.png
+
         if stop.signum and step < cfg.steps:
             run.save(step, model, opt, sched, rng)
             stop.exit(step, run.out)
-    return run.finish(results or evaluate(model, d, cfg, device))   # resumed at --steps: evaluate the checkpoint
 
-# ----------------------------------------------------------------------------------------------------------------
-# --gif, --target-sweep, --bench-eval (read a run's checkpoint, never train) and --bench (train() timed, synthetic data)
+    # a run resumed at --steps evaluates its checkpoint
+    return run.finish(results or evaluate(model, d, cfg, device))
+
+# --------------------------------------------------------------------------------------------------
+# this file's analyses: they read a run's checkpoint and never train
+
+
+def bench_eval(cfg, given):
+    """--bench-eval: 10 episodes of the run's checkpoint, batched against sequential."""
+    cfg, model, d, _ = load_model(cfg, given)
+    act = policy(model.cpu(), cfg)
+    ev.compare_with_sequential(act, d, 10, targets(cfg, d)[0], cfg.seed, cfg.context)
+
+
+ANALYSES = {"bench_eval": bench_eval}
+
+# --------------------------------------------------------------------------------------------------
+# the run's plumbing, the same text in every model file: --gif, --target-sweep, --bench, main()
+
 
 def load_model(cfg, given):
-    """An analysis's run, from its checkpoint -> (its settings, its model in eval mode, its data, its folder)"""
+    """An analysis's run, from its checkpoint -> (its settings, its model in eval mode, its data,
+    its folder)."""
     cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
     model = build_model(cfg, ck["info"])
     model.load_state_dict(ck["model"])
-    return cfg, model.to(ev.pick_device(cfg.device)).eval(), load_dataset(cfg), ev.run_folder(SCRIPT, cfg, PRESETS)
+    model = model.to(ev.pick_device(cfg.device)).eval()
+    return cfg, model, load_dataset(cfg), ev.run_folder(SCRIPT, cfg, PRESETS)
+
 
 def gif(cfg, given):
-    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif."""
     cfg, model, d, out = load_model(cfg, given)
-    ev.episode_gif(policy(model), d, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context,
-                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+    device, title = next(model.parameters()).device, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}"
+    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, device=device,
+                   out=out, title=title, **rollout(cfg))
+
 
 def target_sweep(cfg, given):
-    """--target-sweep (Fig. 4): the run's checkpoint at 8 targets from the data's lowest return to above its best,
-    --eval-episodes each -> target_sweep.png and .csv (never trains)."""
-    if not ev.load_run(SCRIPT, cfg, given, PRESETS)[0].return_token:
-        raise data_lib.DataError("this run is behaviour cloning (--no-return-token): its model reads no return-to-go, "
-                                 "so there is no target to sweep")
+    """--target-sweep (DT's Fig. 4): the run's checkpoint at 8 targets from the data's lowest return
+    to above its best, --eval-episodes each -> target_sweep.png and .csv."""
     cfg, model, d, out = load_model(cfg, given)
-    device = next(model.parameters()).device
-    ev.target_sweep(policy(model), d, cfg.eval_episodes, cfg.seed + 10_000, cfg.context, device, out,
-                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
+    if targets(cfg, d) == [None]:
+        raise data_lib.DataError("this run's model reads no return-to-go (it was trained without "
+                                 "one), so there is no target to sweep")
+    device, title = next(model.parameters()).device, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}"
+    ev.target_sweep(policy(model, cfg), d, cfg.eval_episodes, cfg.seed + 10_000, device=device,
+                    out=out, title=title, **rollout(cfg))
 
-def bench_eval(cfg, given):
-    """--bench-eval: 10 episodes of the run's checkpoint, batched against sequential evaluation (same returns)."""
-    cfg, model, d, _ = load_model(cfg, given)
-    ev.compare_with_sequential(policy(model.cpu()), d, 10, targets(cfg, d)[0], cfg.seed, cfg.context)
 
-def bench(cfg):
-    """--bench: train()'s steps timed on synthetic hopper data, or Atari frames for an Atari --env (DeMa Table 7)."""
-    length = max(200, 2 * cfg.context)
-    d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env) else
-         data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))
-    tokens = (3 if cfg.return_token else 2) * cfg.context * cfg.batch_size
-    for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
-        with timer:
-            train(mode_cfg, timer, d)
+def bench(cfg, given):
+    """--bench: train() run briefly on synthetic data of the dataset's shapes, in each mode; the
+    run's own record times its steps (evaluate.bench_runs prints them)."""
+    d = data_lib.synthetic_like(cfg.dataset or cfg.env, length=max(200, 2 * cfg.context))
+    for mode_cfg, run in ev.bench_runs(SCRIPT, cfg, given, PRESETS, batch_tokens(cfg)):
+        train(mode_cfg, run, d)
+
 
 def parse_flags(argv=None):
     return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
 
+
 def main(argv=None):
     with ev.one_sentence_errors():
+        # every flag checked before any work: the paper's settings for the data, then shared checks
         cfg, given = parse_flags(argv)
-        ev.check_flags(cfg, "bench", "bench_eval", "gif", "target_sweep")   # every flag, before any work
-        if not 0 < cfg.top_fraction <= 1:
-            raise data_lib.DataError(f"--top-fraction must lie in (0, 1], got {cfg.top_fraction}")
-        if cfg.state_encoder not in ("conv", "patch"):
-            raise data_lib.DataError(f"unknown --state-encoder '{cfg.state_encoder}'; use conv or patch")
+        cfg = paper_settings(cfg, given)
+        ev.check_flags(cfg, "bench", "gif", "target_sweep", *ANALYSES)
+
+        # an analysis of a run's checkpoint, or --bench
         if cfg.bench:
-            return bench(cfg)
-        if cfg.bench_eval or cfg.gif or cfg.target_sweep:
-            return (bench_eval if cfg.bench_eval else gif if cfg.gif else target_sweep)(cfg, given)
-        with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
+            return bench(cfg, given)
+        if cfg.gif or cfg.target_sweep:
+            return (gif if cfg.gif else target_sweep)(cfg, given)
+        if name := next((name for name in ANALYSES if getattr(cfg, name)), None):
+            return ANALYSES[name](cfg, given)
+
+        # train (--resume: the run's own settings, from its checkpoint, in run.cfg)
+        with ev.Run(SCRIPT, cfg, given, PRESETS, columns=LOG_COLUMNS) as run:
             return train(run.cfg, run)
+
 
 if __name__ == "__main__":
     main()

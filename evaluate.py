@@ -19,6 +19,7 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import io
 import json
 import math
 import os
@@ -28,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -377,8 +379,8 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     return results
 
 # ================================================================================================================
-# The run record: a model file's main() calls parse_flags, check_flags and opens a Run (with --bench, bench_modes'
-# Bench records) inside one_sentence_errors(); train() calls check_data, check_memory, run.start/log/save/finish.
+# The run record: a model file's main() calls parse_flags, check_flags and opens a Run (with --bench, bench_runs'
+# short runs) inside one_sentence_errors(); train() calls check_data, check_memory, run.start/log/save/finish.
 
 RUN_FILES = ("config.json", "log.csv", "ckpt.pt")      # a folder holding one of these holds a run
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
@@ -387,11 +389,14 @@ EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "
                "steps_to_goal", "greedy", "wall_time"]   # greedy: 1 where Atari's actions were argmax (per row)
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
 PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
+BENCH_MODES = [("eager", False, False), ("compiled", True, False), ("compiled + amp", True, True)]
 FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
 
 def parse_flags(Config, presets, argv, prog, description):
     """Every Config field is a flag (--batch-size for batch_size); --preset applies first, explicit flags win.
-    -> (cfg, the fields the command line set, the preset's included). A bad flag: one sentence, exit 1."""
+    -> (cfg, the fields that the command line or a named --preset set: not the paper's own rows, presets[""],
+    which a model file's paper_settings may replace by a dataset's own). A bad flag: one sentence, exit 1."""
+    argv = None if argv is None else [str(a) for a in argv]
     p = FlagParser(prog=prog, description=description, formatter_class=argparse.RawTextHelpFormatter)
     for f in dataclasses.fields(Config):
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
@@ -411,12 +416,16 @@ def parse_flags(Config, presets, argv, prog, description):
             f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}" for k, v in family.items()))
     if values.get("dataset"):
         values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
-    return Config(**values), set(values)
+    named = preset_values({k: v for k, v in presets.items() if k}, preset, name)
+    return Config(**values), set(given) | set(named) | ({"env"} if values.get("dataset") else set())
 
 def family_setting(presets, preset, dataset):
-    """A preset's entry for the dataset's family ("mazes" or "atari"), else {}. The preset "" is the paper's."""
+    """A preset's entry for the dataset's family ("mazes" or "atari"), else {}. The preset "" is the paper's. An
+    entry may hold one game's own row under the game's name (e.g. "pong"), laid over the family's values."""
     family = "mazes" if is_maze(dataset) else "atari" if data_lib.is_atari(dataset) else None
-    return presets.get(preset, {}).get(family, {}) if family else {}
+    entry = presets.get(preset, {}).get(family, {}) if family else {}
+    rows = [v for k, v in entry.items() if isinstance(v, dict) and k in resolve(dataset).lower()]
+    return {k: v for k, v in entry.items() if not isinstance(v, dict)} | (rows[0] if rows else {})
 
 def preset_values(presets, preset, dataset):
     """The settings laid under the flags for this dataset: the paper's for its family (presets[""]), then the
@@ -679,7 +688,8 @@ class Run:
     def start(self, cfg, model, opt, sched, rng, d, info, need):
         """Create and lock a new run's folder (checking again, under the lock, that it holds no run), or restore the
         resumed run's model, optimiser, schedule, RNGs, log rows and pending losses. -> the step to continue from."""
-        self.cfg, self.d, self.info, self.device = cfg, d, info, next(model.parameters()).device
+        self.cfg, self.d, self.info, self.model = cfg, d, info, model
+        self.device = next(model.parameters()).device
         if self.lock is None:
             self.made = not os.path.isdir(self.out)
             try:
@@ -737,6 +747,7 @@ class Run:
         if step == self.first + 1 and step % self.cfg.log_every:   # a first sign of life, before the first log line
             print(f"step {step:6d} | loss {loss.item():.5f} | first step {time.time() - self.t_log:.1f} s", flush=True)
         if step == self.first + 1:
+            loss.item()                                            # (a device sync, once)
             self.t_probe = time.time()                             # steps after the first (its warm-up) are timed
         elif step == self.first + PROBE_STEPS + 1 and step < self.cfg.steps:
             loss.item()                                            # (a device sync, once)
@@ -874,55 +885,34 @@ def plot_curve(rows, path, hundred, title):
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-class Bench(contextlib.suppress):
-    """--bench: stands in for Run in train(), so that exactly its steps are timed: nothing is written; steps 4 .. 3 + n
-    are timed (the first includes torch.compile's work), one row is printed, and train() ends there: Bench.Done, which
-    `with bench:` suppresses."""
-    class Done(Exception):
-        pass
-    ck = None   # never a resumed run
-
-    def __init__(self, cfg, label, n, tokens, eager_ms):
-        super().__init__(Bench.Done)
-        self.cfg, self.label, self.n, self.tokens, self.eager_ms, self.times = cfg, label, n, tokens, eager_ms, {}
-
-    def start(self, cfg, model, opt, sched, rng, d, info, need):
-        self.params, self.times[0] = sum(p.numel() for p in model.parameters()), time.time()
-        self.cuda = next(model.parameters()).device.type == "cuda"
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        return 0
-
-    def log(self, step, loss, lr, **extra):
-        if step in (1, 3, 3 + self.n):
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.times[step] = time.time()
-        if step == 3 + self.n:
-            ms = 1e3 * (self.times[step] - self.times[3]) / self.n
-            self.eager_ms[0] = eager = self.eager_ms[0] or ms
-            print(f"  {self.label:15s} {ms:9.2f} ms/step {1e3 * self.tokens / ms:12,.0f} tokens/s   {eager / ms:5.2f}x "
-                  f"eager   " + (f"(first step, with compilation: {self.times[1] - self.times[0]:.1f} s)"
-                               if self.cfg.compile else f"({self.params:,} parameters)")
-                  # DeMa's Table 7 "GPU memory usage": the most this mode's steps held at once
-                  + (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB" if self.cuda else ""),
-                  flush=True)
-            raise Bench.Done
-
-    def add_row(self, **values):
-        pass
-
-def bench_modes(cfg, script, variant, tokens):
-    """--bench: (the configuration, its Bench record) for each mode: eager, torch.compile and, on CUDA, compiled with
-    bf16 autocast. `with bench: train(mode_cfg, bench)` runs to Bench.Done; min(--steps, 20) steps are timed."""
-    device, n, eager_ms = pick_device(cfg.device), min(cfg.steps, 20), [None]
-    print(f"bench {script} {variant} on {device} (torch {torch.__version__}): batch {cfg.batch_size}, K={cfg.context}, "
-          f"{tokens:,} tokens per batch, {n} timed steps", flush=True)
-    modes = [("eager", False, False), ("compiled", True, False), ("compiled + amp", True, True)]
-    for label, compiled, amp in modes[:3 if device.type == "cuda" else 2]:
-        c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp, steps=10 ** 9, log_every=10 ** 9,
-                                eval_every=10 ** 9)
-        yield c, Bench(c, label, n, tokens, eager_ms)
+def bench_runs(script, cfg, given, presets, tokens):
+    """--bench: for each mode (eager, torch.compile and, on CUDA, compiled with bf16 autocast) a short real run in a
+    temporary folder, -> (its settings, its Run) for the model file to train(); the Run's own record times the steps
+    (PROBE_STEPS of them, after the first), and a line per mode is printed here. Nothing is written to keep."""
+    device, eager_ms = pick_device(cfg.device), None
+    print(f"bench {script} {variant_name(cfg, presets)} on {device} (torch {torch.__version__}): batch "
+          f"{cfg.batch_size}, K={cfg.context}, {tokens:,} tokens per batch, {PROBE_STEPS} timed steps", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, compiled, amp in BENCH_MODES[:3 if device.type == "cuda" else 2]:
+            c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp, steps=PROBE_STEPS + 2,
+                                    log_every=10 ** 9, eval_every=10 ** 9, eval_episodes=1, resume=False,
+                                    out=os.path.join(tmp, label.replace(" + ", "_")))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            # the run's own lines (data, length, evaluation) are not the bench's
+            with Run(script, c, given, presets) as run, contextlib.redirect_stdout(io.StringIO()):
+                yield c, run
+            ms = 1e3 * run.step_s
+            eager_ms = eager_ms or ms
+            first = run.t_probe - run.t_start
+            params = sum(p.numel() for p in run.model.parameters())
+            # DeMa's Table 7 "GPU memory usage": the most this mode's steps held at once
+            memory = (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB"
+                      if device.type == "cuda" else "")
+            print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   "
+                  f"{eager_ms / ms:5.2f}x eager   "
+                  + (f"(first step, with compilation: {first:.1f} s)" if compiled else f"({params:,} parameters)")
+                  + memory, flush=True)
 
 @contextlib.contextmanager
 def one_sentence_errors():

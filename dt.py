@@ -152,7 +152,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for z in (q, k, v))  # (B, nh, T, hs)
-        # softmax(q k^T / sqrt(hs)) v
+
+        # softmax(q k^T / sqrt(hs)) v, then the heads side by side again
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -186,13 +187,17 @@ class DecisionTransformer(nn.Module):
         # = 3 tokens), in place of GPT's positional embedding
         # (kzl gym/decision_transformer/models/decision_transformer.py#L40-L50)
         self.embed_timestep = nn.Embedding(max_ep_len, C)
+
+        # Sec. 3: a linear layer per modality, then a LayerNorm (kzl's gym DT)
         self.return_token = cfg.return_token  # False: (s, a) tokens, behaviour cloning (Sec. 5.3)
         if self.return_token:
-            self.embed_return = nn.Linear(1, C)  # Sec. 3: a linear layer per modality
+            self.embed_return = nn.Linear(1, C)
         self.embed_state = nn.Linear(obs_dim, C)
         self.embed_action = nn.Linear(act_dim, C)
-        self.embed_ln = nn.LayerNorm(C)  # kzl's gym DT normalises the token embeddings
+        self.embed_ln = nn.LayerNorm(C)
         self.drop = nn.Dropout(cfg.dropout)
+
+        # GPT-2's blocks, and the action head
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(C)
         self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions in [-1, 1]
@@ -214,6 +219,8 @@ class DecisionTransformer(nn.Module):
         """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions
         (B,K,act). The prediction at t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} only (BC: no R)."""
         B, K, _ = states.shape
+
+        # the tokens of each step, each with its timestep's embedding
         time = self.embed_timestep(timesteps)  # (B, K, C)
         tokens = [self.embed_state(states) + time, self.embed_action(actions) + time]  # s_t, a_t
         if self.return_token:
@@ -223,6 +230,8 @@ class DecisionTransformer(nn.Module):
         # the sequence R_1, s_1, a_1, R_2, ... (Alg. 1)
         x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)  # (B, nK, C)
         x = self.drop(self.embed_ln(x))  # (B, nK, C)
+
+        # causal attention over the 3K tokens
         attn_mask = causal_padding_mask(mask, n)  # (B, 1, nK, nK)
         for block in self.blocks:
             x = block(x, attn_mask)
@@ -259,6 +268,8 @@ class PatchEncoder(nn.Module):
     def forward(self, x):
         N, c, H, W = x.shape  # (N, 4, 84, 84)
         p = self.p
+
+        # 7 x 7 x 4 patches, row by row, each to d, with its place's embedding
         patches = x.reshape(N, c, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
         patches = patches.reshape(N, self.n, c * p * p)  # (N, 144, 196)
         z = self.embed_patch(patches) + self.e_spatial  # (N, 144, d)
@@ -300,6 +311,8 @@ class AtariDecisionTransformer(nn.Module):
         """states (B,K,4,84,84) uint8, actions (B,K) int64, rtg, timesteps, mask as above -> logits
         (B,K,|A|)."""
         B, K = actions.shape
+
+        # the tokens: frames through the torso, actions and returns through their embeddings
         frames = states.reshape(B * K, *states.shape[2:]).float() / 255.0  # (BK, 4, 84, 84)
         # channels-last: the same values, and faster convolutions on CPU
         frames = frames.contiguous(memory_format=torch.channels_last)
@@ -307,6 +320,7 @@ class AtariDecisionTransformer(nn.Module):
         tokens = [s, self.embed_action(actions)]  # s_t, a_t: (B, K, C) each
         if self.return_token:
             tokens.insert(0, self.embed_return(rtg))  # R_t first in each step
+
         n = self.n
         x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)  # (B, nK, C): R_1, s_1, a_1, ...
 
@@ -314,11 +328,13 @@ class AtariDecisionTransformer(nn.Module):
         # token position's
         first = self.global_pos_emb[0, timesteps[:, 0]][:, None, :]  # (B, 1, C)
         x = self.drop(x + first + self.pos_emb[:, :n * K])  # (B, nK, C)
+
+        # causal attention, then the logits for a_t from the s_t token
         attn_mask = causal_padding_mask(mask, n)  # (B, 1, nK, nK)
         for block in self.blocks:
             x = block(x, attn_mask)
         x = self.ln_f(x).reshape(B, K, n, -1)  # (B, K, n, C)
-        return self.head(x[:, :, n - 2])  # logits for a_t from the s_t token: (B, K, |A|)
+        return self.head(x[:, :, n - 2])  # (B, K, |A|)
 
 # <<< model: end
 
@@ -364,6 +380,7 @@ def param_groups(model, cfg):
     (atari/mingpt/model_atari.py#L181-L214)."""
     if not isinstance(model, AtariDecisionTransformer):
         return [{"params": list(model.parameters())}]
+
     matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
     decay = [p for p in model.parameters() if id(p) in matrices]
     rest = [p for p in model.parameters() if id(p) not in matrices]
@@ -382,6 +399,7 @@ def lr_factor(s, cfg):
 def loss_fn(model, batch, cfg):
     b = batch
     pred = model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])  # (B, K, act)
+
     if b["actions"].dtype == torch.int64:
         # Sec. 3: cross-entropy for discrete actions (Atari), on the logits
         err = F.cross_entropy(pred.float().flatten(0, 1), b["actions"].flatten(), reduction="none")
@@ -389,6 +407,7 @@ def loss_fn(model, batch, cfg):
     else:
         # Sec. 3: mean-squared error (kzl gym/decision_transformer/training/seq_trainer.py#L18-L25)
         err = ((pred.float() - b["actions"]) ** 2).mean(-1)  # (B, K)
+
     return (err * b["mask"]).sum() / b["mask"].sum()  # real steps only
 
 

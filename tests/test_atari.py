@@ -324,3 +324,19 @@ def test_dt_bench_on_atari_frames(tmp_path, capsys, monkeypatch):
     assert lines[0].startswith("bench dt") and f"{3 * 4 * 8} tokens per batch" in lines[0]
     assert lines[1].split()[0] == "eager" and "ms/step" in lines[1]
     assert os.listdir(tmp_path) == []
+
+
+def test_dt_paper_preset_trains_pong_as_dts_script_does():
+    """DT's official script trains Pong with K=50 and batch 512 (kzl atari/run.sh#L14), 5 epochs of
+    ceil((500000 - 150) / 512) = 977 steps; the other games with K=30 and batch 128, 3906 steps an epoch. The
+    paper preset applies Pong's row, the run is still the paper's ('default'), and flags still win."""
+    cfg, given = dt.parse_flags(["--dataset", "atari/pong/expert-v0"])
+    assert (cfg.context, cfg.batch_size, cfg.steps, cfg.eval_every, cfg.warmup_steps) == (50, 512, 4885, 977, 1)
+    assert (cfg.n_layer, cfg.n_head, cfg.lr, cfg.beta2) == (6, 8, 6e-4, 0.95) and "context" not in given
+    assert ev.variant_name(cfg, dt.PRESETS) == "default"
+    cfg, _ = dt.parse_flags(["--dataset", "atari/breakout/expert-v0"])
+    assert (cfg.context, cfg.batch_size, cfg.steps, cfg.eval_every, cfg.warmup_steps) == (30, 128, 19_530, 3906, 3)
+    cfg, _ = dt.parse_flags(["--dataset", "atari/pong/expert-v0", "--context", "30"])
+    assert (cfg.context, cfg.batch_size) == (30, 512) and ev.variant_name(cfg, dt.PRESETS) == "context30"
+    cfg, _ = dt.parse_flags(["--dataset", "atari/pong/expert-v0", "--preset", "cpu"])
+    assert (cfg.context, cfg.batch_size) == (8, 32)                 # --preset cpu's Atari row, Pong alike

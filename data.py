@@ -1,44 +1,32 @@
 """
 Minari datasets -> episodes -> training windows: the only data code the model files share.
 
-    d = load_data("hopper-medium")            # short name, or any Minari id ("replica/hopper/medium-v0")
-    batch = d.sample(64, 20, rng)              # dict of torch tensors, shapes below
+    d = load_data("hopper-medium")    # a short name or any Minari id ("D4RL/pen/human-v2")
+    batch = d.sample(64, 20, rng)     # dict of torch tensors, shapes below
 
-The top of the file is what the model files and evaluate.py use, in the order a training step meets it; below the
-"Dataset tools" fence: the converters, mix, make, atomic writes and the command line. Lines that follow DT's official
-code name it (kzl/decision-transformer@e2d82e6 PATH#Lnn, i.e.
-https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/gym/experiment.py#L103).
+Above the "Dataset tools" fence: what the model files and evaluate.py use, in the order a training
+step meets it. "kzl PATH#Lnn" is DT's official code, https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/PATH#Lnn
 
-What a window holds (B windows of K steps, left-padded, the last position is always a real step):
+What a window holds (B windows of K steps, left-padded; the last position is always a real step):
     states      (B, K, obs_dim)  float32, normalised (s - mean) / std, 0 where padded
     actions     (B, K, act_dim)  float32, 0 where padded
     rewards     (B, K, 1)        float32, raw r_t, 0 where padded
-    rtg         (B, K, 1)        float32, return-to-go R_t = sum_{t' >= t} r_t' (undiscounted), times return_scale
-    timesteps   (B, K)           int64, step index inside the episode, 0 where padded
+    rtg         (B, K, 1)        float32, R_t = sum_{t' >= t} r_t' (undiscounted) x return_scale
+    timesteps   (B, K)           int64, the step's index in its episode, 0 where padded
     mask        (B, K)           float32, 1 = real step, 0 = padding
-    prev_action (B, act_dim)     a_{t0-1} for the window's first real step t0; the null action (zeros) when t0 = 0
-    prev_reward (B, 1)           r_{t0-1}; the null reward 0 when t0 = 0
-The null action/reward equal the padding value (0), so the per-step previous action inside a window is simply
-cat(prev_action, actions[:, :-1]) along time, padded windows included. evaluate.py uses the same null values.
+    prev_action (B, act_dim)     a_{t0-1} for the window's first real step t0; zeros when t0 = 0
+    prev_reward (B, 1)           r_{t0-1}; 0 when t0 = 0
+The null action and reward equal the padding (0), so the per-step previous action inside a window
+is cat(prev_action, actions[:, :-1]) along time, padded windows included (as in evaluate.py).
 
-Atari (image states, discrete actions; family 'atari') differs in two entries and keeps the rest:
-    states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step, stacked when the batch is drawn (memory
-                holds one 84x84 frame per step); frames before the episode's first are 0 (stack_frames)
+Atari (family 'atari': image states, discrete actions) differs in two entries:
+    states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step, stacked when the batch
+                is drawn (memory holds one 84x84 frame per step), 0 before the episode's first
     actions     (B, K) int64 action index (0 where padded); prev_action (B,) int64
-A state is divided by 255 inside the model. Atari data: Minari's atari/<game>/expert-v0 (RGB screens, made 84x84
-grayscale at load by atari_frame_wrappers, as in its eval env) or DQN-replay's 84x84 frames (convert-dqn-replay).
+A state is divided by 255 inside the model. Atari data: Minari's atari/* RGB screens (made 84x84
+grayscale at load) or DQN-replay's frames (convert-dqn-replay).
 
-Minari stores T+1 observations for T actions: s_t is paired with a_t, r_t for t < T and the final observation s_T
-is dropped. Dict observations (mazes) are flattened to one vector (flatten_obs). Data with a NaN or infinite
-observation, action or reward is refused when it is loaded.
-
-Command line:
-    python data.py info hopper-medium        # summary and sampling rate (`python data.py NAME` is short for it)
-    python data.py convert-d4rl hopper_medium-v2.hdf5 d4rl/hopper/medium-v2 [--env Hopper-v5]
-    python data.py mix hopper-medium hopper-expert local/hopper/medium-expert-v0    # D4RL's medium-expert recipe
-    python data.py convert-dqn-replay Breakout/1/replay_logs Breakout dqn-replay/breakout/1pct-v0   # 1% of DQN-replay
-    python data.py make pointmaze-medium-dense   # made offline, Minari's way: made/pointmaze/medium-dense-v0
-    python data.py make breakout-mixed           # a scripted player's mixed play: made/breakout/mixed-v0
+Command line: python data.py {info,convert-d4rl,convert-dqn-replay,mix,make} --help
 """
 import argparse
 import contextlib
@@ -54,13 +42,14 @@ import time
 import warnings
 from dataclasses import dataclass, field, replace
 
-if __name__ == "__main__":  # the command line: stop signals wait (in the threads numpy and torch start too) for main()
+# the command line: signals wait for main() (in numpy's and torch's threads too)
+if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
 import numpy as np
 import torch
 
-# -------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # names and tables: short names -> Minari ids, reference returns, the papers' return-to-go targets
 
 _LOCOMOTION = ["halfcheetah", "hopper", "walker2d", "ant"]
@@ -68,50 +57,60 @@ SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTI
                for level in ("simple", "medium", "expert")}
 SHORT_NAMES.update({f"pointmaze-{m}": f"D4RL/pointmaze/{m}-v2" for m in
                     ("umaze", "umaze-dense", "medium", "medium-dense", "large", "large-dense")})
-SHORT_NAMES.update({f"antmaze-{m}": f"D4RL/antmaze/{m}-v1" for m in
-                    ("umaze", "umaze-diverse", "medium-play", "medium-diverse", "large-play", "large-diverse")})
-# Adroit (24-DoF Shadow Hand, AdroitHand{Pen,Hammer,Door,Relocate}-v1): D4RL's v1 data as Minari re-recorded it
-# (LSDT's Table 9 ran D4RL's v0 human and cloned sets)
+SHORT_NAMES.update({f"antmaze-{m}": f"D4RL/antmaze/{m}-v1" for m in ("umaze", "umaze-diverse",
+                    "medium-play", "medium-diverse", "large-play", "large-diverse")})
+# Adroit (Shadow Hand, AdroitHand*-v1): D4RL's v1 data re-recorded by Minari (LSDT's Table 9 ran
+# D4RL's v0 human and cloned sets)
 ADROIT_TASKS = ("pen", "hammer", "door", "relocate")
 SHORT_NAMES.update({f"{t}-{level}": f"D4RL/{t}/{level}-v2" for t in ADROIT_TASKS
                     for level in ("human", "cloned", "expert")})
-# The Atari games of the DT (Breakout, Qbert, Pong, Seaquest), StARformer (+ Assault, Boxing) and DeMa (+ Asterix,
-# Frostbite, Gopher) papers, as Minari's expert sets (the papers' own data, 1% of DQN-replay: convert-dqn-replay)
-ATARI_GAMES = ("breakout", "qbert", "pong", "seaquest", "assault", "boxing", "asterix", "frostbite", "gopher")
+# The Atari games of DT (Breakout, Qbert, Pong, Seaquest), StARformer (+ Assault, Boxing) and DeMa
+# (+ Asterix, Frostbite, Gopher) as Minari's expert sets (the papers' data: convert-dqn-replay)
+ATARI_GAMES = ("breakout", "qbert", "pong", "seaquest", "assault", "boxing", "asterix", "frostbite",
+               "gopher")
 SHORT_NAMES.update({f"{g}-expert": f"atari/{g}/expert-v0" for g in ATARI_GAMES})
 
-# D4RL's reference returns (d4rl/infos.py), used when a dataset carries none (Minari's mujoco/* sets, Minari#323)
+# D4RL's reference returns (d4rl/infos.py) where a dataset carries none (mujoco/*: Minari#323)
 D4RL_REF_SCORES = {"Hopper": (-20.272305, 3234.3), "HalfCheetah": (-280.178953, 12135.0),
                    "Walker2d": (1.629008, 4592.3), "Ant": (-325.6, 3879.7)}
-# D4RL's Adroit reference returns (d4rl/infos.py), likewise (D4RL_REF_SCORES' keys name the locomotion robots only)
-ADROIT_REF_SCORES = {"AdroitHandPen": (-96.262264, 3076.8331), "AdroitHandHammer": (-274.856578, 12794.1),
-                     "AdroitHandDoor": (-56.512833, 2880.5697), "AdroitHandRelocate": (-6.425911, 4233.8773)}
-# Decision Transformer's evaluation targets, raw return units: kzl/decision-transformer@e2d82e6 gym/experiment.py#L41
-DT_TARGETS = {"Hopper": [3600.0, 1800.0], "HalfCheetah": [12000.0, 6000.0], "Walker2d": [5000.0, 2500.0]}
-# Return-to-go prompts on Atari, raw return units: kzl/decision-transformer@e2d82e6 atari/mingpt/trainer_atari.py#L161,
-# and DeMa's Table 9 (DeMa raised Qbert to 12000 and Seaquest to 1750; dema.py reads DEMA_ATARI_TARGETS).
+# Adroit's, likewise (apart: D4RL_REF_SCORES' keys name the locomotion robots); d4rl/infos.py
+# has pen's minimum +96.262799, door's and relocate's maxima 2880.5693 and 4233.8778
+ADROIT_REF_SCORES = {"AdroitHandPen": (-96.262264, 3076.8331),
+                     "AdroitHandHammer": (-274.856578, 12794.1),
+                     "AdroitHandDoor": (-56.512833, 2880.5697),
+                     "AdroitHandRelocate": (-6.425911, 4233.8773)}
+# DT's evaluation targets, raw return units (kzl gym/experiment.py#L41-L51)
+DT_TARGETS = {"Hopper": [3600.0, 1800.0], "HalfCheetah": [12000.0, 6000.0],
+              "Walker2d": [5000.0, 2500.0]}
+# Atari's return-to-go prompts, raw return units: DT's (kzl atari/mingpt/trainer_atari.py#L161-L168)
+# and DeMa's Table 9 (dema.py): Breakout's and Pong's kept, Qbert's lowered to 12000, Seaquest's
+# raised to 1750, four games added
 DT_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 14000.0, "Pong": 20.0, "Seaquest": 1150.0}
-DEMA_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 12000.0, "Pong": 20.0, "Seaquest": 1750.0, "Asterix": 700.0,
-                      "Frostbite": 1450.0, "Assault": 1200.0, "Gopher": 6500.0}
-# Atari's normalised score is 100 (R - random) / (gamer - random) with these returns (DeMa's Table 19, after Ye et al.
-# 2021), used where a dataset carries no reference scores; a game without them is scored raw only.
+DEMA_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 12000.0, "Pong": 20.0, "Seaquest": 1750.0,
+                      "Asterix": 700.0, "Frostbite": 1450.0, "Assault": 1200.0, "Gopher": 6500.0}
+# Atari's normalised score, 100 (R - random) / (gamer - random), with these (random, gamer) returns
+# where a dataset carries none (DeMa's Table 19, after Ye et al. 2021); other games score raw
 ATARI_GAMER_SCORES = {"Breakout": (1.7, 30.5), "Qbert": (163.9, 13455.0), "Pong": (-20.7, 14.6),
-                      "Seaquest": (68.4, 42054.7), "Asterix": (210.0, 8503.0), "Frostbite": (65.0, 4335.0),
-                      "Assault": (222.0, 742.0), "Gopher": (258.0, 2412.0)}
-FRAME_STACK = 4  # an Atari state is the last 4 frames (DQN, and every paper here)
+                      "Seaquest": (68.4, 42054.7), "Asterix": (210.0, 8503.0),
+                      "Frostbite": (65.0, 4335.0), "Assault": (222.0, 742.0),
+                      "Gopher": (258.0, 2412.0)}
+FRAME_STACK = 4  # frames in an Atari state (DQN's and every paper's here)
+
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with the project's rule for bad input: one sentence on stderr and exit 1 (argparse's: usage, exit 2)."""
+    """argparse with the project's rule for bad input: one sentence on stderr and exit 1."""
 
     def error(self, message):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
         raise SystemExit(1)
 
+
 class DataError(Exception):
-    """A problem the user can fix (unknown name, dataset not available). main() prints it as one sentence."""
+    """A problem the user can fix (unknown name, no data); main() prints it as one sentence."""
+
 
 def resolve(name):
-    """Short name -> Minari id. Strings with a '/' are taken as Minari ids as they are."""
+    """Short name -> Minari id; a string with a '/' is one already."""
     if "/" in name:
         return name
     if name in SHORT_NAMES:
@@ -119,12 +118,14 @@ def resolve(name):
     raise DataError(f"unknown environment '{name}'; known names: {', '.join(sorted(SHORT_NAMES))} "
                     f"(or pass any Minari dataset id with --dataset, e.g. mujoco/hopper/medium-v0)")
 
+
 def is_maze(name):
-    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told from the name before any data is read."""
+    """A goal-reaching maze (PointMaze, AntMaze, D4RL maze2d), told by its name."""
     return "maze" in name.lower()
 
+
 def is_atari(name):
-    """Atari data (an atari/* id, or a local dataset whose env is ale-py's), told before it is read; else False."""
+    """Atari data (an atari/* id, or a local dataset with ale-py's env)? Told before reading it."""
     try:
         dataset_id = resolve(name)
         if dataset_id.startswith("atari/"):
@@ -134,34 +135,40 @@ def is_atari(name):
     except (DataError, OSError, ValueError, AttributeError):
         return False
 
-# Dict observations are flattened in a fixed key order. PointMaze: observation (starts with the ball's x, y) ++
-# desired_goal. AntMaze's `observation` leaves out the torso's x, y (its `achieved_goal`), which D4RL's AntMaze state
-# started with, so: achieved_goal ++ observation ++ desired_goal. desired_goal always comes last (goal_dim entries).
+
+# Dict observations are flattened in a fixed key order, desired_goal (goal_dim entries) last.
+# PointMaze's observation starts with the ball's x, y; AntMaze's leaves out the torso's x, y (its
+# achieved_goal), with which D4RL's AntMaze state began, so they go first.
 MAZE_KEYS = ("observation", "desired_goal")
 ANTMAZE_KEYS = ("achieved_goal", "observation", "desired_goal")
 
+
 def obs_keys_for(spec):
-    """The key order of an env's dict observations, read from its entry point (ant_maze_v4/v5:AntMazeEnv), not from
-    array sizes (AntMaze's observation is 27-d in v4, 105-d in v5 and changes with kwargs)."""
+    """The key order of an env's dict observations, told by its entry point (ant_maze_v4/v5), not
+    by sizes (AntMaze's observation is 27-d in v4, 105-d in v5, and kwargs change it)."""
     return ANTMAZE_KEYS if "ant_maze" in str(getattr(spec, "entry_point", "")) else MAZE_KEYS
 
+
 def flatten_obs(obs, keys=MAZE_KEYS):
-    """Dict observations -> the `keys` entries concatenated (with or without a time axis); arrays pass through."""
+    """Dict observations -> the `keys` entries concatenated (time axis or not); arrays pass."""
     if isinstance(obs, dict):
         return np.concatenate([np.asarray(obs[k]) for k in keys], axis=-1)
     return np.asarray(obs)
 
-# -------------------------------------------------------------------------------------------------------------------
-# one training step: load_data -> OfflineData (returns-to-go, sample) -> gather_windows -> stack_frames
+# --------------------------------------------------------------------------------------------------
+# a training step's data: load_data -> OfflineData.sample -> gather_windows -> stack_frames
+
 
 def load_data(name, download=True, delayed_reward=False):
-    """Short name or Minari id -> OfflineData (episodes, state stats, eval env, reference scores, targets).
-    delayed_reward: the delayed-return setting of DT's Table 5 and DeMa's Table 13 (delay_rewards)."""
+    """Short name or Minari id -> OfflineData (episodes, state stats, eval env, reference scores,
+    targets). delayed_reward: DT's Table 5 and DeMa's Table 13 (delay_rewards)."""
     dataset_id = resolve(name)
     ds, meta, raw_episodes = _open_minari(dataset_id, download)
-    spec = getattr(ds, "_eval_env_spec", None) or ds.env_spec  # what recover_environment(eval_env=True) makes
+    spec = getattr(ds, "_eval_env_spec", None) or ds.env_spec  # Minari's eval env spec
     if spec is None:
         raise DataError(f"dataset '{dataset_id}' records no environment, so it cannot be evaluated")
+
+    # the family and its spaces
     entry = str(spec.entry_point)
     family = ("maze" if "maze" in entry else "mujoco" if "gymnasium.envs.mujoco" in entry else
               "atari" if entry.startswith("ale_py") else "other")
@@ -169,383 +176,474 @@ def load_data(name, download=True, delayed_reward=False):
     space, n_actions, raw, frames = ds.observation_space, 0, False, None
     if family == "atari":
         n_actions, raw, frames = _atari_spaces(dataset_id, space, ds.action_space, spec)
-    episodes = [_episode_arrays(ep, keys, family == "maze", dataset_id, frames) for ep in raw_episodes]
+
+    episodes = [_episode_arrays(ep, keys, family == "maze", dataset_id, frames)
+                for ep in raw_episodes]
     if not episodes:
         raise DataError(f"dataset '{dataset_id}' has no episodes")
-    env_key = spec.id.split("/")[-1].split("-")[0]  # 'Hopper-v5' -> 'Hopper', 'ALE/Breakout-v5' -> 'Breakout'
+
+    # the normalised score's reference returns ('ALE/Breakout-v5' -> 'Breakout')
+    env_key = spec.id.split("/")[-1].split("-")[0]
+    tables = D4RL_REF_SCORES | ADROIT_REF_SCORES
     if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:
-        ref_min, ref_max, ref_source = float(meta["ref_min_score"]), float(meta["ref_max_score"]), "dataset metadata"
-    elif env_key in D4RL_REF_SCORES | ADROIT_REF_SCORES:
-        ref_min, ref_max = (D4RL_REF_SCORES | ADROIT_REF_SCORES)[env_key]
-        ref_source = f"D4RL reference returns for {env_key}"
+        ref_min, ref_max = float(meta["ref_min_score"]), float(meta["ref_max_score"])
+        ref_source = "dataset metadata"
+    elif env_key in tables:
+        (ref_min, ref_max), ref_source = tables[env_key], f"D4RL reference returns for {env_key}"
     elif family == "atari" and env_key in ATARI_GAMER_SCORES:
-        (ref_min, ref_max), ref_source = ATARI_GAMER_SCORES[env_key], f"random and gamer returns for {env_key}"
+        ref_min, ref_max = ATARI_GAMER_SCORES[env_key]
+        ref_source = f"random and gamer returns for {env_key}"
     else:
-        ref_min, ref_max, ref_source = float("nan"), float("nan"), "none (normalised scores are NaN)"
-    goal_dim = int(np.prod(space["desired_goal"].shape)) if "desired_goal" in getattr(space, "spaces", {}) else 0
+        ref_min, ref_max = float("nan"), float("nan")
+        ref_source = "none (normalised scores are NaN)"
+
+    has_goal = "desired_goal" in getattr(space, "spaces", {})
+    goal_dim = int(np.prod(space["desired_goal"].shape)) if has_goal else 0
+
+    # MuJoCo locomotion: returns / 1000, DT's targets; else unscaled, the best return as target
+    # (LSDT's Table 13 scales AntMaze, Maze2d, Adroit by 1, gives no Adroit target). PointMaze's
+    # episodes end at the goal: the best dense return is a slow path's (README: against the median).
     returns = np.array([e["rewards"].sum() for e in episodes])
-    # MuJoCo locomotion: returns / 1000 and DT's targets. Anything else: unscaled, the best episode's return as target
-    # (Adroit too: LSDT's Table 13 scales AntMaze, Maze2d and Adroit by 1 and gives no Adroit target). On PointMaze,
-    # whose best dense return is a slow path (an episode ends at its goal), the best still beat the median return:
-    # classroom DT on the made medium-dense maze, 6 seeds x 200 episodes, goal 94.4% against 91.1%, in fewer steps.
     scale = 1e-3 if family == "mujoco" else 1.0
     target = float(returns.max())
     targets = (list(DT_TARGETS.get(env_key, [target])) if family == "mujoco" else
                [DT_ATARI_TARGETS.get(env_key, target)] if family == "atari" else [target])
+
+    # Atari: the time embedding covers the data's longest episode (kzl atari/run_dt_atari.py#L80),
+    # evaluation clamping to it; the horizon is the frame limit (kzl's 108k,
+    # atari/mingpt/trainer_atari.py#L317) over the frames a step takes
     longest = max(len(e["actions"]) for e in episodes)
-    # Atari: the timestep embedding covers the data's longest episode (kzl/decision-transformer@e2d82e6
-    # atari/run_dt_atari.py#L80; evaluation clamps to it), while an evaluation episode may run to 27k steps.
     max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
-    horizon = 0                         # evaluation steps at most (0: max_ep_len); Atari: ALE's frame limit (108k in
-    if family == "atari":               # the papers) over the frames one step takes
-        horizon = int(spec.kwargs.get("max_num_frames_per_episode", 108_000)) // atari_frame_skip(spec)
+    horizon = 0
+    if family == "atari":
+        frame_limit = int(spec.kwargs.get("max_num_frames_per_episode", 108_000))
+        horizon = frame_limit // atari_frame_skip(spec)
+
     if delayed_reward:
         episodes = [e | dict(rewards=delay_rewards(e["rewards"])) for e in episodes]
-    return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec, ref_min=ref_min,
-                       ref_max=ref_max, ref_source=ref_source, return_scale=scale, target_returns=targets,
-                       max_ep_len=max_len, goal_dim=goal_dim, obs_keys=keys, horizon=horizon, n_actions=n_actions,
+    return OfflineData(dataset_id=dataset_id, family=family, episodes=episodes, env_spec=spec,
+                       ref_min=ref_min, ref_max=ref_max, ref_source=ref_source,
+                       return_scale=scale, target_returns=targets, max_ep_len=max_len,
+                       goal_dim=goal_dim, obs_keys=keys, horizon=horizon, n_actions=n_actions,
                        raw_frames=raw, delayed_reward=delayed_reward)
+
 
 @dataclass
 class OfflineData:
     dataset_id: str
     family: str                 # 'mujoco' | 'maze' | 'atari' | 'other'
-    episodes: list              # dicts: observations (T, obs_dim), actions (T, act_dim), rewards (T,), terminated;
-                                # Atari: observations (T, 84, 84) uint8 frames, actions (T,) int64
-    env_spec: object            # gymnasium EnvSpec of the evaluation env (None for synthetic_data)
+    # dicts: observations (T, obs_dim), actions (T, act_dim), rewards (T,), terminated;
+    # Atari: observations (T, 84, 84) uint8 frames, actions (T,) int64
+    episodes: list
+    env_spec: object            # the eval env's gymnasium EnvSpec, or None
     ref_min: float = float("nan")
     ref_max: float = float("nan")
     ref_source: str = "none"
     return_scale: float = 1.0
     target_returns: list = field(default_factory=list)
-    max_ep_len: int = 1000      # timesteps the model embeds (0 .. max_ep_len - 1; evaluation clamps to the last)
-    horizon: int = 0            # evaluation steps at most (0: max_ep_len); Atari: 108k frames / frame skip 4
-    n_actions: int = 0          # discrete actions (Atari's Discrete space), 0 for continuous actions
-    raw_frames: bool = False    # Atari frames stored as 210x160 RGB (Minari's atari/*): atari_frame_wrappers applied
-    delayed_reward: bool = False  # rewards moved to each episode's last step (delay_rewards), in evaluation too
-    goal_dim: int = 0           # the last goal_dim state entries are desired_goal (dict observations), else 0
-    obs_keys: tuple = MAZE_KEYS  # how flatten_obs orders dict observations (obs_keys_for(env_spec))
-    state_mean: np.ndarray = field(default=None, repr=False)  # computed from the episodes unless given (keep_top)
+    max_ep_len: int = 1000      # timesteps embedded, 0 .. max_ep_len - 1 (evaluation clamps)
+    horizon: int = 0            # evaluation steps at most (0: max_ep_len); Atari: 108k frames / 4
+    n_actions: int = 0          # discrete actions (Atari's Discrete space), 0 for continuous
+    raw_frames: bool = False    # RGB Atari screens (Minari's atari/*), made 84x84 at load
+    delayed_reward: bool = False  # rewards paid at each episode's last step, in evaluation too
+    goal_dim: int = 0           # the last goal_dim state entries are desired_goal, else 0
+    obs_keys: tuple = MAZE_KEYS  # how flatten_obs orders dict observations (obs_keys_for)
+    state_mean: np.ndarray = field(default=None, repr=False)  # from the episodes unless given
     state_std: np.ndarray = field(default=None, repr=False)
 
     def __post_init__(self):
         eps = self.episodes
         self.discrete = self.n_actions > 0
         self.goal_reaching = self.family == "maze"
+
         lengths = np.array([len(e["actions"]) for e in eps])
-        self.ep_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])            # (n_episodes,)
-        self.step_ep_start = np.repeat(self.ep_start, lengths)                     # (N,) first row of its episode
-        rewards = np.concatenate([e["rewards"] for e in eps]).astype(np.float32)   # (N,)
+        self.ep_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # (n_episodes,)
+        self.step_ep_start = np.repeat(self.ep_start, lengths)  # (N,) its episode's first row
+        rewards = np.concatenate([e["rewards"] for e in eps]).astype(np.float32)  # (N,)
+
+        # Atari: a uint8 frame per step; the episodes' arrays are views of one
         if self.family == "atari":
-            # one frame per step, uint8; the episodes' own arrays become views of it (one copy of 500k frames)
-            frames = np.concatenate([e["observations"] for e in eps])               # (N, 84, 84) uint8
+            frames = np.concatenate([e["observations"] for e in eps])  # (N, 84, 84) uint8
             for e, a, n in zip(eps, self.ep_start, lengths):
                 e["observations"] = frames[a:a + n]
-            self.obs_shape = (FRAME_STACK, *frames.shape[1:])                      # (4, 84, 84)
+            self.obs_shape = (FRAME_STACK, *frames.shape[1:])  # (4, 84, 84)
             actions = np.concatenate([e["actions"] for e in eps]).astype(np.int64)  # (N,)
             if actions.min() < 0 or actions.max() >= self.n_actions:
-                raise DataError(f"dataset '{self.dataset_id}' has action indices outside its Discrete("
-                                f"{self.n_actions}) space, so it cannot be used")
+                raise DataError(f"dataset '{self.dataset_id}' has action indices outside its "
+                                f"Discrete({self.n_actions}) space, so it cannot be used")
             _check_finite(f"dataset '{self.dataset_id}'", dict(rewards=rewards), self.ep_start)
-            self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)  # (/ 255 in the model)
+            self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)
             states = dict(frames=frames)
-        else:
-            obs = np.concatenate([e["observations"] for e in eps]).astype(np.float64)  # (N, obs_dim)
-            self.obs_shape = obs.shape[1:]
-            actions = np.concatenate([e["actions"] for e in eps]).astype(np.float32)   # (N, act_dim)
-            _check_finite(f"dataset '{self.dataset_id}'", dict(observations=obs, actions=actions, rewards=rewards),
-                          self.ep_start)
+
+        else:  # vectors, normalised by the dataset's mean and std (unless given)
+            obs = np.concatenate([e["observations"] for e in eps]).astype(np.float64)
+            self.obs_shape = obs.shape[1:]  # obs (N, obs_dim)
+            actions = np.concatenate([e["actions"] for e in eps]).astype(np.float32)  # (N, act_dim)
+            _check_finite(f"dataset '{self.dataset_id}'",
+                          dict(observations=obs, actions=actions, rewards=rewards), self.ep_start)
             if self.state_mean is None:
                 self.state_mean = obs.mean(0).astype(np.float32)
                 self.state_std = (obs.std(0) + 1e-6).astype(np.float32)
-            states = dict(states=self.normalize_states(obs))                          # (N, obs_dim)
+            states = dict(states=self.normalize_states(obs))  # (N, obs_dim)
+
         self.obs_dim = int(np.prod(self.obs_shape))
         self.act_dim = self.n_actions if self.discrete else actions.shape[1]
         self.horizon = self.horizon or self.max_ep_len
-        # Flat arrays, one row per dataset step; a batch is a handful of fancy-indexing slices of these.
+
+        # flat arrays, a row per dataset step: a batch is a few fancy-indexed slices of them
+        rtg = np.concatenate([returns_to_go(e["rewards"]) for e in eps]).astype(np.float32)
         self.flat = dict(
-            **states,                                                               # (N, obs_dim) or frames (N, 84, 84)
-            actions=actions,                                                        # (N, act_dim) or (N,) int64
-            rewards=rewards,                                                        # (N,)
-            rtg=np.concatenate([returns_to_go(e["rewards"]) for e in eps]).astype(np.float32) * self.return_scale,
-            timesteps=np.concatenate([np.arange(n) for n in lengths]),              # (N,)
+            **states,                   # (N, obs_dim), or frames (N, 84, 84)
+            actions=actions,            # (N, act_dim), or (N,) int64
+            rewards=rewards,            # (N,)
+            rtg=rtg * self.return_scale,  # (N,)
+            timesteps=np.concatenate([np.arange(n) for n in lengths]),  # (N,)
         )
         self.episode_returns = np.array([e["rewards"].sum() for e in eps])
 
     def info(self):
-        """What a model is built from; saved with its checkpoint, so that an analysis rebuilds it without the data.
-        act_dim is the number of actions where they are discrete (discrete=True); obs_shape (4, 84, 84) for Atari."""
-        return dict(obs_dim=self.obs_dim, act_dim=self.act_dim, max_ep_len=self.max_ep_len, goal_dim=self.goal_dim,
-                    discrete=self.discrete, obs_shape=list(self.obs_shape))
+        """What a model is built from, saved in its checkpoint for analyses without the data
+        (act_dim: the action count if discrete)."""
+        return dict(obs_dim=self.obs_dim, act_dim=self.act_dim, max_ep_len=self.max_ep_len,
+                    goal_dim=self.goal_dim, discrete=self.discrete, obs_shape=list(self.obs_shape))
 
     def normalize_states(self, obs):
-        return ((np.asarray(obs, dtype=np.float64) - self.state_mean) / self.state_std).astype(np.float32)
+        obs = np.asarray(obs, dtype=np.float64)
+        return ((obs - self.state_mean) / self.state_std).astype(np.float32)
 
     def observe(self, obs):
-        """An env's observation -> what a history row holds: the normalised flat state, or Atari's 84x84 uint8 frame
-        (the eval env applies the frame transform itself)."""
+        """An env's observation -> a history row: the normalised flat state, or Atari's frame."""
         if self.family == "atari":
             return np.asarray(obs, dtype=np.uint8)
         return self.normalize_states(flatten_obs(obs, self.obs_keys))
 
     def normalize_score(self, returns):
         """D4RL-style normalised score: 100 * (R - ref_min) / (ref_max - ref_min)."""
-        return 100.0 * (np.asarray(returns, dtype=np.float64) - self.ref_min) / (self.ref_max - self.ref_min)
+        returns = np.asarray(returns, dtype=np.float64)
+        return 100.0 * (returns - self.ref_min) / (self.ref_max - self.ref_min)
 
     def make_env(self, render=False):
-        """The dataset's own evaluation env (Minari's eval_env_spec, else env_spec); render=True: one that renders
-        240 x 240 RGB frames offscreen (MuJoCo: evaluate.pick_gl), or on Atari the game's 210 x 160 colour screen."""
+        """The dataset's own eval env (Minari's eval_env_spec, else env_spec); render=True: with
+        240 x 240 RGB frames offscreen (MuJoCo: evaluate.pick_gl), or Atari's 210 x 160 screen."""
         import gymnasium as gym
         if self.env_spec is None:
-            raise DataError(f"'{self.dataset_id}' is synthetic data and has no environment to evaluate in")
+            raise DataError(f"'{self.dataset_id}' is synthetic data and has no environment to "
+                            f"evaluate in")
+
         if self.family == "atari":
             env = make_atari_env(self.env_spec, render_mode="rgb_array" if render else None)
             return atari_frame_wrappers(env) if self.raw_frames else env
-        if self.family == "maze" or str(self.env_spec.entry_point).startswith("gymnasium_robotics"):  # and Adroit
-            _robotics()
+
+        if self.family == "maze" or str(self.env_spec.entry_point).startswith("gymnasium_robotics"):
+            _robotics()  # mazes and Adroit
         if not render:
             return gym.make(self.env_spec)
-        # the locomotion robots' own "track" camera follows the body (the default camera would watch it walk away)
-        track = dict(camera_name="track") if self.env_spec.id.split("-")[0] in D4RL_REF_SCORES else {}
-        env = gym.make(self.env_spec, render_mode="rgb_array", width=240, height=240, **track)
+
+        # the locomotion robots' "track" camera follows the body
+        robots = self.env_spec.id.split("-")[0] in D4RL_REF_SCORES
+        env = gym.make(self.env_spec, render_mode="rgb_array", width=240, height=240,
+                       **(dict(camera_name="track") if robots else {}))
+
+        # the whole maze from above (its camera crops the medium one), set before a render
         robot = getattr(env.unwrapped, "point_env", None) or getattr(env.unwrapped, "ant_env", None)
-        if self.family == "maze" and robot is not None:   # the whole maze from above (its own camera crops the medium)
-            m = env.unwrapped.maze                        # read at the first render, so set before it
+        if self.family == "maze" and robot is not None:
+            m = env.unwrapped.maze
             robot.mujoco_renderer.default_cam_config = dict(
-                distance=1.25 * max(m.map_length, m.map_width) * m.maze_size_scaling, elevation=-90.0, azimuth=90.0,
-                lookat=np.zeros(3))
+                distance=1.25 * max(m.map_length, m.map_width) * m.maze_size_scaling,
+                elevation=-90.0, azimuth=90.0, lookat=np.zeros(3))
         return env
 
     def sample(self, batch_size, K, rng):
-        """B windows of K steps: the last step is uniform over all dataset steps (episodes drawn in proportion to
-        their length), the window reaching back K-1 steps, left-padded at an episode's start. End-anchored, where
-        kzl/decision-transformer@e2d82e6 gym/experiment.py#L129 draws the start: every step is the newest token
-        equally often, and the padded windows are what evaluation feeds the model in an episode's first K-1 steps.
-        Its Atari code (atari/run_dt_atari.py#L52-L66) draws the first step uniformly over the data, shifts a window
-        that would cross an episode's end back inside it and never pads: the per-step loss weights are mirror images
-        (it under-weights an episode's first K-1 steps, this sampler its last K-1)."""
+        """B windows of K steps ending at steps drawn uniformly over the dataset, left-padded at
+        an episode's start: each step is a window's newest equally often, and padding looks as in
+        an evaluation's first K-1 steps (kzl's gym window starts at a uniform step,
+        gym/experiment.py#L129). DT's Atari sampler (kzl atari/run_dt_atari.py#L52-L66, copied by
+        StARformer's and transformer-like DeMa's) draws the first step and shifts a window that
+        would cross its episode's end back to end there, so that window comes K times as often as
+        any other. With one window per step, an episode's steps lie here in K windows each, the last
+        K-1 in K-1, ..., 1; there the first K-1 in 1, ..., K-1, the last K in 2K-1, ..., K, the
+        others in K."""
         end = rng.integers(0, len(self.step_ep_start), size=batch_size)  # (B,)
         return gather_windows(self.flat, self.step_ep_start[end], end, K)
 
     def keep_top(self, fraction):
-        """%BC (DT Sec. 5.3; kzl/decision-transformer@e2d82e6 gym/experiment.py#L103): a new OfflineData of the
-        highest-return episodes, best first, while their steps stay within `fraction` of all steps (at least one);
-        state_mean/std stay the full dataset's, as in the DT code, and so do targets, reference scores, max_ep_len."""
+        """%BC (DT Sec. 5.3; kzl gym/experiment.py#L103-L113): the best episodes, best first, while
+        their steps fit in `fraction` of all (at least one); state_mean/std stay the full data's
+        (as kzl's, #L86-L87), as do targets, reference scores and max_ep_len."""
         if not 0 < fraction <= 1:
             raise DataError(f"the fraction of episodes to keep must lie in (0, 1], got {fraction}")
-        lengths = np.array([len(e["actions"]) for e in self.episodes])             # (n_episodes,)
-        order = np.argsort(-self.episode_returns, kind="stable")                    # best first, ties in dataset order
-        budget = max(int(fraction * lengths.sum()), 1)                              # kzl: max(int(pct * N), 1)
-        n = max(1, int(np.searchsorted(np.cumsum(lengths[order]), budget, side="right")))  # whole episodes that fit
+
+        lengths = np.array([len(e["actions"]) for e in self.episodes])  # (n_episodes,)
+        order = np.argsort(-self.episode_returns, kind="stable")  # best first, ties in data order
+        budget = max(int(fraction * lengths.sum()), 1)  # kzl: max(int(pct * N), 1)
+
+        # the whole episodes that fit
+        n = max(1, int(np.searchsorted(np.cumsum(lengths[order]), budget, side="right")))
         keep = np.sort(order[:n])
-        return replace(self, episodes=[self.episodes[i] for i in keep])  # carries state_mean/std over
+        return replace(self, episodes=[self.episodes[i] for i in keep])
+
 
 def returns_to_go(rewards):
     """R_t = sum_{t'>=t} r_t' (undiscounted, DT Sec. 3.1); float64 accumulation."""
     return np.cumsum(np.asarray(rewards, dtype=np.float64)[::-1])[::-1]
 
+
 def delay_rewards(rewards):
-    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): r'_t = 0 for t < T-1, r'_{T-1} = sum_t r_t,
-    so every return-to-go R_t is the episode's return. Evaluation delays the env's rewards alike (evaluate.evaluate)."""
+    """The delayed-return setting (DT Sec. 5.4, Table 5; DeMa Table 13): r'_t = 0 for t < T-1,
+    r'_{T-1} = sum_t r_t, so every R_t is the return; evaluate.evaluate delays the env's alike."""
     out = np.zeros_like(rewards)
     out[-1] = np.sum(rewards, dtype=np.float64)
     return out
 
+
 def gather_windows(flat, start, end, K, ring=0):
-    """Windows of K rows ending at row `end` (inclusive) that never reach before row `start` (their episode's first
-    row): positions before it are padding. flat: dict of arrays with rows as the first axis (Atari: `frames` in place
-    of `states`, stacked by stack_frames). start, end: (B,) ints. Used for training batches (rows = dataset steps) and
-    by evaluate.py (rows = each env's history). ring > 0: each episode's rows are stored in a ring of `ring` rows
-    from `start` on (row r at start + (r - start) % ring), which is how evaluate.py keeps only the recent past."""
-    def at(rows):                                              # row numbers -> where they are stored
+    """Windows of K rows ending at row `end`, padded before row `start` (the episode's first).
+    flat: dict of arrays, rows first (Atari: `frames`, not `states`); start, end: (B,) ints. Rows
+    are dataset steps, or an env's history in evaluate.py, which keeps the recent past only: with
+    ring > 0, an episode's row r is stored at start + (r - start) % ring."""
+    def at(rows):  # row numbers -> where they are stored
         s = start.reshape(-1, *[1] * (rows.ndim - 1))
         return s + (rows - s) % ring if ring else rows
-    idx = end[:, None] - (K - 1) + np.arange(K)[None, :]       # (B, K) row of each position
-    real = idx >= start[:, None]                               # (B, K) False on the left padding
-    rows = np.where(real, idx, start[:, None])                 # (B, K) padding points at the start row (zeroed below)
+
+    # each position's row; padding points at the start row (zeroed below)
+    idx = end[:, None] - (K - 1) + np.arange(K)[None, :]  # (B, K)
+    real = idx >= start[:, None]                          # (B, K) False on the left padding
+    rows = np.where(real, idx, start[:, None])            # (B, K)
     idx = at(rows)
     f = real.astype(np.float32)
-    first = np.maximum(end - (K - 1), start)                   # (B,) first real row t0
-    has_prev = first > start                                   # a_{t0-1} exists inside the episode
+
+    # the step before the first real row t0 if in the episode (else the null action and reward)
+    first = np.maximum(end - (K - 1), start)              # (B,) t0
+    has_prev = first > start
     prev = at(np.where(has_prev, first - 1, start))
+
+    # gather, zeroing the padding
     a = flat["actions"]
-    states = (stack_frames(flat["frames"], start, rows, at) * real[..., None, None, None]  # (B, K, 4, 84, 84) uint8
-              if "frames" in flat else flat["states"][idx] * f[..., None])                 # (B, K, obs_dim)
+    if "frames" in flat:
+        states = stack_frames(flat["frames"], start, rows, at) * real[..., None, None, None]
+    else:
+        states = flat["states"][idx] * f[..., None]
+
     batch = dict(
-        states=states,
-        actions=a[idx] * (real if a.ndim == 1 else f[..., None]),               # (B, K, act_dim), or (B, K) int64
-        rewards=(flat["rewards"][idx] * f)[..., None],                          # (B, K, 1)
-        rtg=(flat["rtg"][idx] * f)[..., None],                                  # (B, K, 1)
-        timesteps=flat["timesteps"][idx] * real,                                # (B, K)
-        mask=f,                                                                 # (B, K)
-        prev_action=a[prev] * (has_prev if a.ndim == 1 else has_prev[:, None]),  # (B, act_dim) or (B,), null = 0
-        prev_reward=(flat["rewards"][prev] * has_prev)[:, None],               # (B, 1), null = 0
+        states=states,                                    # (B, K, obs_dim) or (B, K, 4, 84, 84)
+        actions=a[idx] * (real if a.ndim == 1 else f[..., None]),  # (B, K, act_dim) or (B, K)
+        rewards=(flat["rewards"][idx] * f)[..., None],    # (B, K, 1)
+        rtg=(flat["rtg"][idx] * f)[..., None],            # (B, K, 1)
+        timesteps=flat["timesteps"][idx] * real,          # (B, K)
+        mask=f,                                           # (B, K)
+        prev_action=a[prev] * (has_prev if a.ndim == 1 else has_prev[:, None]),  # (B, act_dim)
+        prev_reward=(flat["rewards"][prev] * has_prev)[:, None],  # (B, 1)
     )
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}   # dtypes as above
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+
 
 def stack_frames(frames, start, rows, at=lambda r: r):
-    """Atari's state at each of `rows`: its frame and the FRAME_STACK - 1 before it, oldest first, with the frames
-    before the episode's first row (`start`, one per window) set to 0, as DT's Atari env fills its frame buffer at
-    reset (kzl/decision-transformer@e2d82e6 atari/mingpt/trainer_atari.py#L247); training and evaluation stack by
-    this one rule. frames (N, 84, 84) uint8; rows (B, K) -> (B, K, 4, 84, 84)."""
-    r = rows[..., None] - (FRAME_STACK - 1) + np.arange(FRAME_STACK)          # (B, K, 4) rows of the stacked frames
-    inside = r >= start.reshape(-1, 1, 1)                                       # (B, K, 4) False before the episode
-    return frames[at(np.where(inside, r, start.reshape(-1, 1, 1)))] * inside[..., None, None]  # (B, K, 4, 84, 84)
+    """Atari's state at each of `rows`: its frame and the 3 before, oldest first, 0 before the
+    episode's first row (`start`, one per window) as kzl's env fills its frame buffer at reset
+    (atari/mingpt/trainer_atari.py#L247-L249): one rule for training and evaluation.
+    frames (N, 84, 84) uint8; rows (B, K) -> (B, K, 4, 84, 84)."""
+    r = rows[..., None] - (FRAME_STACK - 1) + np.arange(FRAME_STACK)  # (B, K, 4) rows stacked
+    inside = r >= start.reshape(-1, 1, 1)  # (B, K, 4) False before the episode
+    return frames[at(np.where(inside, r, start.reshape(-1, 1, 1)))] * inside[..., None, None]
 
-# -------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # reading a Minari dataset (what load_data calls)
 
+
 def _open_minari(dataset_id, download):
-    """-> (MinariDataset, its metadata, its episodes), downloaded if allowed; one sentence if missing or damaged."""
+    """-> (MinariDataset, its metadata, its episodes), downloaded if allowed, or one sentence."""
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
-    if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):  # minari's own test for "it is here"
+
+    # not here (minari's test): download it, or say how to
+    if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):
         if not download:
-            raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari download "
-                            f"{dataset_id}` or set MINARI_DATASETS_PATH to a folder that holds it")
+            raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari "
+                            f"download {dataset_id}` or set MINARI_DATASETS_PATH to a folder that "
+                            f"holds it")
+
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:
             if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
-                socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not after a minute of retries
+                socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not in a minute
             minari.load_dataset(dataset_id, download=True)
-        except Exception as e:  # network errors come from several libraries (httpx, huggingface_hub, socket)
+        except Exception as e:  # httpx's, huggingface_hub's, socket's, ...
             raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
-                            f"({'no network' if isinstance(e, OSError) else type(e).__name__}); with a network run "
-                            f"`minari download {dataset_id}`, or copy it there and set MINARI_DATASETS_PATH") from None
+                            f"({'no network' if isinstance(e, OSError) else type(e).__name__}); "
+                            f"with a network run `minari download {dataset_id}`, or copy it there "
+                            f"and set MINARI_DATASETS_PATH") from None
+
+    # there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
     try:
         ds = minari.load_dataset(dataset_id)
         return ds, ds.storage.metadata, list(ds.iterate_episodes())
-    except Exception as e:  # the folder is there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
+    except Exception as e:
         detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
 
+
 def damaged(dataset_id, detail):
-    """The one sentence for a dataset that is there but unreadable, saying how to get it again: the data.py command
-    that made it (its metadata's data_py_command, or algorithm_name in older datasets), else `minari download`."""
+    """The one sentence for a dataset there but unreadable, with how to get it again."""
     folder = dataset_folder(dataset_id)
-    again = (f"get it again (`minari download {dataset_id}` if it came from Minari's servers, else the data.py "
-             f"command that made it)")
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # no metadata, not JSON, not a JSON object
+    again = (f"get it again (`minari download {dataset_id}` if it came from Minari's servers, "
+             f"else the data.py command that made it)")
+
+    # unless the metadata is missing or not a JSON object
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         with open(os.path.join(folder, "data", "metadata.json")) as f:
             meta = json.load(f)
         algorithm, command = str(meta.get("algorithm_name")), meta.get("data_py_command")
-        again = (f"make it again with `{command}`" if command else f"make it again with the data.py command that "
-                 f"made it ({algorithm}: {meta.get('description')})" if "data.py" in algorithm else
+        again = (f"make it again with `{command}`" if command else
+                 f"make it again with the data.py command that made it ({algorithm}: "
+                 f"{meta.get('description')})" if "data.py" in algorithm else
                  f"download it again with `minari download {dataset_id}`")
-    return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that folder and {again}")
+    return DataError(f"the dataset '{dataset_id}' at {folder} is damaged ({detail}); delete that "
+                     f"folder and {again}")
+
 
 def dataset_folder(dataset_id):
-    """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<namespace>/<name>-vN."""
+    """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<id>."""
     from minari.storage.datasets_root_dir import get_dataset_path
     root = os.environ.get("MINARI_DATASETS_PATH", "")
     if os.path.exists(root) and not os.path.isdir(root):
-        raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point it at a folder")
+        raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point "
+                        f"it at a folder")
     return str(get_dataset_path(dataset_id))
 
+
 def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
-    """One Minari episode -> dict of arrays (drops the final observation s_T). frames: Atari's frame transform (the
-    identity for 84x84 frames, atari_frame_wrappers' for raw RGB), applied to each kept frame; frames stay uint8."""
+    """One Minari episode (T+1 observations for T actions) -> dict of arrays without the final
+    observation s_T; frames: Atari's uint8 frame transform (_atari_spaces)."""
     T = len(ep.actions)
     if T == 0:
         raise damaged(dataset_id, f"episode {ep.id} has no steps")
+
     obs = ep.observations
     rows = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
     if rows != T + 1 or len(ep.rewards) != T:
-        raise damaged(dataset_id, f"episode {ep.id} has {rows} observations and {len(ep.rewards)} rewards for {T} "
-                                  f"actions, where Minari stores T + 1 and T")
+        raise damaged(dataset_id, f"episode {ep.id} has {rows} observations and {len(ep.rewards)} "
+                      f"rewards for {T} actions, where Minari stores T + 1 and T")
+
+    rewards = np.asarray(ep.rewards, dtype=np.float32)
+    terminated = bool(np.asarray(ep.terminations)[-1])
     if frames is not None:
-        return dict(observations=frames(np.asarray(obs[:T], dtype=np.uint8)), actions=np.asarray(ep.actions).reshape(T),
-                    rewards=np.asarray(ep.rewards, dtype=np.float32), terminated=bool(np.asarray(ep.terminations)[-1]))
+        return dict(observations=frames(np.asarray(obs[:T], dtype=np.uint8)),
+                    actions=np.asarray(ep.actions).reshape(T), rewards=rewards,
+                    terminated=terminated)
+
+    # Minari's maze collection runs on across goals, so an episode's first observation shows the
+    # previous episode's goal; evaluation never does: step 1's goal replaces it
     if isinstance(obs, dict):
         obs = {k: np.asarray(v) for k, v in obs.items()}
         if fix_first_goal and len(obs["desired_goal"]) > 2:
-            # Minari's maze collection continues across goals: an episode's first observation still shows the
-            # previous episode's goal. Evaluation never shows a stale goal, so use step 1's.
             obs["desired_goal"][0] = obs["desired_goal"][1]
         obs = flatten_obs(obs, keys)
     obs = np.asarray(obs, dtype=np.float32).reshape(len(obs), -1)
     actions = np.asarray(ep.actions, dtype=np.float32).reshape(T, -1)
-    return dict(observations=obs[:T], actions=actions, rewards=np.asarray(ep.rewards, dtype=np.float32),
-                terminated=bool(np.asarray(ep.terminations)[-1]))
+    return dict(observations=obs[:T], actions=actions, rewards=rewards, terminated=terminated)
+
 
 def _check_finite(source, arrays, ep_start):
-    """Refuse NaN/inf: arrays maps a name to an array with one row per step; ep_start (n_episodes,) first rows."""
+    """Refuse NaN/inf in arrays (name -> a row per step); ep_start: the episodes' first rows."""
     for name, a in arrays.items():
-        bad = ~np.isfinite(np.asarray(a, dtype=np.float64).reshape(len(a), -1)).all(axis=1)  # (N,) rows with NaN/inf
+        bad = ~np.isfinite(np.asarray(a, dtype=np.float64).reshape(len(a), -1)).all(axis=1)  # (N,)
         if bad.any():
             episode = int(np.searchsorted(ep_start, np.argmax(bad), side="right")) - 1
-            raise DataError(f"{source} has NaN or infinite {name}, first in episode {episode}, so it cannot be used")
+            raise DataError(f"{source} has NaN or infinite {name}, first in episode {episode}, so "
+                            f"it cannot be used")
 
-# -------------------------------------------------------------------------------------------------------------------
-# Atari: the environment and the frames (load_data, OfflineData.make_env, evaluate.py)
+# --------------------------------------------------------------------------------------------------
+# Atari: the environment and the frames
+
 
 def _atari_spaces(dataset_id, obs_space, action_space, spec):
-    """-> (number of actions, raw RGB frames?, the frame transform) of an Atari dataset; one sentence for others."""
+    """-> (number of actions, raw RGB frames?, frame transform) of Atari data, or one sentence."""
     if not hasattr(action_space, "n"):
-        raise DataError(f"dataset '{dataset_id}' is Atari data with a {type(action_space).__name__} action space; the "
-                        f"models read Discrete actions")
+        raise DataError(f"dataset '{dataset_id}' is Atari data with a "
+                        f"{type(action_space).__name__} action space; the models read Discrete "
+                        f"actions")
+
     shape = tuple(getattr(obs_space, "shape", ()) or ())
     if shape == (84, 84):
         return int(action_space.n), False, lambda f: f
-    if len(shape) == 3 and shape[2] == 3:  # RGB screens, made 84x84 by the eval env's own two wrappers
+
+    # RGB screens, made 84x84 by the eval env's wrappers
+    if len(shape) == 3 and shape[2] == 3:
         resize = atari_frame_wrappers(make_atari_env(spec))
         resize.close()
 
         def frames(rgb):  # (T, 210, 160, 3) -> (T, 84, 84) uint8
-            return np.stack([resize.observation(resize.env.observation(f)) for f in rgb]).astype(np.uint8)
+            return np.stack([resize.observation(resize.env.observation(f))
+                             for f in rgb]).astype(np.uint8)
         return int(action_space.n), True, frames
-    raise DataError(f"dataset '{dataset_id}' has Atari observations of shape {shape}; the models read 84x84 grayscale "
-                    f"frames (DQN-replay's) or RGB screens (Minari's atari/*, made 84x84 at load)")
+
+    raise DataError(f"dataset '{dataset_id}' has Atari observations of shape {shape}; the models "
+                    f"read 84x84 grayscale frames (DQN-replay's) or RGB screens (Minari's atari/*, "
+                    f"made 84x84 at load)")
+
 
 def atari_frame_wrappers(env):
-    """Raw 210x160 RGB screens (Minari's atari/*) -> the papers' 84x84 grayscale, by gymnasium's own wrappers (OpenCV's
-    INTER_AREA): on the eval env, and on each dataset frame at load (_atari_spaces), so both see the same pixels."""
+    """Raw 210x160 RGB screens -> 84x84 grayscale by gymnasium's wrappers (INTER_AREA), on the
+    eval env and on each dataset frame at load alike."""
     from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
     return ResizeObservation(GrayscaleObservation(env), (84, 84))
 
+
 def make_atari_env(spec, render_mode=None):
-    """An Atari dataset's eval env: gymnasium.make on its spec (with AtariPreprocessing where the spec names it)."""
+    """An Atari dataset's eval env: gymnasium.make on its spec (AtariPreprocessing if it says)."""
     return _ale().make(spec, render_mode=render_mode)
 
+
 def atari_env_spec(game):
-    """The papers' Atari evaluation env as an EnvSpec: ALE/<Game>-v5 without sticky actions, with ALE's own frame skip
-    off and the 108k-frame limit, in gymnasium's AtariPreprocessing (up to 30 no-ops at reset, 4 frames a step
-    max-pooled, 84x84 grayscale uint8, an episode ends at game over, not at a lost life): DQN's preprocessing, which
-    the DQN-replay frames went through. `game`: ALE's name in any case (Breakout, breakout)."""
+    """The Atari eval env as an EnvSpec: ALE/<Game>-v5 without sticky actions or ALE's frame skip,
+    to 108k frames, in gymnasium's AtariPreprocessing: 1-30 no-ops at reset; 4 frames a step, the
+    last 2 max-pooled, then 84x84 grayscale (INTER_AREA), as Dopamine made DQN-replay's frames (it
+    played with sticky actions and no no-ops); game over ends an episode."""
     import difflib
     from gymnasium.envs.registration import WrapperSpec
     gym = _ale()
-    games = {k[4:-3].lower(): k for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")}  # 'breakout'
+
+    # ALE's name of the game, in any case
+    games = {k[4:-3].lower(): k for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")}
     key = re.sub(r"[^a-z0-9]", "", game.lower())
     if key not in games:
         near = difflib.get_close_matches(key, games, n=1)
-        raise DataError(f"ALE knows no game '{game}'" + (f" (did you mean {games[near[0]][4:-3]}?)" if near else "")
-                        + f"; its {len(games)} games include {', '.join(sorted(ATARI_GAMER_SCORES))}")
+        raise DataError(f"ALE knows no game '{game}'"
+                        + (f" (did you mean {games[near[0]][4:-3]}?)" if near else "")
+                        + f"; its {len(games)} games include "
+                        + ", ".join(sorted(ATARI_GAMER_SCORES)))
+
     base = gym.spec(games[key])
-    preprocessing = WrapperSpec("AtariPreprocessing", "gymnasium.wrappers.atari_preprocessing:AtariPreprocessing",
-                                dict(noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False,
-                                     grayscale_obs=True, grayscale_newaxis=False, scale_obs=False))
-    kwargs = dict(base.kwargs, repeat_action_probability=0.0, full_action_space=False, frameskip=1,
-                  max_num_frames_per_episode=108_000)
+    preprocessing = WrapperSpec("AtariPreprocessing",
+                                "gymnasium.wrappers.atari_preprocessing:AtariPreprocessing",
+                                dict(noop_max=30, frame_skip=4, screen_size=84,
+                                     terminal_on_life_loss=False, grayscale_obs=True,
+                                     grayscale_newaxis=False, scale_obs=False))
+    kwargs = dict(base.kwargs, repeat_action_probability=0.0, full_action_space=False,
+                  frameskip=1, max_num_frames_per_episode=108_000)
     return replace(base, kwargs=kwargs, additional_wrappers=(preprocessing,))
 
+
 def atari_frame_skip(spec):
-    """Emulator frames (1/60 s each) per env step: AtariPreprocessing's frame_skip times ALE's own frameskip."""
-    skips = [w.kwargs.get("frame_skip", 4) for w in spec.additional_wrappers or () if w.name == "AtariPreprocessing"]
+    """Emulator frames (1/60 s each) per env step: AtariPreprocessing's frame_skip times ALE's."""
+    skips = [w.kwargs.get("frame_skip", 4) for w in spec.additional_wrappers or ()
+             if w.name == "AtariPreprocessing"]
     skip = skips[0] * spec.kwargs.get("frameskip", 1) if skips else spec.kwargs.get("frameskip", 4)
-    return skip if isinstance(skip, int) else max(skip)                     # (a (low, high) frameskip: the longest)
+    return skip if isinstance(skip, int) else max(skip)  # a (low, high) frameskip: the longest
+
 
 def _robotics():
-    """-> gymnasium with gymnasium-robotics' envs (mazes, Adroit) registered, its import's notice silenced."""
+    """-> gymnasium with gymnasium-robotics' envs (mazes, Adroit) registered, quietly."""
     import gymnasium as gym
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        import gymnasium_robotics   # (its import prints a notice about its Adroit envs)
+        import gymnasium_robotics  # (it prints a notice on import)
     gym.register_envs(gymnasium_robotics)
     return gym
 
+
 def _ale():
-    """-> gymnasium with ale-py's ALE/* envs registered, its banner off; one sentence if ale-py or OpenCV is missing."""
+    """-> gymnasium with ale-py's envs, registered quietly; one sentence without ale-py or cv2."""
     import gymnasium as gym
     try:
         import ale_py
@@ -553,53 +651,65 @@ def _ale():
     except ImportError as e:
         raise DataError(f"Atari needs ale-py and OpenCV ({e.name} is missing): pip install ale-py "
                         f"opencv-python-headless") from None
-    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)   # (C++ prints it, past Python's stderr)
+
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # (C++ prints past Python's stderr)
     gym.register_envs(ale_py)
     return gym
 
-# -------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # synthetic data (the model files' --bench)
 
+
 def available_memory():
-    """Bytes of memory the OS can give now (Linux's MemAvailable; elsewhere the physical memory), or None."""
+    """Bytes of memory the OS can give now (Linux's MemAvailable, else physical memory) or None."""
     with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
 
+
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0, env_id=None):
-    """Random MuJoCo-like episodes, evaluated in env_id (None: no environment): returns scaled by 1e-3, the best
-    episode's return as target; the last goal_dim state entries stay fixed in an episode, like a maze goal."""
+    """Random MuJoCo-like episodes evaluated in env_id (or none), returns scaled by 1e-3, the best
+    as target; the last goal_dim state entries are fixed in an episode, as a goal."""
     assert 0 <= goal_dim <= obs_dim
     rng = np.random.default_rng(seed)
     eps = []
     for _ in range(episodes):
-        obs = rng.standard_normal((length, obs_dim)).astype(np.float32)            # (T, obs_dim)
-        obs[:, obs_dim - goal_dim:] = obs[0, obs_dim - goal_dim:]                   # the goal part is constant
-        eps.append(dict(observations=obs, actions=rng.uniform(-1, 1, (length, act_dim)).astype(np.float32),
+        obs = rng.standard_normal((length, obs_dim)).astype(np.float32)  # (T, obs_dim)
+        obs[:, obs_dim - goal_dim:] = obs[0, obs_dim - goal_dim:]  # the goal part is constant
+        eps.append(dict(observations=obs,
+                        actions=rng.uniform(-1, 1, (length, act_dim)).astype(np.float32),
                         rewards=rng.uniform(0, 2, length).astype(np.float32), terminated=False))
+
     best = float(max(e["rewards"].sum() for e in eps))
+
     spec = None
     if env_id is not None:
         import gymnasium as gym
         spec = gym.spec(env_id)
-    return OfflineData(dataset_id="synthetic", family="mujoco", episodes=eps, env_spec=spec, return_scale=1e-3,
-                       target_returns=[best], max_ep_len=length, goal_dim=goal_dim)
+    return OfflineData(dataset_id="synthetic", family="mujoco", episodes=eps, env_spec=spec,
+                       return_scale=1e-3, target_returns=[best], max_ep_len=length,
+                       goal_dim=goal_dim)
+
 
 def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
-    """Random 84 x 84 frames, actions and rewards in Atari's layout (family 'atari'), for --bench on Atari's shapes;
-    Breakout's eval env is recorded (train() checks that ale-py can make it) but never run."""
+    """Random frames, actions and rewards in Atari's layout for --bench; Breakout's eval env is
+    recorded (train() checks that ale-py can make it), never run."""
     rng = np.random.default_rng(seed)
     eps = [dict(observations=rng.integers(0, 256, (length, 84, 84), dtype=np.uint8),
-                actions=rng.integers(0, n_actions, length), rewards=rng.integers(0, 2, length).astype(np.float32),
-                terminated=False) for _ in range(episodes)]
-    return OfflineData(dataset_id="synthetic-atari", family="atari", episodes=eps, env_spec=atari_env_spec("breakout"),
-                       n_actions=n_actions, max_ep_len=length, target_returns=[90.0])
+                actions=rng.integers(0, n_actions, length),
+                rewards=rng.integers(0, 2, length).astype(np.float32), terminated=False)
+           for _ in range(episodes)]
+
+    return OfflineData(dataset_id="synthetic-atari", family="atari", episodes=eps,
+                       env_spec=atari_env_spec("breakout"), n_actions=n_actions,
+                       max_ep_len=length, target_returns=[90.0])
+
 
 def synthetic_like(name, length=200):
-    """--bench's data: random episodes of hopper's shapes, evaluated in Hopper-v5, or of Atari's (Breakout) where
-    `name` is an Atari dataset."""
+    """--bench's data: random episodes of hopper's shapes in Hopper-v5, or Atari's (Breakout)."""
     if is_atari(name):
         return synthetic_atari(length=length)
     return synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length, env_id="Hopper-v5")

@@ -1,6 +1,7 @@
 """Batched evaluation against the one-episode-at-a-time reference (which builds its windows from plain lists), and
 --target-sweep (DT's Figure 4) from a run's checkpoint."""
 import importlib
+import inspect
 import os
 import re
 
@@ -289,9 +290,12 @@ def test_every_return_conditioned_file_sweeps_its_run(script, extra, tiny_hopper
     m.main(["--dataset", tiny_hopper, *TINY[script], *extra, "--steps", "2", "--eval-every", "2", "--eval-episodes",
             "1", "--seed", "5", "--out", str(out)])
     calls = []
-    monkeypatch.setattr(evaluate, "target_sweep", lambda *a, **kw: calls.append(a))
+    signature = inspect.signature(evaluate.target_sweep)
+    monkeypatch.setattr(evaluate, "target_sweep", lambda *a, **kw: calls.append(signature.bind(*a, **kw)))
     m.main(["--out", str(out), "--target-sweep", "--eval-episodes", "3"])
-    act, d, episodes, seed, context, _, folder, title = calls[0]
+    given = calls[0].arguments
+    act, d, episodes, seed, context, folder, title = (given[k] for k in ("act", "d", "episodes", "seed", "context",
+                                                                        "out", "title"))
     K = int(TINY[script][TINY[script].index("--context") + 1])
     assert (d.dataset_id, episodes, seed, folder) == (tiny_hopper, 3, 10_005, str(out))
     assert context == (1 if "rnn" in extra else K) and title.startswith(script + " ")

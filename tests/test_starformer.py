@@ -233,7 +233,7 @@ def test_reward_input_rtg_evaluates_with_the_target(tiny_hopper):
     assert sf.targets(tiny_cfg(reward_input="rtg"), d) == d.target_returns
     torch.manual_seed(0)
     model = sf.StARformer(cfg, d.obs_dim, d.act_dim).eval()
-    act, first = sf.policy(model), {}
+    act, first = sf.policy(model, cfg), {}
 
     def recording_act(batch, live):
         a = act(batch, live)
@@ -336,7 +336,7 @@ def test_evaluation_feeds_the_env_reward_of_the_previous_action(tiny_hopper):
     d = data.load_data(tiny_hopper)
     torch.manual_seed(0)
     cfg = tiny_cfg(context=5)
-    act = sf.policy(sf.StARformer(cfg, d.obs_dim, d.act_dim).eval())
+    act = sf.policy(sf.StARformer(cfg, d.obs_dim, d.act_dim).eval(), cfg)
     fed, taken = [], []
 
     def recording_act(batch, live):
@@ -637,7 +637,7 @@ def test_atari_presets_are_table_6_and_the_classroom_model(tiny_breakout):
                                                                                               6)
     assert evaluate.variant_name(cfg, sf.PRESETS) == "default"
     cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu"])
-    assert all(getattr(cfg, k) == v for k, v in sf.ATARI_CPU.items())
+    assert all(getattr(cfg, k) == v for k, v in sf.PRESETS["cpu"]["atari"].items())
     assert cfg.weight_decay == 0.1 and cfg.grad_clip == 1.0                          # the paper's, under the preset
     assert evaluate.variant_name(cfg, sf.PRESETS) == "cpu"
     cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu", "--connection", "fusion",
@@ -648,13 +648,13 @@ def test_atari_presets_are_table_6_and_the_classroom_model(tiny_breakout):
     d = data.load_data(tiny_breakout)
     cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu"])
     assert cfg.reward_input == "rtg" and sf.targets(cfg, d) == d.target_returns != [None]
-    cfg, _ = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu", "--no-reward-token"])
-    sf.check_model(cfg)
+    cfg, given = sf.parse_flags(["--dataset", tiny_breakout, "--preset", "cpu", "--no-reward-token"])
+    sf.paper_settings(cfg, given)
     assert sf.targets(cfg, d) == [None] and evaluate.variant_name(cfg, sf.PRESETS) == "cpu_no-reward-token"
     for bad in (["--no-reward-token", "--reward-input", "rtg"], ["--preset", "cpu", "--no-reward-token",
                                                                 "--target-return", "50"]):
         with pytest.raises(data.DataError, match="reward token"):
-            sf.check_model(sf.parse_flags(["--dataset", tiny_breakout, *bad])[0])
+            sf.paper_settings(*sf.parse_flags(["--dataset", tiny_breakout, *bad]))
     hopper = sf.parse_flags(["--env", "hopper-medium"])[0]                           # vectors keep the gym setting
     assert (hopper.lr, hopper.context, hopper.weight_decay) == (1e-4, 20, 1e-4)
 

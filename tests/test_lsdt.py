@@ -30,6 +30,11 @@ def make_cfg(**kw):
     return lsdt.Config(**base)
 
 
+def check_model(cfg):
+    """paper_settings' checks alone: every field given, so no paper row is laid under them."""
+    return lsdt.paper_settings(cfg, set(lsdt.Config.__dataclass_fields__))
+
+
 def build(cfg, obs_dim=S):
     return lsdt.LSDT(cfg, obs_dim, A, T_MAX)
 
@@ -148,10 +153,10 @@ def test_branch_channel_split_and_xi_extremes():
     assert m1.attn is None and m1.fuse is None and m1.conv is not None
     assert build(make_cfg(fusion="concat")).blocks[0].mixer.fuse is None
     with pytest.raises(lsdt.data_lib.DataError, match="multiple of 4"):
-        lsdt.check_model(make_cfg(conv_ratio=0.3))                   # 9.6 -> 10 conv channels
+        check_model(make_cfg(conv_ratio=0.3))                   # 9.6 -> 10 conv channels
     with pytest.raises(lsdt.data_lib.DataError, match=r"\[0, 1\]"):
-        lsdt.check_model(make_cfg(conv_ratio=1.5))
-    lsdt.check_model(make_cfg())
+        check_model(make_cfg(conv_ratio=1.5))
+    check_model(make_cfg())
 
 
 def test_xi0_mixer_is_dt_attention():
@@ -481,14 +486,14 @@ def test_routing_checks():
     """LSDT-weight needs D itself to split into heads and into groups of 4 conv channels, whatever xi; it always has an
     attention branch; the routings are LSDT's, not DC's."""
     ok = dict(n_embd=40, n_head=3, conv_ratio=0.1, paper_table=False)    # split: 36 attention | 4 conv channels
-    lsdt.check_model(lsdt.Config(**ok))
-    lsdt.check_model(lsdt.Config(**ok, routing="res"))
+    check_model(lsdt.Config(**ok))
+    check_model(lsdt.Config(**ok, routing="res"))
     with pytest.raises(lsdt.data_lib.DataError, match="--n-head 3 does not divide the 40 attention channels"):
-        lsdt.check_model(lsdt.Config(**ok, routing="weight"))
-    lsdt.check_model(lsdt.Config(n_embd=34, n_head=1, conv_ratio=0.0))  # split: attention only, on 34 channels
+        check_model(lsdt.Config(**ok, routing="weight"))
+    check_model(lsdt.Config(n_embd=34, n_head=1, conv_ratio=0.0))  # split: attention only, on 34 channels
     with pytest.raises(lsdt.data_lib.DataError, match="dynamic-conv branch gets 34 channels"):
-        lsdt.check_model(lsdt.Config(n_embd=34, n_head=1, conv_ratio=0.0, routing="weight"))
-    lsdt.check_model(lsdt.Config(n_embd=32, conv_ratio=1.0, dropkey=0.1, routing="weight"))
+        check_model(lsdt.Config(n_embd=34, n_head=1, conv_ratio=0.0, routing="weight"))
+    check_model(lsdt.Config(n_embd=32, conv_ratio=1.0, dropkey=0.1, routing="weight"))
 
 
 # ---------------------------------------------------------------------------------------------------- DC as DC runs
@@ -547,30 +552,31 @@ def test_paper_settings_layers_row_arch_preset_flags():
     """Config < row < --arch < --preset < flags: the preset wins for width, batch and lr; the row still sets K, xi,
     k_m, heads and the target; a flag given on the command line wins even where it equals the Config default."""
     cfg, given = lsdt.parse_flags(["--dataset", "D4RL/pointmaze/medium-v2", "--preset", "cpu"])
-    c, changes = lsdt.paper_settings(cfg, given)
+    c, changes = lsdt.paper_settings(cfg, given), lsdt.paper_values(cfg, given)
     assert (c.n_embd, c.batch_size, c.lr, c.n_layer) == (64, 64, 1e-3, 2)          # the preset's
     assert (c.conv_ratio, c.n_head, c.kernel, c.target_return) == (0.125, 2, 3, None)   # the row's
     assert c.context == 1 and "n_embd" not in changes and "context" not in changes    # the preset's maze K wins
-    c, changes = lsdt.paper_settings(*lsdt.parse_flags(["--dataset", "D4RL/mujoco/hopper/medium-replay-v0",
-                                                        "--preset", "cpu"]))
+    args = lsdt.parse_flags(["--dataset", "D4RL/mujoco/hopper/medium-replay-v0", "--preset", "cpu"])
+    c, changes = lsdt.paper_settings(*args), lsdt.paper_values(*args)
     assert c.context == 20 and changes["context"] == 20 and c.n_embd == 64             # off mazes: the row's K
     cfg, given = lsdt.parse_flags(["--dataset", "D4RL/pointmaze/medium-v2", "--context", "10", "--lr", "1e-4"])
-    c, _ = lsdt.paper_settings(cfg, given)
+    c = lsdt.paper_settings(cfg, given)
     assert (c.context, c.lr, c.batch_size, c.n_embd) == (10, 1e-4, 256, 128)        # flags (10 = Config default)
-    c, _ = lsdt.paper_settings(*lsdt.parse_flags(["--env", "pointmaze-medium", "--conv", "dc"]))
+    c = lsdt.paper_settings(*lsdt.parse_flags(["--env", "pointmaze-medium", "--conv", "dc"]))
     assert c.kernel == 6 and c.conv_ratio == 0.125            # LSDC keeps DC's window 6 (official LSDC code)
-    c, _ = lsdt.paper_settings(*lsdt.parse_flags(["--env", "hopper-medium", "--arch", "dc"]))
+    c = lsdt.paper_settings(*lsdt.parse_flags(["--env", "hopper-medium", "--arch", "dc"]))
     assert (c.conv, c.norm, c.context, c.n_embd, c.action_tokens) == ("dc", "pre", 8, 128, False)
-    c, changes = lsdt.paper_settings(*lsdt.parse_flags(["--env", "hopper-medium", "--no-paper-table"]))
+    args = lsdt.parse_flags(["--env", "hopper-medium", "--no-paper-table"])
+    c, changes = lsdt.paper_settings(*args), lsdt.paper_values(*args)
     assert changes == {} and c == lsdt.Config(paper_table=False)
     cfg, given = lsdt.parse_flags(["--env", "antmaze-umaze"])
-    assert lsdt.paper_settings(cfg, given)[0].target_return == 100.0
+    assert lsdt.paper_settings(cfg, given).target_return == 100.0
 
 
 def test_evaluation_defaults_follow_the_paper():
     """Table 1: 20 evaluation episodes on locomotion, 100 on mazes (the row's); the official code evaluates every 500
     updates. The preset's and the command line's counts win over the row's."""
-    episodes = lambda *argv: lsdt.paper_settings(*lsdt.parse_flags(list(argv)))[0].eval_episodes
+    episodes = lambda *argv: lsdt.paper_settings(*lsdt.parse_flags(list(argv))).eval_episodes
     assert lsdt.Config().eval_every == 500 and episodes("--env", "hopper-medium-replay") == 20
     assert episodes("--env", "pointmaze-large") == 100 and episodes("--env", "antmaze-medium-play") == 100
     assert episodes("--env", "hopper-medium-replay", "--preset", "cpu") == lsdt.PRESETS["cpu"]["eval_episodes"]
@@ -728,7 +734,7 @@ def test_variant_names_the_configuration_trained():
     import evaluate
 
     def name(*argv):
-        return evaluate.variant_name(lsdt.paper_settings(*lsdt.parse_flags(list(argv)))[0], lsdt.PRESETS)
+        return evaluate.variant_name(lsdt.paper_settings(*lsdt.parse_flags(list(argv))), lsdt.PRESETS)
     mr = ["--dataset", "replica/hopper/medium-replay-v0", "--preset", "cpu"]
     assert name(*mr) == "cpu_context20_conv-ratio1"                          # the row's K=20, xi=1
     assert name(*mr, "--context", "10", "--conv-ratio", "0.5") == "cpu"        # Config's defaults, given as flags
@@ -769,5 +775,5 @@ def test_adroit_paper_rows():
     row = lsdt.PAPER_TABLE["door-cloned"]
     assert (row["n_embd"], row["n_head"], row["batch_size"], row["lr"], row["kernel"]) == (128, 2, 256, 2e-4, 6)
     assert not {"context", "conv_ratio", "target_return"} & set(row)
-    c, _ = lsdt.paper_settings(*lsdt.parse_flags(["--env", "relocate-human"]))
+    c = lsdt.paper_settings(*lsdt.parse_flags(["--env", "relocate-human"]))
     assert (c.context, c.conv_ratio, c.target_return, c.eval_episodes) == (10, 0.5, None, 20)

@@ -719,40 +719,51 @@ def synthetic_like(name, length=200):
 # DQN-replay), mix, make (datasets made offline), the atomic dataset writes and the command line (python data.py ...).
 # ===================================================================================================================
 
-# -------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # D4RL HDF5 -> local Minari dataset (python data.py convert-d4rl)
 
-D4RL_ROBOTS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5", "ant": "Ant-v5"}
-D4RL_KEYS = ("observations", "actions", "rewards", "terminals", "timeouts")  # and optionally next_observations
+D4RL_ROBOTS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5",
+               "ant": "Ant-v5"}
+D4RL_KEYS = ("observations", "actions", "rewards", "terminals", "timeouts")  # + next_observations
+
 
 def _read_d4rl(path):
-    """A D4RL MuJoCo HDF5 file -> dict of arrays with N rows each (rewards, terminals, timeouts flattened to (N,))."""
+    """A D4RL MuJoCo HDF5 file -> dict of arrays of N rows (rewards, terminals, timeouts: (N,))."""
     import h5py
     if not os.path.isfile(path):
         raise DataError(f"{path} is not a file")
+
+    # the arrays, each checked to be one
     try:
         with h5py.File(path, "r") as f:
-            layout = f"convert-d4rl reads D4RL's MuJoCo layout ({', '.join(D4RL_KEYS)}, optionally next_observations)"
+            layout = (f"convert-d4rl reads D4RL's MuJoCo layout ({', '.join(D4RL_KEYS)}, "
+                      f"optionally next_observations)")
             missing = [k for k in D4RL_KEYS if k not in f]
             if missing:
                 raise DataError(f"{path} has no {', '.join(missing)}; {layout}")
-            groups = [k for k in (*D4RL_KEYS, "next_observations") if k in f and not isinstance(f[k], h5py.Dataset)]
+            groups = [k for k in (*D4RL_KEYS, "next_observations")
+                      if k in f and not isinstance(f[k], h5py.Dataset)]
             if groups:
-                raise DataError(f"{path} holds {', '.join(groups)} as an HDF5 group, not an array; {layout}")
+                raise DataError(
+                    f"{path} holds {', '.join(groups)} as an HDF5 group, not an array; {layout}")
             a = {k: np.asarray(f[k][()]) for k in (*D4RL_KEYS, "next_observations") if k in f}
     except OSError as e:  # not HDF5, truncated
         raise DataError(f"{path} cannot be read as HDF5 ({type(e).__name__})") from None
-    a["rewards"] = a["rewards"].reshape(-1).astype(np.float64)                  # (N,), also from (N, 1)
+
+    # one row per step
+    a["rewards"] = a["rewards"].reshape(-1).astype(np.float64)  # (N,), also from (N, 1)
     for k in ("terminals", "timeouts"):
-        a[k] = a[k].reshape(-1).astype(bool)                                     # (N,), also from 0./1. floats
+        a[k] = a[k].reshape(-1).astype(bool)  # (N,), also from 0./1. floats
     n = len(a["rewards"])
     if n == 0:
         raise DataError(f"{path} holds no steps")
-    rows = ("observations", "next_observations", "actions")                    # (N, dim) each
+    rows = ("observations", "next_observations", "actions")  # (N, dim) each
     bad = [k for k, v in a.items() if len(v) != n or (k in rows and v.ndim != 2)]
     if bad:
-        raise DataError(f"{path} does not hold one row per step in {', '.join(bad)} (rewards has {n} rows)")
+        raise DataError(
+            f"{path} does not hold one row per step in {', '.join(bad)} (rewards has {n} rows)")
     return a
+
 
 def _d4rl_env(path, dataset_id, env_id):
     """The v5 env of the file's robot (from the file name or the dataset id), or --env."""
@@ -761,178 +772,225 @@ def _d4rl_env(path, dataset_id, env_id):
     words = set(re.split(r"[^a-z0-9]+", f"{os.path.basename(path)} {dataset_id}".lower()))
     robots = sorted(words & set(D4RL_ROBOTS))
     if len(robots) != 1:
+        found = "found " + " and ".join(robots) if robots else "none of " + ", ".join(D4RL_ROBOTS)
         raise DataError(f"cannot tell the robot from '{os.path.basename(path)}' and '{dataset_id}' "
-                        f"({'found ' + ' and '.join(robots) if robots else 'none of ' + ', '.join(D4RL_ROBOTS)}); "
-                        f"pass --env, e.g. --env Hopper-v5")
+                        f"({found}); pass --env, e.g. --env Hopper-v5")
     return D4RL_ROBOTS[robots[0]]
 
+
 def convert_d4rl(path, dataset_id, env_id=None):
-    """A D4RL MuJoCo HDF5 file -> the local Minari dataset `dataset_id` (under MINARI_DATASETS_PATH), with the
-    robot's v5 env as its env and D4RL's reference returns in its metadata. Episodes end at terminals | timeouts; rows
-    after the last end form a trailing episode, kept as truncated. Never overwrites. -> the number of episodes."""
+    """A D4RL MuJoCo HDF5 file -> the local Minari dataset `dataset_id`, with the robot's v5 env
+    and D4RL's reference returns. Episodes end at terminals | timeouts; rows after the last end
+    are a truncated episode. -> the number of episodes."""
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
-    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the file is read)
+
+    _new_dataset_folder(dataset_id)
     env_arg, env_id = env_id, _d4rl_env(path, dataset_id, env_id)
     a = _read_d4rl(path)
+
+    # the env, whose spaces must be the file's
     try:
         env = gym.make(env_id)
     except gym.error.Error as e:
-        raise DataError(f"--env {env_id} cannot be made here ({type(e).__name__}); pass a gymnasium MuJoCo env id "
-                        f"such as Hopper-v5") from None
+        raise DataError(f"--env {env_id} cannot be made here ({type(e).__name__}); pass a "
+                        f"gymnasium MuJoCo env id such as Hopper-v5") from None
     have = (a["observations"].shape[1:], a["actions"].shape[1:])
     want = (env.observation_space.shape, env.action_space.shape)
     if have != want:
-        raise DataError(f"{path} has observations {have[0]} and actions {have[1]} but {env_id} has {want[0]} and "
-                        f"{want[1]}; pass --env with an env whose spaces match"
-                        + (" (D4RL's 111-d Ant observation, with contact forces, matches no v5 env, so D4RL ant files "
-                           "are not supported)" if env_id.startswith("Ant") else ""))
+        raise DataError(f"{path} has observations {have[0]} and actions {have[1]} but {env_id} has "
+                        f"{want[0]} and {want[1]}; pass --env with an env whose spaces match"
+                        + (" (D4RL's 111-d Ant observation, with contact forces, matches no v5 "
+                           "env, so D4RL ant files are not supported)"
+                           if env_id.startswith("Ant") else ""))
+
+    # episodes: from the row after an end (terminal or timeout) to the next
     n = len(a["rewards"])
-    ends = np.flatnonzero(a["terminals"] | a["timeouts"]) + 1                    # (E,) the row after each episode
-    trailing = len(ends) == 0 or ends[-1] < n                                    # rows after the last end
-    stops = np.append(ends, n) if trailing else ends                             # (n_episodes,)
-    starts = np.concatenate([[0], stops[:-1]])                                   # (n_episodes,)
+    ends = np.flatnonzero(a["terminals"] | a["timeouts"]) + 1  # (E,) the row after each episode
+    trailing = len(ends) == 0 or ends[-1] < n
+    stops = np.append(ends, n) if trailing else ends  # (n_episodes,)
+    starts = np.concatenate([[0], stops[:-1]])  # (n_episodes,)
     _check_finite(path, {k: a[k] for k in ("observations", "actions", "rewards")}, starts)
     if trailing:
-        print(f"the last {n - starts[-1]} steps end with neither terminal nor timeout: kept as a truncated episode")
+        print(f"the last {n - starts[-1]} steps end with neither terminal nor timeout: kept as a "
+              f"truncated episode")
+
+    # each episode's T + 1 observations, T actions, T rewards
     if "next_observations" not in a:
-        # After a terminal or timeout D4RL's next row is a new episode's reset state, not the successor, so the final
-        # observation s_T is unknown: repeat s_{T-1}. data.py drops s_T (no action follows it); training never sees it.
-        print("no next_observations: each episode's final observation repeats its last one (never used for training)")
-    nxt = a.get("next_observations", a["observations"])                          # (N, obs_dim): s_T at row e - 1
+        # D4RL's row after an end is the next episode's reset state: s_T is unknown
+        print("no next_observations: each episode's final observation repeats its last one (never "
+              "used for training)")
+    nxt = a.get("next_observations", a["observations"])  # (N, obs_dim): s_T at row e - 1
     buffers = []
     for i, (s, e) in enumerate(zip(starts, stops)):
-        term = a["terminals"][s:e]                                               # (T,)
-        trunc = a["timeouts"][s:e] & ~term                                       # (T,)
-        trunc[-1] |= not term[-1]                                                # the trailing episode: truncated
-        buffers.append(EpisodeBuffer(id=i, observations=np.concatenate([a["observations"][s:e], nxt[e - 1:e]]),
-                                     actions=a["actions"][s:e].astype(np.float32), rewards=a["rewards"][s:e].tolist(),
-                                     terminations=term.tolist(), truncations=trunc.tolist(), infos={}))
+        term = a["terminals"][s:e]  # (T,)
+        trunc = a["timeouts"][s:e] & ~term  # (T,)
+        trunc[-1] |= not term[-1]  # the trailing episode: truncated
+        buffers.append(EpisodeBuffer(
+            id=i, observations=np.concatenate([a["observations"][s:e], nxt[e - 1:e]]),  # (T + 1, .)
+            actions=a["actions"][s:e].astype(np.float32), rewards=a["rewards"][s:e].tolist(),
+            terminations=term.tolist(), truncations=trunc.tolist(), infos={}))
+
+    # written, with the robot's D4RL reference returns
     ref = D4RL_REF_SCORES.get(env_id.split("-")[0], (None, None))
-    command = ["convert-d4rl", os.path.abspath(path), dataset_id, *(["--env", env_arg] if env_arg else [])]
-    folder = _write_dataset(dataset_id, buffers, command, env=env_id, ref_min_score=ref[0], ref_max_score=ref[1],
-                            algorithm_name="D4RL (converted by data.py convert-d4rl)",
-                            description=f"converted from {path}")
+    command = ["convert-d4rl", os.path.abspath(path), dataset_id,
+               *(["--env", env_arg] if env_arg else [])]
+    folder = _write_dataset(
+        dataset_id, buffers, command, env=env_id, ref_min_score=ref[0], ref_max_score=ref[1],
+        algorithm_name="D4RL (converted by data.py convert-d4rl)",
+        description=f"converted from {path}")
+
     n_term = sum(bool(b.terminations[-1]) for b in buffers)
-    refs = f"reference returns {ref[0]} / {ref[1]}" if ref[0] is not None else "no reference returns"
-    print(f"{dataset_id}: {len(buffers)} episodes ({n_term} end by terminal, {len(buffers) - n_term} truncated), "
-          f"{n:,} steps, env {env_id}, {refs}, written to {folder}")
+    refs = (f"reference returns {ref[0]} / {ref[1]}" if ref[0] is not None
+            else "no reference returns")
+    print(f"{dataset_id}: {len(buffers)} episodes ({n_term} end by terminal, "
+          f"{len(buffers) - n_term} truncated), {n:,} steps, env {env_id}, {refs}, written to "
+          f"{folder}")
     return len(buffers)
 
-# -------------------------------------------------------------------------------------------------------------------
-# DQN-replay (Dopamine's replay-buffer checkpoints) -> local Minari dataset (python data.py convert-dqn-replay)
+
+# --------------------------------------------------------------------------------------------------
+# DQN-replay (Dopamine's replay-buffer checkpoints) -> local Minari dataset (convert-dqn-replay)
 #
-# A DQN-replay run folder (gs://atari-replay-datasets/dqn/<Game>/<run>/replay_logs) holds checkpoints N = 0..49 of
-# 1M transitions each, one gzipped np.save array per field and one row per transition t:
-#   $store$_observation_ckpt.N.gz (n, 84, 84) uint8: the newest frame of s_t (stacking 4 is the reader's job)
+# A run folder (gs://atari-replay-datasets/dqn/<Game>/<run>/replay_logs) holds buffers N = 0..49
+# of 1M transitions, a gzipped np.save array per field, a row per transition t:
+#   $store$_observation_ckpt.N.gz (n, 84, 84) uint8: the newest frame of s_t
 #   $store$_action_ckpt.N.gz      (n,) int32: a_t, an index into ALE's minimal action set
-#   $store$_reward_ckpt.N.gz      (n,) float32: r_t as Dopamine stored it (clipped to [-1, 1])
-#   $store$_terminal_ckpt.N.gz    (n,) uint8: 1 on an episode's last step (game over; no life-loss ends)
-#   add_count_ckpt.N.gz           (): transitions added so far (optional here; it places the buffer's oldest row)
-# Dopamine's buffer is circular: one buffer is a window of one long stream, starting and ending anywhere (mid-episode
-# too), whose oldest row is add_count % n (n - 1 in DQN-replay, saved when the cursor reached it). Before an
-# episode's first transition it adds 3 blank ones (zero frame, action 0, reward 0; frame stack 4, minus 1): no steps
-# of the game, dropped here. The data was played with sticky actions (p = 0.25); the papers evaluate without them.
+#   $store$_reward_ckpt.N.gz      (n,) float32: r_t clipped to [-1, 1]
+#   $store$_terminal_ckpt.N.gz    (n,) uint8: 1 at game over or the step limit, not at a life lost
+#   add_count_ckpt.N.gz           (): transitions added so far (optional: it places the oldest row)
+# A buffer is circular, a window of one stream cut anywhere (mid-episode too), its oldest row
+# add_count % n (n - 1 in DQN-replay). Dopamine adds 3 blank transitions before an episode (zero
+# frame, action 0, reward 0: frame stack 4, minus 1), dropped here, and played with sticky actions
+# (p = 0.25), which the papers evaluate without (kzl atari/mingpt/trainer_atari.py#L231).
+# google/dopamine@00a5b32: dopamine/discrete_domains/run_experiment.py#L291 clips, #L293-L305
+# ends episodes; dopamine/replay_memory/circular_replay_buffer.py#L251-L255 adds blank rows;
+# dopamine/discrete_domains/atari_lib.py#L75 sticky actions.
 
 DQN_REPLAY_FIELDS = ("observation", "action", "reward", "terminal")
-DQN_REPLAY_MAX_ROWS = 10_000_000  # rows a checkpoint may declare (Dopamine's hold 1M): a larger header is refused
-DQN_BLANK_ROWS = 3                # Dopamine's blank transitions before an episode (frame stack 4, minus 1)
+DQN_REPLAY_MAX_ROWS = 10_000_000  # a header declaring more rows is refused (Dopamine's hold 1M)
+DQN_BLANK_ROWS = 3
+
 
 @contextlib.contextmanager
 def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
-    """The gzipped np.save array at `path` -> (the gzip file at its first data byte, dtype, number of rows). Its header
-    (read by np.lib.format) must declare rows of `row_shape` (uint8 frames) with a dtype of one of `kinds` (numpy's
-    kind letters), or one number (scalar); else one sentence, before anything is allocated or unpickled."""
+    """The gzipped np.save array at `path` -> (the file at its data, dtype, rows). Its header must
+    declare rows of `row_shape` (uint8 frames) of a kind in `kinds`, or one number (scalar): else
+    one sentence, before anything is allocated or unpickled."""
     import gzip
     import zlib
+
     try:
         f = gzip.open(path, "rb")
     except OSError as e:
         raise DataError(f"{path} cannot be opened ({e.strerror or e})") from None
+
+    # the header, read by np.lib.format
     with f:
         try:
             version = np.lib.format.read_magic(f)
             if version not in ((1, 0), (2, 0)):
                 raise ValueError(f"np.save format {version}")
-            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                      else np.lib.format.read_array_header_2_0)
             shape, fortran_order, dtype = header(f)
-        except (OSError, EOFError, zlib.error, ValueError) as e:  # (gzip's BadGzipFile is an OSError)
-            what = ("not a gzip file, or a damaged one" if isinstance(e, OSError) else "truncated" if
-                    isinstance(e, EOFError) else "damaged" if isinstance(e, zlib.error) else
-                    "not an array np.save wrote, or damaged")
-            raise DataError(f"{path} cannot be read ({what}); DQN-replay's {os.path.basename(path).split('_ckpt')[0]} "
-                            f"files are gzipped np.save arrays") from None
+        except (OSError, EOFError, zlib.error, ValueError) as e:  # (BadGzipFile: an OSError)
+            what = ("not a gzip file, or a damaged one" if isinstance(e, OSError)
+                    else "truncated" if isinstance(e, EOFError)
+                    else "damaged" if isinstance(e, zlib.error)
+                    else "not an array np.save wrote, or damaged")
+            field = os.path.basename(path).split("_ckpt")[0]
+            raise DataError(f"{path} cannot be read ({what}); DQN-replay's {field} files are "
+                            f"gzipped np.save arrays") from None
+
         want = f"(n, {', '.join(map(str, row_shape))})" if row_shape else "()" if scalar else "(n,)"
-        shape_ok = shape in ((), (1,)) if scalar else len(shape) == 1 + len(row_shape) and shape[1:] == row_shape
-        if (not shape_ok or dtype.hasobject or dtype.kind not in kinds or (row_shape and dtype != np.uint8)
-                or (fortran_order and len(shape) > 1)):
-            raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay has {want} "
-                            f"{'uint8 frames' if row_shape else 'numbers'}")
+        shape_ok = (shape in ((), (1,)) if scalar
+                    else len(shape) == 1 + len(row_shape) and shape[1:] == row_shape)
+        if (not shape_ok or dtype.hasobject or dtype.kind not in kinds
+                or (row_shape and dtype != np.uint8) or (fortran_order and len(shape) > 1)):
+            raise DataError(f"{path} holds an array of {dtype} with shape {shape} where DQN-replay "
+                            f"has {want} {'uint8 frames' if row_shape else 'numbers'}")
         if shape and shape[0] > DQN_REPLAY_MAX_ROWS:
-            raise DataError(f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this reader "
-                            f"accepts (DQN-replay buffers hold 1M)")
+            raise DataError(
+                f"{path} declares {shape[0]:,} rows, more than the {DQN_REPLAY_MAX_ROWS:,} this "
+                f"reader accepts (DQN-replay buffers hold 1M)")
         yield f, dtype, int(shape[0]) if shape else 1
 
+
 def _npy_fill(f, out, path, last=True):
-    """Fill the array `out` with the next bytes of the open array file f -> out. last: nothing may follow (and
-    reaching the end makes gzip check its CRC). One sentence if the file ends early or is damaged."""
+    """Fill `out` from the open array file f -> out. last: nothing may follow (and reading to the
+    end makes gzip check its CRC)."""
     import zlib
     try:
         got = f.readinto(memoryview(out).cast("B"))
     except (OSError, EOFError, zlib.error):
         got = -1
     if got != out.nbytes:
-        raise DataError(f"{path} is truncated or damaged (it ends within its array); download it again")
+        raise DataError(
+            f"{path} is truncated or damaged (it ends within its array); download it again")
+
     try:
         extra = f.read(1) if last else b""
     except (OSError, EOFError, zlib.error):
         extra = b"?"
     if extra:
-        raise DataError(f"{path} is damaged (bytes after its array, or a failed gzip check); download it again")
+        raise DataError(f"{path} is damaged (bytes after its array, or a failed gzip check); "
+                        "download it again")
     return out
 
+
 def _npy_read(path, kinds, scalar=False):
-    """A whole gzipped (n,) array (action, reward, terminal: 1M rows are a few MB), or one number (scalar)."""
+    """A whole gzipped (n,) array (1M rows: a few MB), or one number (scalar)."""
     with _npy_open(path, (), kinds, scalar) as (f, dtype, n):
-        if n * dtype.itemsize > 1032 * os.path.getsize(path):  # deflate expands a byte into 1032 at most
-            raise DataError(f"{path} is truncated or damaged (its header declares {n:,} rows, more than its "
-                            f"{os.path.getsize(path):,} bytes can hold); download it again")
+        if n * dtype.itemsize > 1032 * os.path.getsize(path):  # (deflate: 1 byte -> 1032 at most)
+            raise DataError(
+                f"{path} is truncated or damaged (its header declares {n:,} rows, more than its "
+                f"{os.path.getsize(path):,} bytes can hold); download it again")
         return _npy_fill(f, np.empty(n, dtype), path)
 
+
 def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
-    """Buffer `number`'s whole episodes, in order, until `budget` steps (the episode that reaches it is kept whole)
-    -> list of (frames (T+1, 84, 84) uint8, actions (T,) int64, rewards (T,) float32); counts: what is dropped."""
+    """Buffer `number`'s whole episodes until `budget` steps (the last one whole) -> [(frames
+    (T+1, 84, 84) uint8, actions (T,) int64, rewards (T,) float32)]; counts: the drops."""
     paths = {k: os.path.join(folder, f"$store$_{k}_ckpt.{number}.gz") for k in DQN_REPLAY_FIELDS}
     for p in paths.values():
         if not os.path.isfile(p):
-            raise DataError(f"buffer {number} in {folder} has no {os.path.basename(p)} (a buffer needs its "
-                            f"observation, action, reward and terminal files); download it again")
+            raise DataError(
+                f"buffer {number} in {folder} has no {os.path.basename(p)}; download it again")
+
+    # the small arrays; of the frames the header only (n rows)
     with _npy_open(paths["observation"], (84, 84), "u") as (_, _, n):
-        pass                                                              # (its header only: n rows)
-    act, rew, term = (_npy_read(paths[k], kinds) for k, kinds in (("action", "iu"), ("reward", "fiu"),
-                                                                   ("terminal", "biu")))
+        pass
+    act, rew, term = (_npy_read(paths[k], kinds) for k, kinds in
+                      (("action", "iu"), ("reward", "fiu"), ("terminal", "biu")))
     lengths = {"observation": n, "action": len(act), "reward": len(rew), "terminal": len(term)}
     if len(set(lengths.values())) != 1:
-        raise DataError(f"buffer {number} in {folder} has arrays of different lengths ("
-                        f"{', '.join(f'{k} {v:,}' for k, v in lengths.items())}), so its rows do not line up")
+        said = ", ".join(f"{k} {v:,}" for k, v in lengths.items())
+        raise DataError(f"buffer {number} in {folder} has arrays of different lengths ({said})")
     if not np.isin(term, (0, 1)).all() or not np.isfinite(rew).all():
-        raise DataError(f"buffer {number} in {folder} has terminal flags other than 0 and 1 or rewards that are NaN "
-                        f"or infinite, so it cannot be used")
+        raise DataError(f"buffer {number} in {folder} has terminal flags other than 0 and 1 or "
+                        f"rewards that are NaN or infinite")
     if n == 0:
-        raise DataError(f"buffer {number} in {folder} holds no rows (DQN-replay's hold 1M); download it again")
-    count = os.path.join(folder, f"add_count_ckpt.{number}.gz")          # places the oldest row: add_count % n
+        raise DataError(
+            f"buffer {number} in {folder} holds no rows (DQN-replay's hold 1M); download it again")
+
+    # the stream, oldest row first: add_count % n
+    count = os.path.join(folder, f"add_count_ckpt.{number}.gz")
     cursor = int(_npy_read(count, "iu", scalar=True)[0]) % n if os.path.isfile(count) else 0
-    order = (np.arange(n) + cursor) % n                                   # (n,) stream position -> file row
+    order = (np.arange(n) + cursor) % n  # (n,) stream position -> file row
     act, rew, term = act[order], rew[order], term[order].astype(bool)
-    ends = np.flatnonzero(term)                                           # stream positions of episodes' last steps
+    ends = np.flatnonzero(term)  # stream positions of episodes' last steps
     counts["cut"] += 1
-    counts["head"] += ends[0] + 1 if len(ends) else n  # rows up to the first terminal: an episode begun before it
+    counts["head"] += ends[0] + 1 if len(ends) else n  # (an episode begun before the buffer)
     if len(ends) == 0:
         return []
-    episodes, taken = [], 0                       # (first row, end row, blank rows maybe) in stream positions
+
+    # whole episodes until the budget: (first, end, blank rows maybe) in stream positions
+    episodes, taken = [], 0
     for s, e in zip(ends[:-1] + 1, ends[1:] + 1):
-        maybe = 0                                 # Dopamine's blank rows, as far as actions and rewards tell
-        while maybe < min(DQN_BLANK_ROWS, e - s - 1) and act[s + maybe] == 0 and rew[s + maybe] == 0:
+        maybe = 0  # Dopamine's blank rows, as far as actions and rewards tell
+        while (maybe < min(DQN_BLANK_ROWS, e - s - 1) and act[s + maybe] == 0
+               and rew[s + maybe] == 0):
             maybe += 1
         if taken >= budget:
             break
@@ -940,181 +998,235 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
         taken += e - s - maybe
     else:
         counts["cut"] += int(ends[-1] + 1 < n)
-        counts["tail"] += n - ends[-1] - 1        # rows after the last terminal: an episode that goes on after it
+        counts["tail"] += n - ends[-1] - 1  # (an episode going on after the buffer)
     if not episodes:
         return []
-    bad = [a for s, e, _ in episodes for a in (act[s:e].min(), act[s:e].max()) if not 0 <= a < n_actions]
+
+    # their actions, in the game's set
+    bad = [a for s, e, _ in episodes for a in (act[s:e].min(), act[s:e].max())
+           if not 0 <= a < n_actions]
     if bad:
-        raise DataError(f"buffer {number} in {folder} has action {bad[0]} where the game has {n_actions} actions "
-                        f"(ALE's minimal set); is the folder this game's?")
-    # frames: one array for the buffer, each episode's T + 1 rows a slice of it (the last: the final frame repeated)
+        raise DataError(f"buffer {number} in {folder} has action {bad[0]} where the game has "
+                        f"{n_actions} actions (ALE's minimal set); is the folder this game's?")
+
+    # frames: one array, each episode's T + 1 rows a slice (the last: the final frame repeated),
+    # read 4096 rows (29 MB) at a time up to the last row kept
     sizes = np.array([e - s + 1 for s, e, _ in episodes])
     base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     frames = np.empty((sizes.sum(), 84, 84), np.uint8)
-    dest = np.full(n, -1, np.int64)                                       # file row -> row of `frames`, -1: not kept
+    dest = np.full(n, -1, np.int64)  # file row -> row of `frames`, -1: not kept
     for (s, e, _), b in zip(episodes, base):
         dest[order[s:e]] = b + np.arange(e - s)
-    last = int(np.flatnonzero(dest >= 0)[-1]) + 1                        # read no further than the last row kept,
-    chunk = np.empty((min(4096, last), 84, 84), np.uint8)                 # 4096 rows (29 MB) at a time
+
+    last = int(np.flatnonzero(dest >= 0)[-1]) + 1
+    chunk = np.empty((min(4096, last), 84, 84), np.uint8)
     with _npy_open(paths["observation"], (84, 84), "u") as (f, _, _):
         for r0 in range(0, last, 4096):
             r1 = min(r0 + 4096, last)
             rows = _npy_fill(f, chunk[:r1 - r0], paths["observation"], last=r1 == n)
             keep = dest[r0:r1] >= 0
             frames[dest[r0:r1][keep]] = rows[keep]
+
+    # episodes without their blank rows (a blank row's frame is zero too, a NOOP step's not)
     out = []
     for (s, e, maybe), b in zip(episodes, base):
         frames[b + e - s] = frames[b + e - s - 1]
         blank = 0
         while blank < maybe and not frames[b + blank].any():
-            blank += 1                            # a blank row has a zero frame too; a real NOOP step does not
+            blank += 1
         counts["blank"] += blank
         out.append((frames[b + blank:b + e - s + 1], act[s + blank:e].astype(np.int64),
                     rew[s + blank:e].astype(np.float32)))
     return out
 
+
 def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
-    """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes of its last `buffers`
-    checkpoints (default all), each buffer in turn giving an equal share of the `steps` still wanted, so that they come
-    from all of them, not from the earliest, near-random play (kzl/decision-transformer@e2d82e6
-    atari/create_dataset.py#L33 draws 10 episodes at a time from random buffers). Pieces of episodes cut by a buffer's
-    edge (their timesteps or returns-to-go would be wrong) and blank rows are dropped. -> the number of episodes."""
+    """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes of its last
+    `buffers` buffers (default all), each in turn giving an equal share of the `steps` still
+    wanted, so that all are drawn on, not only the earliest, near-random play. Episode pieces cut
+    by a buffer's edge (their timesteps and returns-to-go would be wrong) and blank rows are
+    dropped. -> the number of episodes.
+
+    kzl/decision-transformer@e2d82e6 atari/create_dataset.py draws a random one of the last
+    --num_buffers buffers (#L33) and keeps from where its last draw of it stopped (row 0 at first,
+    mid-episode maybe) through the 11th terminal: trajectories_to_load counts 10 down to 0 and the
+    terminal that finds 0 ends the draw (#L49-L62); nothing if row 100,000 comes first (#L65-L71).
+    """
     from collections import Counter
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
-    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the buffers are read)
+
+    _new_dataset_folder(dataset_id)
+
+    # the game's env
     spec = atari_env_spec(game)
     env = gym.make(spec)
     n_actions, obs_space = int(env.action_space.n), env.observation_space
     env.close()
     frame_space = gym.spaces.Box(0, 255, (84, 84), np.uint8)
     if obs_space != frame_space:
-        raise DataError(f"{spec.id} in AtariPreprocessing gives observations {obs_space} here, not 84x84 uint8 "
-                        f"frames; check the gymnasium and ale-py versions")
+        raise DataError(f"{spec.id} in AtariPreprocessing gives observations {obs_space} here, not "
+                        f"84x84 uint8 frames; check the gymnasium and ale-py versions")
+
+    # the folder's buffers
     if not os.path.isdir(folder):
-        raise DataError(f"{folder} is not a folder; pass a DQN-replay <Game>/<run>/replay_logs folder")
+        raise DataError(
+            f"{folder} is not a folder; pass a DQN-replay <Game>/<run>/replay_logs folder")
     found = (re.fullmatch(r"\$store\$_(\w+)_ckpt\.(\d+)\.gz", f) for f in os.listdir(folder))
-    numbers = sorted({int(m[2]) for m in found if m and m[1] in DQN_REPLAY_FIELDS})    # the buffers' N, ascending
+    numbers = sorted({int(m[2]) for m in found if m and m[1] in DQN_REPLAY_FIELDS})  # ascending
     if not numbers:
-        raise DataError(f"{folder} holds no DQN-replay buffers ($store$_observation_ckpt.N.gz and the action, reward "
-                        f"and terminal files); pass a <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
+        raise DataError(f"{folder} holds no DQN-replay buffers ($store$_observation_ckpt.N.gz and "
+                        f"the action, reward and terminal files); pass a <Game>/<run>/replay_logs "
+                        f"folder, e.g. Breakout/1/replay_logs")
     if buffers is not None and buffers > len(numbers):
-        print(f"{folder} has {len(numbers)} buffers, fewer than --buffers {buffers}: all of them are used")
-    counts, episodes, read, total = Counter(), [], [], 0
+        print(f"{folder} has {len(numbers)} buffers, fewer than --buffers {buffers}: all of them "
+              f"are used")
     chosen = numbers[-buffers:] if buffers else numbers
+
+    # memory for the frames held at most (--steps, or every row)
     rows = 0
     for path in (os.path.join(folder, f"$store$_observation_ckpt.{k}.gz") for k in chosen):
-        if os.path.isfile(path):                                   # (headers only; a missing file is said below)
+        if os.path.isfile(path):  # (a missing file is said below)
             with _npy_open(path, (84, 84), "u") as (_, _, n):
                 rows += n
-    held, free = min(rows, steps), available_memory()             # frames held at most: --steps, or every row
+    held, free = min(rows, steps), available_memory()
     if free is not None and 84 * 84 * held > free:
-        raise DataError(f"the frames of {held:,} steps need about {84 * 84 * held / 2**30:.3g} GB, more than the "
-                        f"{free / 2**30:.3g} GB of memory available; lower --steps" + " or --buffers" * (rows <= steps))
+        raise DataError(f"the frames of {held:,} steps need about {84 * 84 * held / 2**30:.3g} GB, "
+                        f"more than the {free / 2**30:.3g} GB of memory available; lower --steps"
+                        + " or --buffers" * (rows <= steps))
+
+    # the buffers in turn
+    counts, episodes, read, total = Counter(), [], [], 0
     for k, number in enumerate(chosen):
         if total >= steps:
             break
-        share = -(-(steps - total) // (len(chosen) - k))            # an equal share of the steps still wanted
+        share = -(-(steps - total) // (len(chosen) - k))
         episodes += _dqn_replay_episodes(folder, number, n_actions, share, counts)
         read.append(number)
         total = sum(len(a) for _, a, _ in episodes)
+
+    # what was read, kept and dropped
     which = f"buffer {read[0]}" if len(read) == 1 else f"buffers {read[0]}-{read[-1]}"
     if not episodes:
-        raise DataError(f"{which} of {folder} hold no whole episode (the rows before a buffer's first terminal and "
-                        f"after its last are pieces of episodes cut by its edges)")
-    print(f"dropped {counts['cut']} piece{'s' * (counts['cut'] != 1)} of episodes at the edges of {which} "
-          f"({counts['head']:,} rows up to a buffer's first terminal, {counts['tail']:,} after its last): each lacks "
-          f"its start or its end, which lie in another buffer or in none")
+        raise DataError(
+            f"{which} of {folder} hold no whole episode, only pieces cut by their edges")
+
+    print(f"dropped {counts['cut']} piece{'s' * (counts['cut'] != 1)} of episodes at the edges of "
+          f"{which} ({counts['head']:,} rows up to a buffer's first terminal, {counts['tail']:,} "
+          f"after its last): each lacks its start or its end, which lie in another buffer or in "
+          f"none")
     if counts["blank"]:
-        print(f"dropped {counts['blank']:,} blank rows (zero frame, action 0, reward 0) that Dopamine adds before an "
-              f"episode's first step")
-    print("each episode's final observation repeats its last frame (the replay keeps no frame after a terminal; "
-          "never used for training)")
+        print(f"dropped {counts['blank']:,} blank rows (zero frame, action 0, reward 0) that "
+              f"Dopamine adds before an episode's first step")
+    print("each episode's final observation repeats its last frame (the replay keeps no frame "
+          "after a terminal; never used for training)")
     if total < steps:
-        print(f"{which} of {folder} hold {total:,} steps in whole episodes, fewer than --steps {steps:,}: all of "
-              f"them are used")
-    # Dopamine's rewards, clipped to +-1: returns-to-go count clipped rewards while evaluation subtracts the game's raw
-    # reward, as the official code does (the replica Breakout set stores raw rewards)
+        print(f"{which} of {folder} hold {total:,} steps in whole episodes, fewer than --steps "
+              f"{steps:,}: all of them are used")
+
+    # Dopamine's clipped rewards: returns-to-go count them while evaluation subtracts the game's
+    # raw reward, as in kzl's (atari/mingpt/trainer_atari.py#L211, #L275)
     ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(), infos={},
-                                terminations=[False] * (len(act) - 1) + [True], truncations=[False] * len(act))
+                                terminations=[False] * (len(act) - 1) + [True],
+                                truncations=[False] * len(act))
                   for i, (obs, act, rew) in enumerate(episodes)]
+
+    # written, with the game's random and gamer returns
     ref = ATARI_GAMER_SCORES.get(spec.name, (None, None))
     command = ["convert-dqn-replay", os.path.abspath(folder), game, dataset_id,
                *(["--buffers", buffers] if buffers else []), "--steps", steps]
-    out = _write_dataset(dataset_id, ep_buffers, command, env=spec, eval_env=spec, observation_space=frame_space,
-                         action_space=gym.spaces.Discrete(n_actions), ref_min_score=ref[0], ref_max_score=ref[1],
-                         algorithm_name="DQN (Dopamine), DQN-replay dataset (converted by data.py convert-dqn-replay)",
-                         description=f"whole episodes of {which} of {folder}, {total:,} steps", jpeg_encoding=False)
-    refs = f"random / gamer returns {ref[0]} / {ref[1]}" if ref[0] is not None else "no reference returns"
+    out = _write_dataset(
+        dataset_id, ep_buffers, command, env=spec, eval_env=spec, observation_space=frame_space,
+        action_space=gym.spaces.Discrete(n_actions), ref_min_score=ref[0], ref_max_score=ref[1],
+        algorithm_name="DQN (Dopamine), DQN-replay dataset (converted by data.py "
+                       "convert-dqn-replay)",
+        description=f"whole episodes of {which} of {folder}, {total:,} steps", jpeg_encoding=False)
+
+    refs = (f"random / gamer returns {ref[0]} / {ref[1]}" if ref[0] is not None
+            else "no reference returns")
     print(f"{dataset_id}: {len(episodes)} episodes, {total:,} steps from {which}, env {spec.id} in "
           f"AtariPreprocessing, {n_actions} actions, {refs}, written to {out}")
     return len(episodes)
 
-# -------------------------------------------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------------
 # several Minari datasets of one environment -> one local dataset (python data.py mix)
 
+
 def mix(sources, dataset_id):
-    """Every episode of each source, source by source, as the new local dataset `dataset_id` (D4RL's medium-expert).
-    The sources must share the env (the larger max_episode_steps is kept), spaces and reference returns; the eval env
-    is the first's, the sources are listed under minari.combine_datasets' metadata key, episode infos are not copied.
-    -> the number of episodes."""
+    """Every episode of each source in turn as the local dataset `dataset_id` (D4RL's
+    medium-expert). The sources share the env (the larger max_episode_steps is kept), spaces and
+    reference returns; the eval env is the first's; infos are not copied. -> the number of
+    episodes."""
     from minari.data_collector import EpisodeBuffer
+
     ids = [resolve(s) for s in sources]
     if len(ids) < 2:
         raise DataError("mix needs at least two source datasets, then the new id")
-    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before the sources are read)
-    loaded = [_open_minari(i, download=True) for i in ids]               # (MinariDataset, metadata, episodes) each
+    _new_dataset_folder(dataset_id)
+
+    # the sources, which must agree
+    loaded = [_open_minari(i, download=True) for i in ids]  # (MinariDataset, metadata, episodes)
     first, (first_ds, first_meta, _) = ids[0], loaded[0]
     spec = first_ds.env_spec
+
     for i, (ds, meta, _) in zip(ids[1:], loaded[1:]):
-        same = spec is not None and ds.env_spec is not None and replace(ds.env_spec, max_episode_steps=None) == \
-            replace(spec, max_episode_steps=None)
+        same = spec is not None and ds.env_spec is not None and replace(
+            ds.env_spec, max_episode_steps=None) == replace(spec, max_episode_steps=None)
         if not same:
             raise DataError(f"{first} and {i} are datasets of different environments ("
-                            f"{getattr(spec, 'id', None)} and {getattr(ds.env_spec, 'id', None)}); mix takes one "
-                            f"environment's datasets")
-        if ds.observation_space != first_ds.observation_space or ds.action_space != first_ds.action_space:
-            raise DataError(f"{first} and {i} have different observation or action spaces, so they cannot be mixed")
+                            f"{getattr(spec, 'id', None)} and {getattr(ds.env_spec, 'id', None)}); "
+                            f"mix takes one environment's datasets")
+        if (ds.observation_space != first_ds.observation_space
+                or ds.action_space != first_ds.action_space):
+            raise DataError(f"{first} and {i} have different observation or action spaces, so they "
+                            f"cannot be mixed")
         for key in ("ref_min_score", "ref_max_score"):
             if meta.get(key) != first_meta.get(key):
-                raise DataError(f"{first} and {i} have different reference returns ({key} {first_meta.get(key)} and "
-                                f"{meta.get(key)}), so the mix would have no single normalised score")
+                raise DataError(f"{first} and {i} have different reference returns ({key} "
+                                f"{first_meta.get(key)} and {meta.get(key)}), so the mix would "
+                                f"have no single normalised score")
+
+    # every episode
     steps = [ds.env_spec.max_episode_steps for ds, _, _ in loaded]
     spec = replace(spec, max_episode_steps=None if None in steps else max(steps))
-    buffers = [EpisodeBuffer(id=n, observations=ep.observations, actions=ep.actions, rewards=list(ep.rewards),
-                             terminations=list(ep.terminations), truncations=list(ep.truncations), infos={})
+    buffers = [EpisodeBuffer(id=n, observations=ep.observations, actions=ep.actions,
+                             rewards=list(ep.rewards), terminations=list(ep.terminations),
+                             truncations=list(ep.truncations), infos={})
                for n, ep in enumerate(ep for _, _, episodes in loaded for ep in episodes)]
     folder = _write_dataset(
         dataset_id, buffers, ["mix", *sources, dataset_id], {"combined_datasets": ids}, env=spec,
-        eval_env=getattr(first_ds, "_eval_env_spec", None), observation_space=first_ds.observation_space,
-        action_space=first_ds.action_space, ref_min_score=first_meta.get("ref_min_score"),
+        eval_env=getattr(first_ds, "_eval_env_spec", None),
+        observation_space=first_ds.observation_space, action_space=first_ds.action_space,
+        ref_min_score=first_meta.get("ref_min_score"),
         ref_max_score=first_meta.get("ref_max_score"), algorithm_name="data.py mix",
-        description=f"every episode of {', then '.join(ids)}", jpeg_encoding=False)  # lossless, as DESIGN.md asks
+        description=f"every episode of {', then '.join(ids)}", jpeg_encoding=False)
+
     counts = ", ".join(f"{len(episodes)} from {i}" for i, (_, _, episodes) in zip(ids, loaded))
-    print(f"{dataset_id}: {len(buffers)} episodes ({counts}), {sum(len(b.actions) for b in buffers):,} steps, env "
-          f"{spec.id}, written to {folder}")
+    print(f"{dataset_id}: {len(buffers)} episodes ({counts}), "
+          f"{sum(len(b.actions) for b in buffers):,} steps, env {spec.id}, written to {folder}")
     return len(buffers)
 
-# -------------------------------------------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------------
 # making a dataset offline (python data.py make NAME)
 #
-# PointMaze, by the method Minari used for its D4RL/pointmaze sets (d4rl-minari-dataset-generation, after D4RL's
-# maze2d): gymnasium-robotics' maze as a continuing task (a new goal when one is reached, no reset), a waypoint planner
-# over the maze's cells steering a PD controller, N(0, 0.5^2) noise on every action, and the one long run cut into
-# episodes at each goal reached (truncated, never terminated). The eval env is Minari's: one fixed goal cell, the
-# ball kept running at the goal until the horizon (300 / 600 / 800 steps).
+# PointMaze, by the method of Minari's D4RL/pointmaze sets (d4rl-minari-dataset-generation, after
+# D4RL's maze2d; make's help sums it up). Minari's eval env has one goal cell, and the ball goes on
+# at the goal until the horizon.
 
 MAKE_NAMES = {f"pointmaze-{maze}{dense}": f"D4RL/pointmaze/{maze}{dense}-v2"
               for maze in ("umaze", "medium", "large") for dense in ("", "-dense")}
 MAKE_NAMES["breakout-mixed"] = "1% of DQN-replay Breakout (the DT paper's data)"
-MAZE_ENVS = {"umaze": "UMaze", "medium": "Medium", "large": "Large"}       # gymnasium-robotics' PointMaze_<name>-v3
-MAZE_EVAL_GOALS = {"umaze": (1, 1), "medium": (6, 6), "large": (7, 9)}     # the eval maps' goal cell, as Minari's
-MAZE_STEPS = {"umaze": 200_000, "medium": 300_000, "large": 400_000}  # default --steps (under a minute each, 2 cores)
-MAZE_REF_EPISODES = 100  # episodes of the random and the noise-free policy for the reference returns (Minari's 100)
+MAZE_ENVS = {"umaze": "UMaze", "medium": "Medium", "large": "Large"}  # PointMaze_<name>-v3
+MAZE_EVAL_GOALS = {"umaze": (1, 1), "medium": (6, 6), "large": (7, 9)}  # Minari's eval goal cells
+MAZE_STEPS = {"umaze": 200_000, "medium": 300_000, "large": 400_000}  # default --steps
+MAZE_REF_EPISODES = 100  # eval episodes for the reference returns (Minari's default)
+
 
 def make(name, dataset_id=None, seed=0, steps=None):
-    """python data.py make NAME: the local Minari dataset `dataset_id` (default made/<env>/<kind>-v0), made offline
-    from `seed`; prints what it made. -> its folder."""
+    """python data.py make NAME: the local Minari dataset `dataset_id` (default
+    made/<env>/<kind>-v0), made offline from `seed`. -> its folder."""
     import difflib
     if name not in MAKE_NAMES:
         near = difflib.get_close_matches(name, MAKE_NAMES, n=1)
@@ -1122,65 +1234,81 @@ def make(name, dataset_id=None, seed=0, steps=None):
                         + (f" (did you mean {near[0]}?)" if near else ""))
     if seed < 0:
         raise DataError(f"--seed {seed} is negative; pass a whole number from 0")
+
     dataset_id = dataset_id or _made_id(name)
-    _new_dataset_folder(dataset_id)  # (a taken id or an unwritable folder: said before any work)
+    _new_dataset_folder(dataset_id)
+
+    # made, then written
     t0 = time.time()
     if name == "breakout-mixed":
         buffers, write_kwargs, behaviour = _make_breakout(seed, steps)
     else:
         buffers, write_kwargs, behaviour = _make_pointmaze(name, seed, steps)
-    command = ["make", name, dataset_id, *(["--seed", seed] if seed else []), *(["--steps", steps] if steps else [])]
-    folder = _write_dataset(dataset_id, buffers, command, {"stands_in_for": MAKE_NAMES[name]}, **write_kwargs)
-    returns = np.array([sum(b.rewards) for b in buffers])                         # (episodes,)
+    command = ["make", name, dataset_id, *(["--seed", seed] if seed else []),
+               *(["--steps", steps] if steps else [])]
+    folder = _write_dataset(dataset_id, buffers, command, {"stands_in_for": MAKE_NAMES[name]},
+                            **write_kwargs)
+
+    # what it made
+    returns = np.array([sum(b.rewards) for b in buffers])  # (episodes,)
     q = np.percentile(returns, [0, 50, 75, 100])
     print(f"{dataset_id} (stands in for {MAKE_NAMES[name]}): {len(buffers):,} episodes, "
           f"{sum(len(b.rewards) for b in buffers):,} steps\n"
-          f"episode returns: min {q[0]:.4g}, median {q[1]:.4g}, 75th percentile {q[2]:.4g}, max {q[3]:.4g}, "
-          f"mean {returns.mean():.4g}\n{behaviour}\nmade in {time.time() - t0:.0f} s, written to {folder}")
+          f"episode returns: min {q[0]:.4g}, median {q[1]:.4g}, 75th percentile {q[2]:.4g}, max "
+          f"{q[3]:.4g}, mean {returns.mean():.4g}\n{behaviour}\nmade in {time.time() - t0:.0f} s, "
+          f"written to {folder}")
     return folder
+
 
 def _made_id(name):
     """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
     return "made/" + name.replace("-", "/", 1) + "-v0"
 
+
 def maze_steps(maze_map, goal):
-    """The planner: value iteration over the maze's cells (as D4RL's and Minari's QIteration) with a cost of 1 per
-    move up, down, left or right. maze_map: rows of cells, 1 a wall (0, 'g', 'r', 'c' open); goal: (row, col).
-    -> (rows, cols) moves from each cell to the goal, inf for walls and cells that cannot reach it."""
-    free = np.array([[cell != 1 for cell in row] for row in maze_map])        # (H, W) open cells
-    steps = np.full(free.shape, np.inf)                                         # (H, W)
+    """The planner: value iteration over the maze's cells (1 a wall), 1 per move up, down, left or
+    right: the shortest paths D4RL's and Minari's QIteration find. -> moves from each cell to goal
+    (row, col), inf where it cannot be reached."""
+    free = np.array([[cell != 1 for cell in row] for row in maze_map])  # (H, W) open cells
+    steps = np.full(free.shape, np.inf)  # (H, W)
     steps[goal] = 0.0
+
     while True:
-        p = np.pad(steps, 1, constant_values=np.inf)                            # (H + 2, W + 2)
-        best = np.minimum.reduce([p[:-2, 1:-1], p[2:, 1:-1], p[1:-1, :-2], p[1:-1, 2:]])  # (H, W) best neighbour
-        new = np.where(free, np.minimum(steps, best + 1), np.inf)               # Bellman update, V = min(V, 1 + V')
+        p = np.pad(steps, 1, constant_values=np.inf)  # (H + 2, W + 2)
+        best = np.minimum.reduce([p[:-2, 1:-1], p[2:, 1:-1], p[1:-1, :-2], p[1:-1, 2:]])  # (H, W)
+        new = np.where(free, np.minimum(steps, best + 1), np.inf)  # V = min(V, 1 + V')
         if np.array_equal(new, steps):
             return steps
         steps = new
 
+
 def next_cell(steps, cell):
-    """The waypoint cell: the neighbour of `cell` (row, col) fewest moves from the goal (ties: up, down, left,
-    right)."""
+    """The waypoint: the neighbour of `cell` (row, col) fewest moves from the goal (ties: up first,
+    then down, left, right)."""
     r, c = cell
     return min([(r - 1, c), (r + 1, c), (r, c - 1), (r, c + 1)], key=lambda n: steps[n])
 
+
 def _waypoint_action(obs, maze, plans, kp=10.0, kd=1.0):
-    """The expert: a PD controller (D4RL's pointmaze/waypoint_controller.py gains, p 10, d -1) toward the centre of
-    the next cell on the planner's path, or the goal itself once in its cell. plans: maze_steps per goal cell.
-    -> (2,) action."""
-    pos, vel, goal = obs["achieved_goal"], obs["observation"][2:], obs["desired_goal"]    # (2,) each
+    """The expert: a PD controller (D4RL's pointmaze/waypoint_controller.py gains, p 10, d -1)
+    toward the centre of the next cell on the planner's path, or the goal once in its cell.
+    plans: maze_steps per goal cell. -> (2,) action."""
+    pos, vel, goal = obs["achieved_goal"], obs["observation"][2:], obs["desired_goal"]  # (2,) each
     cell, goal_cell = tuple(maze.cell_xy_to_rowcol(pos)), tuple(maze.cell_xy_to_rowcol(goal))
     if goal_cell not in plans:
         plans[goal_cell] = maze_steps(maze.maze_map, goal_cell)
-    waypoint = goal if cell == goal_cell else maze.cell_rowcol_to_xy(np.array(next_cell(plans[goal_cell], cell)))
+    waypoint = (goal if cell == goal_cell
+                else maze.cell_rowcol_to_xy(np.array(next_cell(plans[goal_cell], cell))))
     return np.clip(kp * (waypoint - pos) - kd * vel, -1.0, 1.0)
 
+
 def _maze_returns(spec, policy, episodes, seed):
-    """policy(obs) in a fresh env of `spec` for `episodes` episodes (the first reset seeded, as Minari's
-    get_average_reference_score). -> (mean return, fraction of episodes that reached the goal)."""
+    """policy(obs) in a fresh env of `spec` for `episodes` episodes, the first reset seeded (as
+    Minari's get_average_reference_score) -> (mean return, fraction that reached the goal)."""
     import gymnasium as gym
     env = gym.make(spec)
     returns, reached = np.zeros(episodes), np.zeros(episodes, dtype=bool)
+
     obs, _ = env.reset(seed=seed)
     for i in range(episodes):
         done = False
@@ -1193,186 +1321,227 @@ def _maze_returns(spec, policy, episodes, seed):
     env.close()
     return returns.mean(), reached.mean()
 
+
 def _make_pointmaze(name, seed, steps):
-    """Minari's PointMaze collection (see above). -> (EpisodeBuffers, create_dataset_from_buffers' keyword
+    """Minari's PointMaze collection (above) -> (EpisodeBuffers, _write_dataset's keyword
     arguments, the behaviour line)."""
     from minari.data_collector import EpisodeBuffer
+
     gym = _robotics()
     maze_name = name.split("-")[1]
     env_id = f"PointMaze_{MAZE_ENVS[maze_name]}{'Dense' if name.endswith('-dense') else ''}-v3"
     steps = steps or MAZE_STEPS[maze_name]
-    horizon = gym.spec(env_id).max_episode_steps                               # 300 / 600 / 800
+
+    # Minari's eval env, one goal cell; the collection env, a new goal at each goal reached
+    horizon = gym.spec(env_id).max_episode_steps  # 300 / 600 / 800
     eval_map = [list(row) for row in gym.spec(env_id).kwargs["maze_map"]]
     eval_map[MAZE_EVAL_GOALS[maze_name][0]][MAZE_EVAL_GOALS[maze_name][1]] = "g"
     eval_env = gym.make(env_id, maze_map=eval_map, continuing_task=True, reset_target=False)
     eval_spec = eval_env.spec
     eval_env.close()
+
     env = gym.make(env_id, continuing_task=True, reset_target=True, max_episode_steps=steps)
     maze, plans, rng = env.unwrapped.maze, {}, np.random.default_rng(seed)
 
     def noisy(obs):  # the behaviour policy: the expert plus N(0, 0.5^2) on each action, clipped
-        return np.clip(_waypoint_action(obs, maze, plans) + 0.5 * rng.standard_normal(2), -1, 1).astype(np.float32)
+        action = _waypoint_action(obs, maze, plans) + 0.5 * rng.standard_normal(2)
+        return np.clip(action, -1, 1).astype(np.float32)
 
+    # one long run, cut into episodes
     buffers, obs_list, actions, rewards = [], [], [], []
     obs, _ = env.reset(seed=seed)
+
     for t in range(steps):
         obs_list.append(obs)
         actions.append(noisy(obs))
         obs, reward, _, _, info = env.step(actions[-1])
         rewards.append(float(reward))
-        # an episode ends at the first step within 0.45 of its goal (the env draws the next goal; the ball goes on),
-        # at the env's horizon, or at the last step
+
+        # an episode ends within 0.45 of its goal (the env draws the next; the ball goes on), at
+        # the env's horizon, or at the last step
         if info["success"] or len(actions) == horizon or t == steps - 1:
-            obs_list.append(obs)                                                # s_T, also the next episode's s_0
+            obs_list.append(obs)  # s_T, also the next episode's s_0
             buffers.append(EpisodeBuffer(
-                id=len(buffers), observations={k: np.stack([o[k] for o in obs_list]) for k in obs},  # (T + 1, .)
+                id=len(buffers),
+                observations={k: np.stack([o[k] for o in obs_list]) for k in obs},  # (T + 1, .)
                 actions=np.stack(actions), rewards=rewards, terminations=[False] * len(actions),
                 truncations=[False] * (len(actions) - 1) + [True], infos={}))
             obs_list, actions, rewards = [], [], []
     env.close()
-    # reference returns as Minari measures them, in the eval env: random actions and the noise-free expert
-    ref_min, _ = _maze_returns(eval_spec, lambda obs: rng.uniform(-1, 1, 2).astype(np.float32), MAZE_REF_EPISODES,
-                               seed)
-    ref_max, _ = _maze_returns(eval_spec, lambda obs: _waypoint_action(obs, maze, plans).astype(np.float32),
+
+    # reference returns as Minari measures them: random actions and the noise-free expert
+    ref_min, _ = _maze_returns(eval_spec, lambda obs: rng.uniform(-1, 1, 2).astype(np.float32),
                                MAZE_REF_EPISODES, seed)
+    ref_max, _ = _maze_returns(eval_spec,
+                               lambda obs: _waypoint_action(obs, maze, plans).astype(np.float32),
+                               MAZE_REF_EPISODES, seed)
+
+    # the behaviour policy's score there, and the metadata
     score, reached = _maze_returns(eval_spec, noisy, MAZE_REF_EPISODES, seed)
-    behaviour = (f"behaviour policy (the noisy controller), {MAZE_REF_EPISODES} eval episodes: return {score:.1f} "
-                 f"(normalised {100 * (score - ref_min) / (ref_max - ref_min):.1f}), goal reached in "
-                 f"{100 * reached:.0f}%; reference returns {ref_min:.1f} (random actions) / {ref_max:.1f} (no noise)")
+    behaviour = (f"behaviour policy (the noisy controller), {MAZE_REF_EPISODES} eval episodes: "
+                 f"return {score:.1f} (normalised "
+                 f"{100 * (score - ref_min) / (ref_max - ref_min):.1f}), goal reached in "
+                 f"{100 * reached:.0f}%; reference returns {ref_min:.1f} (random actions) / "
+                 f"{ref_max:.1f} (no noise)")
     write_kwargs = dict(
-        env=env.spec, eval_env=eval_spec, observation_space=env.observation_space, action_space=env.action_space,
-        ref_min_score=ref_min, ref_max_score=ref_max, num_episodes_average_score=MAZE_REF_EPISODES,
-        algorithm_name="value-iteration waypoints + PD controller, action noise N(0, 0.5^2) (data.py make)",
-        description=f"stands in for {MAKE_NAMES[name]}: {steps:,} steps of a continuing {env_id} run (seed {seed}), "
-                    f"cut into episodes at each goal reached", jpeg_encoding=False)
+        env=env.spec, eval_env=eval_spec, observation_space=env.observation_space,
+        action_space=env.action_space, ref_min_score=ref_min, ref_max_score=ref_max,
+        num_episodes_average_score=MAZE_REF_EPISODES,
+        algorithm_name="value-iteration waypoints + PD controller, action noise N(0, 0.5^2) "
+                       "(data.py make)",
+        description=f"stands in for {MAKE_NAMES[name]}: {steps:,} steps of a continuing {env_id} "
+                    f"run (seed {seed}), cut into episodes at each goal reached",
+        jpeg_encoding=False)
     return buffers, write_kwargs, behaviour
 
-# -------------------------------------------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------------
 # Breakout, made offline (python data.py make breakout-mixed)
 #
-# Mixed-quality play, as a DQN agent's replay is, in the papers' evaluation env (atari_env_spec). A scripted paddle
-# controller reads the ball and the paddle from the console's RAM (AtariARI's annotation of Breakout's RAM, Anand et
-# al. 2019: ball x at 99, ball y at 101, paddle x at 72; y grows downward and is 0 while no ball is in play), presses
-# FIRE when no ball is in play and otherwise moves the paddle's middle under the ball. In an episode each action is
-# replaced with probability eps by a uniformly random one; episode k plays at eps BREAKOUT_EPS[k % 10], so any number
-# of episodes spreads eps from 0 (the controller alone) to 1 (random play).
-# Departure: it moves under where the ball is, not under where it will land. A DQN agent acts on the frames it sees,
-# and a model imitates best a player whose choice those 84x84 frames show. A landing-point controller (the falling
-# ball's line folded at the walls, a NOOP zone of 2) was tried with the same seed: it scores less alone (mean 70.8
-# against 93.1 over its 12 eps-0 episodes) and dt.py --preset cpu imitated it worse (30 episodes, seeds 0 / 1: 17.2
-# / 20.5 against that data's median 29.5; training loss 0.72 at the end against 0.5 here).
+# Mixed-quality play, as a DQN agent's replay is, in the env the project evaluates in
+# (atari_env_spec: gymnasium's AtariPreprocessing without sticky actions): unlike the DQN-replay
+# data it stands in for (Dopamine's, with sticky actions, p = 0.25), no sticky actions. The
+# controller reads the ball and the paddle from the RAM (AtariARI's annotation, Anand et al. 2019;
+# y grows downward, 0 while no ball is in play). Episode k plays at eps BREAKOUT_EPS[k % 10], so
+# any number of episodes spreads eps from 0 (the controller alone) to 1 (random play). It follows
+# where the ball is, not where it will land: a model imitates best a player whose choice the
+# frames show (RESULTS.md).
 
 BREAKOUT_RAM = dict(ball_x=99, ball_y=101, paddle_x=72)
-BREAKOUT_PADDLE_MIDDLE = 10    # ball x - paddle x at the paddle's middle (measured: it returns the ball at -1..21)
-BREAKOUT_NOOP_ZONE = 4         # NOOP while the paddle's middle is this close to the ball (the paddle has momentum)
+BREAKOUT_PADDLE_MIDDLE = 10  # ball x - paddle x at its middle (the paddle returns it at -1..21)
+BREAKOUT_NOOP_ZONE = 4  # NOOP while the paddle's middle is this close to the ball (it has momentum)
 BREAKOUT_EPS = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0)
 BREAKOUT_EPISODES = 12 * len(BREAKOUT_EPS)
+
 
 def _breakout_action(ram):
     """The controller: the console's RAM -> an action (0 NOOP, 1 FIRE, 2 RIGHT, 3 LEFT)."""
     x, y, paddle = (int(ram[BREAKOUT_RAM[k]]) for k in ("ball_x", "ball_y", "paddle_x"))
     if y == 0:
-        return 1                                   # no ball in play: serve
-    off = x - (paddle + BREAKOUT_PADDLE_MIDDLE)    # > 0: the ball is right of the paddle's middle
+        return 1  # no ball in play: serve
+    off = x - (paddle + BREAKOUT_PADDLE_MIDDLE)  # > 0: the ball is right of the paddle's middle
     return 0 if abs(off) <= BREAKOUT_NOOP_ZONE else 2 if off > 0 else 3
 
+
 def _make_breakout(seed=0, steps=None):
-    """BREAKOUT_EPISODES episodes (with `steps`: episodes until that many steps, the last cut there, truncated) ->
-    (EpisodeBuffers, _write_dataset's keyword arguments, a line on the behaviour). Seeded: the reset seeds (the no-op
-    starts) and the random actions come from numpy's Generator(seed)."""
+    """BREAKOUT_EPISODES episodes (with `steps`: until that many steps, the last truncated) ->
+    (EpisodeBuffers, _write_dataset's keyword arguments, the behaviour line); the reset seeds (the
+    no-op starts) and random actions drawn from np.random.default_rng(seed)."""
     from minari.data_collector import EpisodeBuffer
+
     spec = atari_env_spec("breakout")
     env = make_atari_env(spec)
     ale = env.unwrapped.ale
     rng = np.random.default_rng(seed)
+
+    # episodes at each eps in turn
     buffers, returns, total, t0 = [], {eps: [] for eps in BREAKOUT_EPS}, 0, time.time()
     while (len(buffers) < BREAKOUT_EPISODES) if steps is None else (total < steps):
         eps = BREAKOUT_EPS[len(buffers) % len(BREAKOUT_EPS)]
         obs, _ = env.reset(seed=int(rng.integers(2**31)))
         frames, actions, rewards, terms, truncs = [obs], [], [], [], []
+
+        # the controller, or with probability eps a random action
         while True:
             action = _breakout_action(ale.getRAM())
             if rng.random() < eps:
                 action = int(rng.integers(4))
             obs, reward, term, trunc, _ = env.step(action)
             total += 1
-            cut = steps is not None and total >= steps        # --steps reached: the episode ends here, truncated
+            cut = steps is not None and total >= steps  # --steps reached: truncated here
             frames.append(obs)
             actions.append(action)
-            rewards.append(float(reward))                     # raw game points
+            rewards.append(float(reward))  # raw game points
             terms.append(bool(term))
             truncs.append(bool(trunc or cut) and not term)
             if term or trunc or cut:
                 break
-        buffers.append(EpisodeBuffer(id=len(buffers), observations=np.stack(frames), infos={},  # (T+1, 84, 84) uint8
-                                     actions=np.array(actions, np.int64), rewards=rewards, terminations=terms,
-                                     truncations=truncs))
+
+        # frames: (T+1, 84, 84) uint8
+        buffers.append(EpisodeBuffer(id=len(buffers), observations=np.stack(frames), infos={},
+                                     actions=np.array(actions, np.int64), rewards=rewards,
+                                     terminations=terms, truncations=truncs))
         returns[eps].append(sum(rewards))
         if len(buffers) % len(BREAKOUT_EPS) == 0:
-            print(f"breakout-mixed: {len(buffers)} episodes, {total:,} steps, {time.time() - t0:.0f}s")
+            print(f"breakout-mixed: {len(buffers)} episodes, {total:,} steps, "
+                  f"{time.time() - t0:.0f}s")
     env.close()
+
+    # the behaviour line and the metadata
     low, high = ATARI_GAMER_SCORES["Breakout"]
     mean = float(np.mean([r for rs in returns.values() for r in rs]))
     alone, random_play = returns[0.0], returns[1.0]
-    behaviour = (f"mean return {mean:.1f} ({100 * (mean - low) / (high - low):.1f} gamer-normalised); the controller "
-                 f"alone (eps 0, {len(alone)} episode{'s' * (len(alone) != 1)}): {min(alone):.0f} to "
-                 f"{max(alone):.0f}, mean {np.mean(alone):.1f}")
+    behaviour = (f"mean return {mean:.1f} ({100 * (mean - low) / (high - low):.1f} "
+                 f"gamer-normalised); the controller alone (eps 0, {len(alone)} "
+                 f"episode{'s' * (len(alone) != 1)}): {min(alone):.0f} to {max(alone):.0f}, mean "
+                 f"{np.mean(alone):.1f}")
     if random_play:
         behaviour += f"; random play (eps 1): mean {np.mean(random_play):.1f}"
+
     write_kwargs = dict(env=spec, eval_env=spec, observation_space=env.observation_space,
                         action_space=env.action_space, ref_min_score=low, ref_max_score=high,
-                        algorithm_name="scripted RAM-reading paddle controller, each action random with an "
-                        "episode-wide probability eps (data.py make breakout-mixed)",
-                        description=f"{len(buffers)} episodes, {total:,} steps of Breakout, mixed-quality play: eps "
-                        f"{', '.join(map(str, BREAKOUT_EPS))} in turn, seed {seed}",
-                        jpeg_encoding=False)  # lossless frames
+                        algorithm_name="scripted RAM-reading paddle controller, each action random "
+                        "with an episode-wide probability eps (data.py make breakout-mixed)",
+                        description=f"{len(buffers)} episodes, {total:,} steps of Breakout, "
+                        f"mixed-quality play: eps {', '.join(map(str, BREAKOUT_EPS))} in turn, "
+                        f"seed {seed}", jpeg_encoding=False)
     return buffers, write_kwargs, behaviour
 
-# -------------------------------------------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------------
 # writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix, make)
 #
-# A dataset is written whole into a hidden folder in the datasets folder (same filesystem; Minari lists no hidden
-# folder) and renamed into place when complete: an interrupt (Ctrl-C, SIGTERM, kill -9) never leaves a partial dataset
-# where Minari looks. The writing process holds a lock on the hidden folder; the next dataset command removes any such
-# folder whose lock no live process holds. A stop signal (main's _stop) waits while the hidden folder is made and from
-# the write's end to the cleanup's end: acted on before the rename, it undoes the write; after it, it is only said.
+# A dataset is written into a hidden folder of the datasets folder (Minari lists none) and renamed
+# into place when whole: an interrupt (Ctrl-C, SIGTERM, kill -9) leaves no partial dataset where
+# Minari looks. The writer holds a lock on the hidden folder; the next dataset command removes any
+# such folder no live process holds. A stop signal (main's _stop) waits while the folder is made
+# and from the write's end to the cleanup's end: before the rename it undoes the write, after it
+# it is only said.
 
 PARTIAL_PREFIX = ".data.py-partial-"
-STOP = dict(signals=[], in_place=False, hold=False)  # the stop signals caught; the new dataset in place; held
+STOP = dict(signals=[], in_place=False, hold=False)  # signals caught; dataset in place; held
+
 
 def _new_dataset_folder(dataset_id):
-    """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or taken, or the
-    datasets folder cannot be written."""
+    """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or
+    taken or the folder unwritable. Each command calls it first, before any work."""
     from minari.dataset.minari_dataset import parse_dataset_id
     from minari.storage.datasets_root_dir import get_dataset_path
     namespace = None
-    with contextlib.suppress(ValueError, TypeError):  # (TypeError: minari's parser on an id without -vN)
+    with contextlib.suppress(ValueError, TypeError):  # (TypeError: minari's, on an id without -vN)
         namespace = parse_dataset_id(dataset_id)[0]
     if namespace is None:  # load_data reads an id without a namespace as a short name
-        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. d4rl/hopper/medium-v2")
+        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. "
+                        f"d4rl/hopper/medium-v2")
+
+    # a free folder in a datasets folder that can be written (made by get_dataset_path if missing)
     try:
-        folder, root = dataset_folder(dataset_id), str(get_dataset_path())  # (makes the datasets folder if missing)
+        folder, root = dataset_folder(dataset_id), str(get_dataset_path())
     except OSError as e:
         raise _unwritable(os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets"), e) from None
+
     if os.path.exists(folder):
-        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id (nothing is "
-                        f"overwritten)")
+        raise DataError(f"dataset '{dataset_id}' already exists at {folder}; choose another id "
+                        f"(nothing is overwritten)")
     parent = os.path.dirname(folder)
     while not os.path.isdir(parent):  # (the datasets folder is one)
         if os.path.exists(parent):
-            raise DataError(f"{parent} is a file, so the dataset '{dataset_id}' cannot be written in it; choose "
-                            f"another id or move that file")
+            raise DataError(f"{parent} is a file, so the dataset '{dataset_id}' cannot be written "
+                            f"in it; choose another id or move that file")
         parent = os.path.dirname(parent)
     if not os.access(root, os.W_OK):
         raise _unwritable(root, PermissionError("not writable"))
     return folder, root
 
+
 def _unwritable(root, e):
-    return DataError(f"cannot write a dataset in {root} ({e.strerror or e}); set MINARI_DATASETS_PATH to a folder "
-                     f"you can write")
+    return DataError(f"cannot write a dataset in {root} ({e.strerror or e}); set "
+                     f"MINARI_DATASETS_PATH to a folder you can write")
+
 
 def _clean_partial(root):
-    """Remove the partial datasets interrupted commands left in `root`, but not one whose lock a live command holds."""
+    """Remove the partial datasets interrupted commands left in `root`, not one a live command
+    holds."""
     import fcntl
     for name in sorted(os.listdir(root)):
         path, lock = os.path.join(root, name), os.path.join(root, name, "lock")
@@ -1380,6 +1549,7 @@ def _clean_partial(root):
             continue
         if not os.path.exists(lock) and time.time() - os.path.getmtime(path) < 60:
             continue  # made a moment ago by a live command, whose lock comes next
+
         with open(lock, "a") as f:  # (made here where a command was killed before it made its own)
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1388,26 +1558,32 @@ def _clean_partial(root):
             print(f"removing {path}: a partial dataset left by an interrupted data.py command")
             shutil.rmtree(path, ignore_errors=True)
 
+
 def _gzip_hdf5(path):
-    """Rewrite Minari's HDF5 file with each array gzip-compressed in one chunk (Minari writes them uncompressed; h5py
-    reads both alike): Atari frames take about a fortieth of the space."""
+    """Rewrite Minari's HDF5 file with each array gzip-compressed in one chunk (Minari writes them
+    uncompressed; h5py reads both alike)."""
     import h5py
     with h5py.File(path, "r") as src, h5py.File(path + ".gz", "w", libver="latest") as dst:
         dst.attrs.update(src.attrs)
+
         def copy(name, obj):
             if isinstance(obj, h5py.Group):
                 dst.require_group(name).attrs.update(obj.attrs)
             else:
                 data = obj[()]
                 chunks = data.shape if data.ndim and data.size else None
-                out = dst.create_dataset(name, data=data, chunks=chunks, compression="gzip" if chunks else None)
+                out = dst.create_dataset(name, data=data, chunks=chunks,
+                                         compression="gzip" if chunks else None)
                 out.attrs.update(obj.attrs)
+
         src.visititems(copy)
     os.replace(path + ".gz", path)
 
+
 def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
-    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing, with its command line
-    (`python data.py` + the words of `command`) and extra_metadata in its metadata. -> its folder."""
+    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing, with its
+    command line (`python data.py` + `command`) and extra_metadata in its metadata; callers pass
+    jpeg_encoding=False (Minari's default JPEG is lossy). -> its folder."""
     import fcntl
     import shlex
     import tempfile
@@ -1415,40 +1591,48 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
     import minari
     from minari.dataset.minari_dataset import parse_dataset_id
     from minari.namespace import create_namespace
+
     folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
+
     tmp = None
     _hold(True)
     try:
+        # the hidden folder and its lock
         try:
             tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root)
             lock = open(os.path.join(tmp, "lock.new"), "w")
             fcntl.flock(lock, fcntl.LOCK_EX)  # held until this function ends, or this process does
-            os.rename(lock.name, os.path.join(tmp, "lock"))  # named only once held, so _clean_partial never takes it
+            os.rename(lock.name, os.path.join(tmp, "lock"))  # named once held: never cleaned
         except OSError as e:
             raise _unwritable(root, e) from None
+
+        # the dataset, written into the hidden folder
         with lock:
             _hold(False)  # a stop signal ends the write at once
-            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):  # (restored after)
+            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):
                 with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # minari's advice about missing author, code permalink, ...
+                    warnings.simplefilter("ignore")  # minari's advice: author, code permalink, ...
                     ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
                 command = shlex.join(["python", "data.py", *map(str, command)])
                 ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
                 written = dataset_folder(dataset_id)
                 _gzip_hdf5(os.path.join(written, "data", "main_data.hdf5"))
+
+            # renamed into place, unless a stop signal came
             _hold(True)
-            if STOP["signals"]:  # one that a finaliser swallowed ("Exception ignored in ..."): acted on here
+            if STOP["signals"]:  # (one a finaliser swallowed: acted on here)
                 _act(STOP["signals"][-1])
-            with contextlib.suppress(ValueError):  # (there already, or made by another command meanwhile)
+            with contextlib.suppress(ValueError):  # (there already)
                 create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             try:
                 os.rename(written, folder)  # atomic
             except OSError:
-                _new_dataset_folder(dataset_id)  # "already exists" where another command wrote this id meanwhile
+                _new_dataset_folder(dataset_id)  # "already exists" if another command wrote it
                 raise
             STOP["in_place"] = True
+
     finally:
         _hold(True)  # (where the write raised)
         if tmp:
@@ -1456,144 +1640,187 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
         _hold(False)  # a stop signal that waited is acted on here
     return folder
 
-# -------------------------------------------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------------
 # command line
 
+
 def info(name):
-    """python data.py info NAME: load a dataset, print its summary and the sampling rate (windows/s)."""
+    """python data.py info NAME: load a dataset, print its summary and the sampling rate."""
     t0 = time.time()
     d = load_data(name)
-    print(f"{d.dataset_id}: {len(d.episodes)} episodes, {len(d.flat['rewards'])} steps, obs {d.obs_dim}, "
-          f"act {d.act_dim}, loaded in {time.time() - t0:.1f}s; refs {d.ref_min:.1f}/{d.ref_max:.1f} ({d.ref_source}); "
-          f"targets {d.target_returns}; max_ep_len {d.max_ep_len}")
+    print(f"{d.dataset_id}: {len(d.episodes)} episodes, {len(d.flat['rewards'])} steps, obs "
+          f"{d.obs_dim}, act {d.act_dim}, loaded in {time.time() - t0:.1f}s; refs {d.ref_min:.1f}/"
+          f"{d.ref_max:.1f} ({d.ref_source}); targets {d.target_returns}; max_ep_len "
+          f"{d.max_ep_len}")
+
     rng, t0 = np.random.default_rng(0), time.time()
     for _ in range(200):
         d.sample(64, 20, rng)
     dt = (time.time() - t0) / 200
     print(f"sampling: {64 / dt:,.0f} windows/s ({1e3 * dt:.2f} ms per batch of 64 x K=20)")
 
+
 class Stopped(BaseException):
-    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt: a dataset write is undone alike."""
+    """SIGTERM raised where the program is, as Ctrl-C raises KeyboardInterrupt."""
+
 
 def _stop(signum, frame):
-    """Ctrl-C and SIGTERM in a command: noted in STOP (a finaliser swallows what it raises: _write_dataset looks);
-    while a write holds them, left waiting; else raised as KeyboardInterrupt or Stopped, or, once the new dataset is
-    in place, only said. (Python runs this in the main thread whichever thread the signal reached.)"""
+    """Ctrl-C and SIGTERM in a command: noted in STOP (a finaliser swallows what it raises:
+    _write_dataset looks), left waiting while a write holds them, else acted on."""
     STOP["signals"].append(signum)
     if STOP["hold"]:
         STOP["waiting"] = signum
     else:
         _act(signum)
 
+
 def _act(signum):
-    """A stop signal acted on: only said once the new dataset is in place, else raised where the program is."""
+    """A stop signal acted on: said once the new dataset is in place, else raised."""
     if STOP["in_place"]:
         print("done; the signal came after the dataset was written", file=sys.stderr)
     else:
         raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
 
+
 def _hold(on):
-    """Stop signals wait (on) or act again (off); one that waited is acted on when the hold ends."""
+    """Stop signals wait (on) or act (off; one that waited is acted on now)."""
     STOP["hold"] = on
     if not on and (signum := STOP.pop("waiting", None)):
         _act(signum)
 
+
 def _unraisable(u):
-    """sys.unraisablehook in a command: a stop raised inside a finaliser is lost there quietly (STOP has it)."""
+    """sys.unraisablehook in a command: a stop raised in a finaliser is dropped (STOP has it)."""
     if not isinstance(u.exc_value, (KeyboardInterrupt, Stopped)):
         sys.__unraisablehook__(u)
+
 
 def _positive(text):
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number above 0")
     return int(text)
 
+
 def main(argv=None):
     import difflib
     import threading
-    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, convert D4RL or "
-                   "DQN-replay data, mix datasets of one environment, or make one offline (new datasets are written "
-                   "all or nothing).")
+
+    p = FlagParser(prog="data.py", description="Minari datasets for the model files: inspect one, "
+                   "convert D4RL or DQN-replay data, mix datasets of one environment, or make one "
+                   "offline (new datasets are written all or nothing).")
     sub = p.add_subparsers(dest="command", required=True)
+
+    # the commands and their flags
     p_info = sub.add_parser("info", help="load a dataset, print its summary and the sampling rate")
     p_info.add_argument("name", nargs="?", default="hopper-medium",
                         help="short name or Minari id (default: %(default)s)")
+
     p_conv = sub.add_parser("convert-d4rl", help="D4RL MuJoCo HDF5 file -> local Minari dataset")
     p_conv.add_argument("path", help="the D4RL file, e.g. hopper_medium-v2.hdf5")
-    p_conv.add_argument("dataset_id", help="the new dataset's Minari id, e.g. d4rl/hopper/medium-v2")
-    p_conv.add_argument("--env", default=None, help="its gymnasium env (default: the robot's v5 env, from the names)")
-    p_dqn = sub.add_parser("convert-dqn-replay", help="DQN-replay folder -> local Minari dataset of whole episodes")
-    p_dqn.add_argument("folder", help="a downloaded <Game>/<run>/replay_logs folder, e.g. Breakout/1/replay_logs")
+    p_conv.add_argument("dataset_id",
+                        help="the new dataset's Minari id, e.g. d4rl/hopper/medium-v2")
+    p_conv.add_argument("--env", default=None,
+                        help="its gymnasium env (default: the robot's v5 env, from the names)")
+
+    p_dqn = sub.add_parser("convert-dqn-replay",
+                           help="DQN-replay folder -> local Minari dataset of whole episodes")
+    p_dqn.add_argument("folder", help="a downloaded <Game>/<run>/replay_logs folder, e.g. "
+                                      "Breakout/1/replay_logs")
     p_dqn.add_argument("game", help="ALE's name of the game, e.g. Breakout")
-    p_dqn.add_argument("dataset_id", help="the new dataset's Minari id, e.g. dqn-replay/breakout/1pct-v0")
+    p_dqn.add_argument("dataset_id",
+                       help="the new dataset's Minari id, e.g. dqn-replay/breakout/1pct-v0")
     p_dqn.add_argument("--buffers", type=_positive, default=None, metavar="N",
-                       help="read the last N buffers, the highest numbers (default: all, as DT's --num_buffers 50)")
+                       help="read the last N buffers, the highest numbers (default: all, as DT's "
+                            "--num_buffers 50)")
     p_dqn.add_argument("--steps", type=_positive, default=500_000, metavar="S",
-                       help="whole episodes until S steps, spread over the buffers (default: %(default)s, DT's 1%%)")
-    p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset (D4RL's medium-expert)")
-    p_mix.add_argument("sources", nargs="+", metavar="SOURCE", help="short names or Minari ids, in order")
-    p_mix.add_argument("dataset_id", help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
+                       help="whole episodes until S steps, spread over the buffers (default: "
+                            "%(default)s, DT's 1%%)")
+
+    p_mix = sub.add_parser("mix", help="datasets of one environment -> one local dataset (D4RL's "
+                                       "medium-expert)")
+    p_mix.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="short names or Minari ids, in order")
+    p_mix.add_argument("dataset_id",
+                       help="the new dataset's Minari id, e.g. local/hopper/medium-expert-v0")
+
     p_make = sub.add_parser(
-        "make", help="make a dataset offline in minutes: PointMaze by Minari's method, Breakout by a scripted player",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description="Make a local Minari dataset offline, "
-        "seeded. NAME, and what it stands in for:\n" + "".join(f"  {n:24}{what}\n" for n, what in MAKE_NAMES.items())
-        + "PointMaze, by Minari's method: a continuing task, a planner (value iteration over the maze's\ncells) "
-        "steering a PD controller, N(0, 0.5^2) noise on every action, episodes cut at each goal\nreached, Minari's "
-        f"eval env. Its reference returns are measured as Minari measures them:\n{MAZE_REF_EPISODES} eval episodes "
-        "of random actions, and of the controller without noise.\nbreakout-mixed: a controller that reads the ball "
-        "from the console's RAM and keeps the paddle\nunder it, each action random with an episode-wide probability "
-        f"eps, eps from 0 to 1 across\n{BREAKOUT_EPISODES} episodes, in the papers' evaluation env (AtariPreprocessing, "
-        "no sticky actions);\nframes stored lossless.")
+        "make", help="make a dataset offline: PointMaze by Minari's method, Breakout by a scripted "
+        "player", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Make a local Minari dataset offline, seeded. NAME, and what it stands in "
+        "for:\n" + "".join(f"  {n:24}{what}\n" for n, what in MAKE_NAMES.items())
+        + "PointMaze, by Minari's method: a continuing task, a planner (value iteration over the "
+        "maze's\ncells) steering a PD controller, N(0, 0.5^2) noise on every action, episodes cut "
+        "at each goal\nreached, Minari's eval env and reference returns (random actions, the "
+        "controller without noise).\nbreakout-mixed: a controller that reads the ball from the "
+        "console's RAM and keeps the paddle\nunder it, each action random with an episode-wide "
+        f"probability eps, eps from 0 to 1 across\n{BREAKOUT_EPISODES} episodes, in the env the "
+        "project evaluates in (no sticky actions, unlike DQN-replay's);\nframes lossless.")
+
     p_make.add_argument("name", metavar="NAME", help=", ".join(MAKE_NAMES))
     p_make.add_argument("dataset_id", nargs="?", default=None,
-                        help="the new dataset's Minari id (default: made/pointmaze/<maze>[-dense]-v0, "
-                             "made/breakout/mixed-v0)")
-    p_make.add_argument("--seed", type=int, default=0, help="the seed of everything random (default: %(default)s)")
+                        help="the new dataset's Minari id (default: "
+                             "made/pointmaze/<maze>[-dense]-v0, made/breakout/mixed-v0)")
+    p_make.add_argument("--seed", type=int, default=0,
+                        help="the seed of everything random (default: %(default)s)")
     p_make.add_argument("--steps", type=_positive, default=None, metavar="N",
-                        help="steps to collect (default: PointMaze umaze / medium / large " + " / ".join(
-                            f"{n:,}" for n in MAZE_STEPS.values()) + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes)")
+                        help="steps to collect (default: PointMaze umaze / medium / large "
+                             + " / ".join(f"{n:,}" for n in MAZE_STEPS.values())
+                             + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes)")
+
+    # python data.py NAME: short for info NAME
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
-        if "/" not in argv[0] and argv[0] not in SHORT_NAMES:  # neither a command nor a dataset name
+        if "/" not in argv[0] and argv[0] not in SHORT_NAMES:  # neither a command nor a dataset
             near = difflib.get_close_matches(argv[0], [*sub.choices, *SHORT_NAMES], n=1)
             print(f"error: unknown command '{argv[0]}'; the commands are {', '.join(sub.choices)}"
-                  + (f" (did you mean {near[0]}?)" if near else " (or name a dataset: a short name such as "
-                     "hopper-medium, or a Minari id such as mujoco/hopper/medium-v0)"), file=sys.stderr)
+                  + (f" (did you mean {near[0]}?)" if near else " (or name a dataset: a short name "
+                     "such as hopper-medium, or a Minari id such as mujoco/hopper/medium-v0)"),
+                  file=sys.stderr)
             raise SystemExit(1)
-        argv = ["info", *argv]  # python data.py NAME: short for info NAME
+        argv = ["info", *argv]
     args = p.parse_args(argv)
-    here = threading.current_thread() is threading.main_thread()  # (signal handlers can be set from there only)
+
+    # Ctrl-C and SIGTERM: _stop (set from the main thread only)
+    here = threading.current_thread() is threading.main_thread()
     stops = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, _stop) for s in stops} if here else {}
     hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     STOP.update(signals=[], in_place=False, hold=False)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # (blocked while the command line loaded: acted on now)
+        # (blocked while the command line loaded: acted on now)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+
         if args.command == "info":
             info(args.name)
         elif args.command == "mix":
             mix(args.sources, args.dataset_id)
         elif args.command == "make":
-            args.dataset_id = args.dataset_id or _made_id(args.name)  # (said by a stop signal's line below)
+            # (said by a stop signal's line below)
+            args.dataset_id = args.dataset_id or _made_id(args.name)
             make(args.name, args.dataset_id, args.seed, args.steps)
         elif args.command == "convert-dqn-replay":
             convert_dqn_replay(args.folder, args.game, args.dataset_id, args.buffers, args.steps)
         else:
             convert_d4rl(args.path, args.dataset_id, args.env)
+
+    # bad input: one sentence, exit 1; a stop: what was left, exit 130 or 143
     except (Exception, KeyboardInterrupt, Stopped) as e:
-        if isinstance(e, Exception) and not STOP["signals"]:  # (a stop raised inside an import or a reader comes
-            if not isinstance(e, DataError):                   # back as an ImportError or a DataError: STOP has it)
+        # (a stop raised in an import or a reader comes back as another error: STOP has it)
+        if isinstance(e, Exception) and not STOP["signals"]:
+            if not isinstance(e, DataError):
                 raise
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(1)
-        ctrl_c = not STOP["signals"] or STOP["signals"][0] == signal.SIGINT  # (none noted: a KeyboardInterrupt)
+
+        ctrl_c = not STOP["signals"] or STOP["signals"][0] == signal.SIGINT  # none: a Ctrl-C
         how, code = ("Ctrl-C", 130) if ctrl_c else ("SIGTERM", 143)
         new = getattr(args, "dataset_id", None)
-        print(f"stopped by {how}" + (f": the dataset '{new}' was not written, and nothing of it is left" if new
-                                     else ""), file=sys.stderr)
+        print(f"stopped by {how}" + (f": the dataset '{new}' was not written, and nothing of it is "
+                                     "left" if new else ""), file=sys.stderr)
         raise SystemExit(code) from None
     finally:
-        if __name__ == "__main__":  # the command line's work is done: a stop signal from here to its exit is moot
+        if __name__ == "__main__":  # the work is done: a stop signal from here to the exit is moot
             for s in stops:
                 signal.signal(s, signal.SIG_IGN)
         else:  # a caller's handlers back (None: not Python's)
@@ -1601,6 +1828,7 @@ def main(argv=None):
             for s, handler in previous.items():
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
         STOP.update(signals=[], in_place=False, hold=False)
+
 
 if __name__ == "__main__":
     main()

@@ -714,10 +714,11 @@ def synthetic_like(name, length=200):
         return synthetic_atari(length=length)
     return synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length, env_id="Hopper-v5")
 
-# ===================================================================================================================
-# Dataset tools: below this line nothing is used by the model files or evaluate.py. The converters (D4RL HDF5,
-# DQN-replay), mix, make (datasets made offline), the atomic dataset writes and the command line (python data.py ...).
-# ===================================================================================================================
+# ==================================================================================================
+# Dataset tools: below this line nothing is used by the model files or evaluate.py. The converters
+# (D4RL HDF5, DQN-replay), mix, make (datasets made offline), the atomic dataset writes and the
+# command line (python data.py ...).
+# ==================================================================================================
 
 # --------------------------------------------------------------------------------------------------
 # D4RL HDF5 -> local Minari dataset (python data.py convert-d4rl)

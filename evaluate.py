@@ -48,8 +48,8 @@ import data as data_lib
 from data import DataError, FlagParser, is_maze, resolve
 
 # --------------------------------------------------------------------------------------------------
-# rollouts: evaluate() (train() calls it every --eval-every steps), the rolling contexts it keeps,
-# and the one-episode-at-a-time reference
+# rollouts: evaluate() (train() calls it every --eval-every steps), the contexts it keeps, and
+# the one-episode-at-a-time reference
 
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True,
@@ -84,6 +84,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         positions[i] += [_position(obs)] if d.goal_reaching else []
     frames = [(0, 0.0, envs[0].render())] if render_every else []
 
+    # Alg. 1's loop, each env to its own end
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
     done = np.zeros(n, dtype=bool)
@@ -105,6 +106,8 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
                 f"the policy gave a non-finite action at step {t} of evaluation episode {live[j]} "
                 f"(target {target_return}); the run's weights or its return-to-go prompt are out "
                 f"of range")
+
+        # Atari: choose() from the logits; else the actions clipped to the action space
         actions = (np.array([choose(o, samplers[i], greedy) for o, i in zip(out, live)])
                    if d.discrete else
                    np.clip(out, envs[0].action_space.low, envs[0].action_space.high))
@@ -156,6 +159,8 @@ class Contexts:
                          np.zeros((rows, d.act_dim), np.float32),
                          rewards=np.zeros(rows, np.float32), rtg=np.zeros(rows, np.float32),
                          timesteps=np.zeros(rows, np.int64))
+
+        # the states: on Atari single frames (uint8), which a state stacks
         self.flat[self.key] = (np.zeros((rows, *d.obs_shape[1:]), np.uint8) if atari else
                                np.zeros((rows, d.obs_dim), np.float32))
 
@@ -246,6 +251,8 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
             # the window: steps lo..t, left-padded to K; a_t and r_t are not known yet (0)
             lo = max(0, t + 1 - K)
             pad = K - (t + 1 - lo)
+
+            # as data.OfflineData.sample's keys, a batch of one
             batch = dict(
                 states=[zero_s] * pad + [state(u) for u in range(lo, t + 1)],
                 actions=[zero_a] * pad + A[lo:t] + [zero_a],
@@ -256,8 +263,6 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
                 prev_action=A[lo - 1] if lo > 0 else zero_a,
                 prev_reward=[R[lo - 1] if lo > 0 else 0.0],
             )
-
-            # a batch of one, as torch tensors
             batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32))
                      for k, v in batch.items()}
             with torch.no_grad():
@@ -320,7 +325,7 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
             f"MUJOCO_GL to let the script find a backend, or set it to egl or osmesa with that "
             f"library installed (Debian's libegl1 or libosmesa6)") from None
 
-    # the words on each frame; Atari's 210 x 160 screen doubled, sharp, under a band for them
+    # the words on each frame
     font = ImageFont.load_default(size=13)
     images = []
     for step, ret, rgb in res["frames"]:
@@ -328,6 +333,8 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
         lines = wrap_text(
             f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
             (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
+
+        # Atari: the 210 x 160 screen doubled, kept sharp, under a band for the words
         if atari:
             game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
             img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
@@ -379,9 +386,9 @@ def pick_gl():
             os.environ["MUJOCO_GL"] = backend
             return backend
 
-    raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL "
-                    "library, e.g. Debian's libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. "
-                    "Debian's libosmesa6)")
+    raise DataError(
+        "MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. "
+        "Debian's libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
 
 
 SWEEP_TARGETS = 8  # --target-sweep's targets
@@ -424,16 +431,19 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
         w.writeheader()
         w.writerows(rows)
 
-    # the figure, both axes alike: the diagonal at 45 degrees
+    # the figure: the return got against the target, in the data's units
     plt = pyplot()
     x = norm(targets)  # (8,)
     y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
     sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
     unit = (f"normalised: 0 = random, 100 = {'a human gamer' if d.family == 'atari' else 'expert'}"
             if scored else "raw: the data has no reference returns")
+
+    # both axes alike: the diagonal at 45 degrees
     lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
     lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))
 
+    # the return got (mean, band +-1 std), the return asked for, the data's best
     fig, ax = plt.subplots(figsize=(5.6, 5.6))
     ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
     ax.plot(x, y, "o-", color="tab:blue", ms=4,
@@ -441,6 +451,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
     ax.axhline(norm(best), ls=":", color="tab:red",
                label=f"best episode in the data (return {best:.4g})")
+
     ax.set(xlim=lim, ylim=lim, aspect="equal",
            xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
     ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, "
@@ -534,13 +545,15 @@ def check_flags(cfg, *one_of):
             raise DataError(f"{flag} must be a finite number, got {v}")
         if f.name.endswith("dropout") and not 0 <= v < 1:
             raise DataError(f"{flag} must lie in [0, 1), got {v}")
+
+        # sizes and counts > 0; lr and clip > 0; decay and warmup >= 0
         if f.name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every",
                       "n_layer", "n_embd", "n_head") and v is not None and v <= 0:
             raise DataError(f"{flag} must be a positive whole number, got {v}")
         if (f.name in ("lr", "grad_clip") and v <= 0
                 or f.name in ("weight_decay", "warmup_steps") and v < 0):
-            raise DataError(f"{flag} must be {'> 0' if f.name in ('lr', 'grad_clip') else '>= 0'}, "
-                            f"got {v}")
+            raise DataError(
+                f"{flag} must be {'> 0' if f.name in ('lr', 'grad_clip') else '>= 0'}, got {v}")
 
     # the fields together
     if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
@@ -551,8 +564,8 @@ def check_flags(cfg, *one_of):
         raise DataError(f"--eval-episodes {cfg.eval_episodes} would run that many environments at "
                         f"once; use at most {MAX_EVAL_EPISODES}")
     if len(chosen := [name for name in one_of if getattr(cfg, name)]) > 1:
-        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} "
-                        f"per command")
+        raise DataError(
+            f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
 
     # the machine: the device, the data's name, the output folder
     kind, _, index = cfg.device.partition(":")
@@ -669,8 +682,8 @@ def read_checkpoint(path, script):
                         f"not a torch file); move it away or pass another --out") from None
 
     if not isinstance(ck, dict) or ck.get("script") != script or not CKPT_KEYS <= set(ck):
-        raise DataError(f"{path} is not a checkpoint of {script}.py; move it away or pass another "
-                        f"--out")
+        raise DataError(
+            f"{path} is not a checkpoint of {script}.py; move it away or pass another --out")
     return ck
 
 
@@ -690,6 +703,8 @@ def load_run(script, cfg, given, presets):
               for k in sorted(given & set(saved))
               if (not names[k].metadata["run"] or k == "seed") and k != "preset"
               and getattr(cfg, k) != saved[k]]
+
+    # and the data, where --env or --dataset is given
     if given & {"env", "dataset"} and resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
         differ.append(f"dataset {ck['dataset_id']} there, {resolve(cfg.dataset or cfg.env)} here")
     if differ:
@@ -747,8 +762,8 @@ def refuse_occupied(out, script):
                 f"cannot be continued; delete that folder to start again there, or pass a fresh "
                 f"--out")
         if owner == script:
-            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a "
-                            f"fresh --out")
+            raise DataError(
+                f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
 
     # any other folder with files is never written to
     if files:
@@ -831,8 +846,8 @@ class Run:
                     f"{out} has no ckpt.pt to resume from (its run stopped before its first "
                     f"checkpoint, or the file was moved); put ckpt.pt back, or start again in a "
                     f"fresh --out")
-            raise DataError(f"{out} holds no run to resume (no ckpt.pt there); drop --resume to "
-                            f"start one")
+            raise DataError(
+                f"{out} holds no run to resume (no ckpt.pt there); drop --resume to start one")
 
         if cfg.resume:
             self.lock = lock_folder(out)
@@ -889,11 +904,13 @@ class Run:
                 torch.cuda.set_rng_state_all(ck["cuda_rng"])
             print(f"resumed from {self.out}/ckpt.pt at step {step} of {cfg.steps}")
 
-        # the run's first lines; the clocks for its length
+        # the run's first lines
         print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} "
               f"steps; normalised with {d.ref_source}\n{self.script} {self.variant}: "
               f"{sum(p.numel() for p in model.parameters()):,} parameters; a training step needs "
               f"about {gb(need)} on {self.device}; run folder {self.out}", flush=True)
+
+        # the clocks: the run's wall time, the log interval's, and the probe's (for length())
         self.first, self.t_start, self.t_log, self.n_log = step, time.time(), time.time(), 0
         self.t_probe, self.step_s, self.eval_s = None, None, None
         return step
@@ -941,6 +958,8 @@ class Run:
             loss.item()
             self.step_s = (time.time() - self.t_probe) / PROBE_STEPS
             self.length(step)
+
+        # the rest only at a log step and at the last
         if step % self.cfg.log_every and step != self.cfg.steps:
             return
 
@@ -1104,6 +1123,8 @@ def plot_curve(rows, path, hundred, title):
         if not ax.lines:  # the first evaluation came before the first log line
             ax.text(0.5, 0.5, "no logged loss yet", ha="center", va="center",
                     transform=ax.transAxes, color="gray")
+
+        # the axes: the loss log-scaled
         ax.set(xlabel="gradient step", ylabel=name,
                yscale="log" if col == "loss" and ax.lines else "linear")
         ax.set_title(name + (f"\n({note})" if note else ""), fontsize=9)
@@ -1133,6 +1154,8 @@ def bench_runs(script, cfg, given, presets, tokens):
                                     steps=PROBE_STEPS + 2, log_every=10 ** 9, eval_every=10 ** 9,
                                     eval_episodes=1, resume=False,
                                     out=os.path.join(tmp, label.replace(" + ", "_")))
+
+            # the peak memory, counted from here
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             with Run(script, c, given, presets) as run, contextlib.redirect_stdout(io.StringIO()):
@@ -1183,6 +1206,8 @@ def one_sentence_errors():
         print(f"error: could not write {e.filename or 'the output'} ({e.strerror}); run the "
               f"analysis on a copy of the run folder that you can write to", file=sys.stderr)
         raise SystemExit(1)
+
+    # a second Ctrl-C in training (StopSignal), or one outside it
     except KeyboardInterrupt:
         print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
         raise SystemExit(130)
@@ -1250,6 +1275,8 @@ def read_run(folder):
     scores = [e["normalized_score"] for e in run["evals"]]
     run.update(last=max(run["evals"], key=lambda e: e["step"]),
                best=None if None in scores else max(scores))
+
+    # a run short of its --steps: in progress
     if run["last"]["step"] < run["steps"]:
         step = max(r["step"] for r in parsed)
         # a stopped run saves between log lines: its checkpoint's step, if any (memory-mapped:
@@ -1293,6 +1320,8 @@ def report(runs_dir="runs"):
                                f"{os.path.relpath(twin['folder'], runs_dir)} for it)")
             else:
                 groups[r["key"]].append(r)
+
+    # goal-reaching data: the success and steps-to-goal columns
     goal = any(r["last"]["success_rate"] is not None for g in groups.values() for r in g)
 
     # the table: what its columns hold, then a row per group (last return: StARformer's tables
@@ -1341,9 +1370,9 @@ def report(runs_dir="runs"):
         if groups:
             plot_report(groups, os.path.join(runs_dir, "report.png"))
     except OSError as e:
-        raise DataError(f"the table above could not be saved in {runs_dir} "
-                        f"({e.strerror or type(e).__name__}); pass a folder you can write to, or "
-                        f"copy the runs to one") from None
+        raise DataError(
+            f"the table above could not be saved in {runs_dir} ({e.strerror or type(e).__name__}); "
+            f"pass a folder you can write to, or copy the runs to one") from None
     return text
 
 

@@ -14,9 +14,9 @@ Atari's evaluation env (data.atari_env_spec): ALE without sticky actions, to gam
 frames, in gymnasium's AtariPreprocessing. Its frames are Dopamine's, which made DQN-replay: the
 last two of 4 max-pooled, then resized with INTER_AREA (Dopamine's atari_lib.py#L385, #L390); each
 reset adds 1-30 no-ops, gymnasium's default, which Dopamine does not do (#L282-L292): it used
-sticky actions (#L75), as did DQN-replay's data. The papers' evaluation departs: kzl resizes each
-frame with INTER_LINEAR (trainer_atari.py#L244), then max-pools (#L271-L283), after 0-29 no-ops
-(#L259-L263), without sticky actions (#L231).
+sticky actions (#L51, #L75), as did DQN-replay's data. The papers' evaluation (kzl's, also without
+sticky actions: trainer_atari.py#L231) departs: it resizes each frame with INTER_LINEAR (#L244),
+then max-pools (#L271-L283), after 0-29 no-ops (#L259-L263).
   kzl (atari/mingpt/): https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
   Dopamine (dopamine/discrete_domains/): https://github.com/google/dopamine/tree/00a5b3208d0fc4390e0b27dbde774409894bd64c
 """
@@ -343,7 +343,7 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
                                  stroke_fill="black")
         images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
 
-    # played at the game's speed: the seconds of play (Atari) or simulated time of an env step
+    # at the game's speed: an env step's seconds of play (Atari) or simulated time
     if atari:
         dt = data_lib.atari_frame_skip(d.env_spec) / 60
     else:
@@ -465,9 +465,8 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     return results
 
 # --------------------------------------------------------------------------------------------------
-# the run record: a model file's main() calls parse_flags and check_flags and opens a Run (--bench:
-# bench_runs' short runs) inside one_sentence_errors(); train() calls check_data, check_memory and
-# the Run's start, log, save and finish
+# the run record: main() calls parse_flags, check_flags and Run (--bench: bench_runs) inside
+# one_sentence_errors(); train() calls check_data, check_memory and run.start/log/save/finish
 
 RUN_FILES = ("config.json", "log.csv", "ckpt.pt")  # a folder holding one of these holds a run
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config",
@@ -884,7 +883,7 @@ class Run:
             self.lock = lock_folder(self.out)
             refuse_occupied(self.out, self.script)
 
-        # --resume: all of it as the checkpoint left it (the pending losses: float32, as saved)
+        # --resume: all of it as the checkpoint left it
         step, self.wall0, self.rows, self.pending, self.logged = 0, 0.0, [], [], False
         if ck := self.ck:
             try:
@@ -910,7 +909,7 @@ class Run:
               f"{sum(p.numel() for p in model.parameters()):,} parameters; a training step needs "
               f"about {gb(need)} on {self.device}; run folder {self.out}", flush=True)
 
-        # the clocks: the run's wall time, the log interval's, and the probe's (for length())
+        # the clocks: the run's, the log interval's, the probe's (length())
         self.first, self.t_start, self.t_log, self.n_log = step, time.time(), time.time(), 0
         self.t_probe, self.step_s, self.eval_s = None, None, None
         return step
@@ -946,8 +945,7 @@ class Run:
         self.pending.append(loss.detach())
         self.n_log += 1
 
-        # the first step: a sign of life; the PROBE_STEPS after it (one device sync each end)
-        # timed for the run's length
+        # a sign of life at the first step; the PROBE_STEPS after it timed (a sync at each end)
         if step == self.first + 1 and step % self.cfg.log_every:
             print(f"step {step:6d} | loss {loss.item():.5f} | first step "
                   f"{time.time() - self.t_log:.1f} s", flush=True)
@@ -1054,6 +1052,8 @@ class Run:
             plot_curve(self.rows, os.path.join(self.out, "curve.png"),
                        "a gamer" if d.family == "atari" else "expert",
                        f"{self.script} {self.variant} {d.dataset_id} seed {self.cfg.seed}")
+
+        # the next log interval starts now, the evaluation's time not in its ms/step
         self.t_log, self.n_log = time.time(), 0
 
     def finish(self, results):
@@ -1108,7 +1108,7 @@ def plot_curve(rows, path, hundred, title):
         panels += [("success_rate", "success rate (%)", ""),
                    ("steps_to_goal", "steps to the goal", "the horizon if missed")]
 
-    # a panel per column, a line per target (only evaluation rows have the evaluation columns)
+    # a panel per column, a line per target
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
     for ax, (col, name, note) in zip(axes[0], panels):
         series = defaultdict(list)  # target -> (step, value)
@@ -1148,21 +1148,19 @@ def bench_runs(script, cfg, given, presets, tokens):
 
     with tempfile.TemporaryDirectory() as tmp:
         for label, compiled, amp in BENCH_MODES[:3 if device.type == "cuda" else 2]:
-            # the mode's run, logged and evaluated (1 episode) only at its end; its own lines
-            # (data, length, evaluation) are not the bench's
+            # the mode's run, logged and evaluated (1 episode) at its end only
             c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp,
                                     steps=PROBE_STEPS + 2, log_every=10 ** 9, eval_every=10 ** 9,
                                     eval_episodes=1, resume=False,
                                     out=os.path.join(tmp, label.replace(" + ", "_")))
 
-            # the peak memory, counted from here
+            # the peak memory counted from here; the run's own lines (data, length, eval) silenced
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             with Run(script, c, given, presets) as run, contextlib.redirect_stdout(io.StringIO()):
                 yield c, run
 
-            # its line: the step time the run measured; DeMa's Table 7 "GPU memory usage": the
-            # most this mode's steps held at once
+            # its line: the run's step time; the peak memory (DeMa's Table 7 "GPU memory usage")
             ms = 1e3 * run.step_s
             eager_ms = eager_ms or ms
             first = run.t_probe - run.t_start
@@ -1213,8 +1211,8 @@ def one_sentence_errors():
         raise SystemExit(130)
 
 # --------------------------------------------------------------------------------------------------
-# report (python evaluate.py report [RUNS_DIR]): a run is any folder under RUNS_DIR with Run's
-# config.json and log.csv; runs are grouped by (dataset_id, script, variant), not by folder names
+# report: a run is any folder under RUNS_DIR with Run's config.json and log.csv, grouped by
+# (dataset_id, script, variant) whatever the folder names
 
 
 def _number(v):
@@ -1271,7 +1269,9 @@ def read_run(folder):
     evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
     if not evals:
         return run | dict(status="no evaluation yet")
-    run["evals"] = [r for r in evals if r["target"] == evals[0]["target"]]  # the headline target
+
+    # the headline target's: the first in log.csv
+    run["evals"] = [r for r in evals if r["target"] == evals[0]["target"]]
     scores = [e["normalized_score"] for e in run["evals"]]
     run.update(last=max(run["evals"], key=lambda e: e["step"]),
                best=None if None in scores else max(scores))
@@ -1279,8 +1279,7 @@ def read_run(folder):
     # a run short of its --steps: in progress
     if run["last"]["step"] < run["steps"]:
         step = max(r["step"] for r in parsed)
-        # a stopped run saves between log lines: its checkpoint's step, if any (memory-mapped:
-        # only its small entries are read)
+        # a stopped run saved between log lines: its checkpoint's step (memory-mapped)
         with contextlib.suppress(Exception):
             ck = torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu",
                             weights_only=True, mmap=True)

@@ -125,7 +125,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             R[i] -= r * d.return_scale
             contexts.append(i, t, actions[j], r, obs, R[i])
 
-            # the mazes' measures; episode 0's frames for --gif
+            # the length, the mazes' measures, episode 0's frames for --gif
             positions[i] += [_position(obs)] if d.goal_reaching else []
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
@@ -894,7 +894,7 @@ class Run:
                                 f"another --out") from None
             sched.load_state_dict(ck["scheduler"])
             step, self.wall0, self.rows = ck["step"], ck["wall_time"], list(ck["rows"])
-            self.pending = [torch.tensor(v) for v in ck["pending_losses"]]
+            self.pending = [torch.tensor(v) for v in ck["pending_losses"]]  # float32, as saved
 
             # the RNGs: the next windows and dropout masks as if the run had never stopped
             rng.bit_generator.state = json.loads(ck["numpy_rng"])
@@ -982,8 +982,7 @@ class Run:
         self.write_log()
 
     def finite_losses(self, step):
-        """The losses since the last log line (one device sync); a DataError at a non-finite
-        one."""
+        """The losses since the last log line (one device sync); a DataError at a non-finite one."""
         values = torch.stack(self.pending).float().tolist() if self.pending else []
         if bad := [i for i, v in enumerate(values) if not math.isfinite(v)]:
             raise DataError(

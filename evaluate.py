@@ -396,10 +396,10 @@ SWEEP_TARGETS = 8  # --target-sweep's targets
 
 def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
     """--target-sweep, the DT paper's Fig. 4: the policy at SWEEP_TARGETS targets from the data's
-    lowest episode return to a quarter above its best, `episodes` episodes each -> target_sweep.csv
-    and .png in `out`: the return got (mean +-1 std) against the target, normalised where the data
-    has reference returns. DQN-replay's returns count rewards clipped to +-1, the env's do not.
-    -> [(target, evaluate()'s result)]"""
+    lowest episode return to a quarter above its best, `episodes` episodes each (the same env seeds)
+    -> target_sweep.csv and .png in `out`: the return got (mean +-1 std) against the target,
+    normalised where the data has reference returns. DQN-replay's returns count rewards clipped to
+    +-1, the env's do not. -> [(target, evaluate()'s result)]"""
     # the targets, raw returns, and the units of the figure
     worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
     targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)

@@ -3,16 +3,22 @@ Rollouts and the run record: the only code besides data.py that the model files 
 
     res = evaluate(act, d, episodes=10, target_return=3600, seed=0, context=20)
 
-evaluate() runs the episodes in parallel in the dataset's own gymnasium env. `act(batch, live)` is model-agnostic:
-`batch` holds, for the envs that are still running, the last `context` steps ending at the current step t, in exactly
-the format of data.OfflineData.sample (states normalised, left padding, rtg scaled, prev_action/prev_reward with the
-same null values); the current step's action and reward are not known yet and are 0. `live` is the array of env
-indices the rows belong to (timesteps[:, -1] == 0 marks a fresh episode, where a recurrent model resets its state).
-It returns (len(live), act_dim) actions.
-
-Then the --gif episode and the --target-sweep figure (DT's Fig. 4), the run record (which a model file's main() and
-train() call; nothing here calls back) and `report`, the command line:
+evaluate() runs the episodes in parallel in the dataset's own gymnasium env. act(batch, live) gets
+the live envs' last `context` steps up to the current one, as data.OfflineData.sample gives them
+(the current action and reward 0), and their env indices (timesteps[:, -1] == 0: a fresh episode,
+where a recurrent model resets) -> (len(live), act_dim). Then --gif, --target-sweep (DT's Fig. 4),
+the run record (main() and train() call it; nothing here calls back) and `report`:
     python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure
+
+Atari's evaluation env (data.atari_env_spec): ALE without sticky actions, to game over or 108k
+frames, in gymnasium's AtariPreprocessing. Its frames are Dopamine's, which made DQN-replay: the
+last two of 4 max-pooled, then resized with INTER_AREA (Dopamine's atari_lib.py#L385, #L390); each
+reset adds 1-30 no-ops, gymnasium's default, which Dopamine does not do (#L282-L292): it used
+sticky actions (#L51, #L75), as did DQN-replay's data. The papers' evaluation (kzl's, also without
+sticky actions: trainer_atari.py#L231) departs: it resizes each frame with INTER_LINEAR (#L244),
+then max-pools (#L271-L283), after 0-29 no-ops (#L259-L263).
+  kzl (atari/mingpt/): https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
+  Dopamine (dopamine/discrete_domains/): https://github.com/google/dopamine/tree/00a5b3208d0fc4390e0b27dbde774409894bd64c
 """
 import argparse
 import contextlib
@@ -41,162 +47,195 @@ import torch.nn as nn
 import data as data_lib
 from data import DataError, FlagParser, is_maze, resolve
 
-# ================================================================================================================
-# Rollouts: evaluate() (a model file's train() calls it at every --eval-every), the rolling contexts it keeps, and the
-# one-episode-at-a-time reference.
+# --------------------------------------------------------------------------------------------------
+# rollouts: evaluate() (train() calls it every --eval-every steps), the contexts it keeps, and
+# the one-episode-at-a-time reference
 
-def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True, render_every=0,
-             greedy=False):
-    """Run `episodes` episodes in parallel (env i reset with seed + i), each to its own termination or truncation,
-    with the return-to-go prompt `target_return` (raw units; None: the rtg column is 0). -> dict of per-episode arrays:
-    returns, lengths, normalized; goal tasks add success, steps_to_goal (first step with info['success'], else the
-    horizon) and positions ((length + 1, 2) arrays: x, y after reset and after each step); seconds: the wall time;
-    with render_every > 0, frames: (step, return so far, RGB array) of episode 0 after reset, every render_every
-    steps and at its end (at most GIF_FRAMES). Discrete actions (Atari): act() returns (L, n_actions) logits and
-    choose() picks the action (env i's draws from a generator seeded seed + i). Atari's horizon is 108k frames, its
-    frames gymnasium's AtariPreprocessing's (data.atari_env_spec): max-pool the raw frames, then resize (INTER_AREA),
-    after 1-30 no-ops, as Dopamine's pipeline, which made DQN-replay; the papers' evaluation departs (about 7% of
-    pixels differ by more than 8 grey levels): it resizes each frame (INTER_LINEAR), then max-pools, after 0-29 no-ops:
-    https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/atari/mingpt/trainer_atari.py#L243-L283
 
-    The loop is the DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps count from 0 here):
-        R, s, a, t, done = [target_return], [env.reset()], [], [0], False    # the RTG prompt at reset
+def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True,
+             render_every=0, greedy=False):
+    """`episodes` episodes in parallel (env i reset with seed + i), each to its end, prompted with
+    `target_return` (raw; None: rtg 0) -> per-episode arrays: returns, lengths, normalized; goal
+    tasks add success, steps_to_goal (the first info['success'], else the horizon), positions
+    ((length + 1, 2): x, y); seconds; render_every > 0 adds frames (step, return, RGB) of episode 0
+    at reset, every render_every steps and at its end (at most GIF_FRAMES). Atari: act() gives
+    logits, choose() the action (env i's draws seeded seed + i).
+
+    The DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps from 0):
+        R, s, a, t, done = [target_return], [env.reset()], [], [0], False
         while not done:
-            action = DecisionTransformer(R, s, a, t)[-1]                      # one batched act() call for all live envs
+            action = DecisionTransformer(R, s, a, t)[-1]        # one act() call for all live envs
             new_s, r, done, _ = env.step(action)
-            R = R + [R[-1] - r]                                               # RTG_{t+1} = RTG_t - r_t
-            s, a, t = s + [new_s], a + [action], t + [t[-1] + 1]              # append the new state
-            R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]                       # the rolling context of the last K steps
+            R = R + [R[-1] - r]                                            # RTG_{t+1} = RTG_t - r_t
+            s, a, t = s + [new_s], a + [action], t + [t[-1] + 1]
+            R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]            # the context: the last K steps
     """
     n, H = episodes, d.horizon
-    # a plain list of envs: gymnasium's vector envs auto-reset, which would start a new episode in a finished slot
+
+    # reset: s_0 and R_0 (the prompt, scaled) of each env (a list: a vector env would auto-reset)
     envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
-    samplers = [np.random.default_rng(seed + i) for i in range(n)]            # env i's action draws (discrete)
+    samplers = [np.random.default_rng(seed + i) for i in range(n)]  # env i's draws (discrete)
     contexts = Contexts(d, n, context)
-    R = np.full(n, (target_return or 0.0) * d.return_scale, np.float32)       # (n,) R_0, the prompt (None: 0), scaled
+    R = np.full(n, (target_return or 0.0) * d.return_scale, np.float32)  # (n,)
     positions = [[] for _ in range(n)]
     for i, env in enumerate(envs):
         obs, _ = env.reset(seed=seed + i)
-        contexts.begin(i, 0, obs, R[i])                                       # s_0 and R_0
+        contexts.begin(i, 0, obs, R[i])
         positions[i] += [_position(obs)] if d.goal_reaching else []
     frames = [(0, 0.0, envs[0].render())] if render_every else []
+
+    # Alg. 1's loop, each env to its own end
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
     done = np.zeros(n, dtype=bool)
     t0 = time.time()
     for t in range(H):
-        live = np.flatnonzero(~done)                                            # (L,) envs still running
+        live = np.flatnonzero(~done)  # (L,) envs still running
         if len(live) == 0:
             break
-        batch = contexts.window(live, t)                                        # (L, K, ...) steps t-K+1 .. t
-        with torch.no_grad():  # one batched call: action = DecisionTransformer(R, s, a, t)[-1] for every live env
-            out = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))   # (L, act_dim) or logits
-        if not np.isfinite(out).all():   # a NaN action would turn the env's state and every later return to NaN
+
+        # one batched call: action = DecisionTransformer(R, s, a, t)[-1] of every live env
+        batch = contexts.window(live, t)  # (L, K, ...) steps t-K+1 .. t
+        with torch.no_grad():
+            out = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))
+
+        # a NaN action would turn the env's state and every later return to NaN
+        if not np.isfinite(out).all():
             j = int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])
-            raise DataError(f"the policy gave a non-finite action at step {t} of evaluation episode {live[j]} (target "
-                            f"{target_return}); the run's weights or its return-to-go prompt are out of range")
-        actions = (np.array([choose(o, samplers[i], greedy) for o, i in zip(out, live)]) if d.discrete else
+            raise DataError(
+                f"the policy gave a non-finite action at step {t} of evaluation episode {live[j]} "
+                f"(target {target_return}); the run's weights or its return-to-go prompt are out "
+                f"of range")
+
+        # Atari: choose() from the logits; else the actions clipped to the action space
+        actions = (np.array([choose(o, samplers[i], greedy) for o, i in zip(out, live)])
+                   if d.discrete else
                    np.clip(out, envs[0].action_space.low, envs[0].action_space.high))
+
+        # each live env steps; its context gets a_t, r_t, then s_{t+1}, R_{t+1}
         for j, i in enumerate(live):
             obs, r, terminated, truncated, info = envs[i].step(actions[j])
-            returns[i] += r                                                   # the env's own return, as reported
+            returns[i] += r  # the env's own return, as reported
             done[i] = terminated or truncated
-            if d.delayed_reward:   # the model sees the rewards as its data had them: all of them at the last step
+            if d.delayed_reward:  # the model sees the rewards as its data had them: all at the end
                 r = returns[i] if done[i] else 0.0
-            # R_{t+1} = R_t - r_t (DT Sec. 3): the game's raw reward, while DQN-replay's returns-to-go count rewards
-            # clipped to +-1, as kzl/decision-transformer@e2d82e6 atari/mingpt/trainer_atari.py#L211 does too
+            # R_{t+1} = R_t - r_t (DT Sec. 3) with the game's raw reward, as kzl's does
+            # (trainer_atari.py#L211), while DQN-replay's returns-to-go count rewards clipped to
+            # +-1 (Dopamine's run_experiment.py#L291)
             R[i] -= r * d.return_scale
-            contexts.append(i, t, actions[j], r, obs, R[i])                   # a_t, r_t; then s_{t+1}, R_{t+1}
+            contexts.append(i, t, actions[j], r, obs, R[i])
+
+            # the length, the mazes' measures, episode 0's frames for --gif
             positions[i] += [_position(obs)] if d.goal_reaching else []
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
                 success[i], steps_to_goal[i] = True, t + 1
-            if render_every and i == 0 and ((t + 1) % render_every == 0 or done[i]) and len(frames) < GIF_FRAMES:
+            if (render_every and i == 0 and ((t + 1) % render_every == 0 or done[i])
+                    and len(frames) < GIF_FRAMES):
                 frames.append((t + 1, returns[0], envs[0].render()))
+
         if progress and sys.stderr.isatty():
-            print(f"\r  eval target {target_return}: step {t + 1}/{H}, {int((~done).sum())} of {n} running, "
-                  f"{time.time() - t0:.0f}s", end="", file=sys.stderr, flush=True)
+            print(f"\r  eval target {target_return}: step {t + 1}/{H}, {int((~done).sum())} of {n} "
+                  f"running, {time.time() - t0:.0f}s", end="", file=sys.stderr, flush=True)
+
     if progress and sys.stderr.isatty():
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     for env in envs:
         env.close()
-    return _result(d, returns, lengths, success, steps_to_goal, positions) | dict(seconds=time.time() - t0) | (
-        dict(frames=frames) if render_every else {})
+    return _result(d, returns, lengths, success, steps_to_goal, positions) | dict(
+        seconds=time.time() - t0) | (dict(frames=frames) if render_every else {})
+
 
 class Contexts:
-    """The rolling contexts of n envs, kept as data.gather_windows reads them. Each env keeps its last W steps in a
-    ring: the K of the window, the step before it (its a_{t-1}, r_{t-1}) and, on Atari, the frames a state stacks, so
-    27k-step Atari episodes cost no more memory than 1k-step MuJoCo ones. Step t of env i is row i*W + t % W."""
+    """The rolling contexts of n envs, as data.gather_windows reads them: env i keeps its last W
+    steps (the window, the step before it, on Atari the frames a state stacks) in a ring, rows
+    i*W + t % W, so a 27k-step Atari episode costs what a 1k-step MuJoCo one does."""
 
     def __init__(self, d, n, K):
         atari = d.family == "atari"
         self.d, self.K, self.W = d, K, K + 1 + (data_lib.FRAME_STACK - 1 if atari else 0)
         rows, self.key = n * self.W, "frames" if atari else "states"
-        self.flat = dict(actions=np.zeros(rows, np.int64) if d.discrete else np.zeros((rows, d.act_dim), np.float32),
+        self.flat = dict(actions=np.zeros(rows, np.int64) if d.discrete else
+                         np.zeros((rows, d.act_dim), np.float32),
                          rewards=np.zeros(rows, np.float32), rtg=np.zeros(rows, np.float32),
                          timesteps=np.zeros(rows, np.int64))
+
+        # the states: on Atari single frames (uint8), which a state stacks
         self.flat[self.key] = (np.zeros((rows, *d.obs_shape[1:]), np.uint8) if atari else
                                np.zeros((rows, d.obs_dim), np.float32))
 
     def window(self, live, t):
-        """Steps t-K+1 .. t of each live env (left padding before its step 0) -> dict of (L, K, ...) tensors."""
-        return data_lib.gather_windows(self.flat, live * self.W, live * self.W + t, self.K, ring=self.W)
+        """Steps t-K+1 .. t of the live envs (left-padded) -> (L, K, ...) each."""
+        return data_lib.gather_windows(self.flat, live * self.W, live * self.W + t, self.K,
+                                       ring=self.W)
 
     def begin(self, i, t, obs, rtg):
-        """Step t of env i begins: s_t, R_t and t in its row; a_t and r_t are not known yet (0)."""
+        """Step t of env i begins: s_t, R_t, t; a_t and r_t are not known yet (0)."""
         f, row = self.flat, i * self.W + t % self.W
         f[self.key][row], f["rtg"][row] = self.d.observe(obs), rtg
-        f["timesteps"][row] = min(t, self.d.max_ep_len - 1)                   # beyond the data's longest: its last
+        f["timesteps"][row] = min(t, self.d.max_ep_len - 1)  # beyond the data's longest: its last
         f["actions"][row], f["rewards"][row] = 0, 0.0
 
     def append(self, i, t, action, reward, obs, rtg):
-        """Step t of env i ended with a_t and r_t; step t + 1 begins with s_{t+1} = obs and R_{t+1} = rtg."""
+        """Step t of env i ended with a_t, r_t; step t + 1 begins with obs and R_{t+1}."""
         row = i * self.W + t % self.W
         self.flat["actions"][row], self.flat["rewards"][row] = action, reward
         self.begin(i, t + 1, obs, rtg)
 
+
 def _as_numpy(a):
-    return a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float32)
+    return (a.detach().float().cpu().numpy() if isinstance(a, torch.Tensor) else
+            np.asarray(a, dtype=np.float32))
+
 
 def choose(logits, rng, greedy):
-    """A discrete action from one env's logits: a draw from their softmax (DT's Atari code, temperature 1), or the
-    most likely one. float64 softmax, one uniform draw from rng per step."""
+    """One env's action: a draw from the logits' softmax (float64, one rng draw), as kzl's
+    evaluation (utils.py#L52-L55, temperature 1), or the likeliest."""
     if greedy:
         return int(np.argmax(logits))
     p = np.exp(logits.astype(np.float64) - logits.max())
     return int(min(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right"), len(p) - 1))
 
+
 def _position(obs):
-    """The agent's x, y: achieved_goal of a maze's dict observation, else the first two entries (PointMaze layout)."""
+    """The agent's x, y: a maze's achieved_goal, else the first two entries."""
     return np.asarray(obs["achieved_goal"] if isinstance(obs, dict) else obs, dtype=np.float64)[:2]
+
 
 def _result(d, returns, lengths, success, steps_to_goal, positions):
     res = dict(returns=returns, lengths=lengths, normalized=d.normalize_score(returns))
     if d.goal_reaching:
-        res.update(success=success, steps_to_goal=steps_to_goal, positions=[np.array(p) for p in positions])
+        res.update(success=success, steps_to_goal=steps_to_goal,
+                   positions=[np.array(p) for p in positions])
     return res
 
+
 def summarize(res):
-    """One line: mean +- std of the normalised score and return (and maze success / steps to the goal)."""
+    """One line: mean +- std of the normalised score and return (mazes: success, steps)."""
     s = (f"normalized_score={res['normalized'].mean():.1f}±{res['normalized'].std():.1f} "
-         f"return={res['returns'].mean():.1f}±{res['returns'].std():.1f} length={res['lengths'].mean():.0f}")
+         f"return={res['returns'].mean():.1f}±{res['returns'].std():.1f} "
+         f"length={res['lengths'].mean():.0f}")
     if "success" in res:
-        s += f" success={100 * res['success'].mean():.0f}% steps_to_goal={res['steps_to_goal'].mean():.0f}"
+        s += (f" success={100 * res['success'].mean():.0f}% "
+              f"steps_to_goal={res['steps_to_goal'].mean():.0f}")
     return s
 
+
 def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=False):
-    """Reference: the same protocol, one episode at a time, windows built from plain Python lists (independent of
-    data.gather_windows and Contexts' ring; Atari states stacked here from the frame list). Slow: for the tests and
-    --bench-eval."""
+    """The reference: the same, one episode at a time, the windows from plain lists. Slow: for
+    the tests and --bench-eval."""
     n, H, K = episodes, d.horizon, context
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
+
+    # the padding's values and each key's dtype, as data.OfflineData.sample's
     atari = d.family == "atari"
     zero_a = 0 if d.discrete else np.zeros(d.act_dim, np.float32)
     zero_s = np.zeros(d.obs_shape, np.uint8) if atari else np.zeros(d.obs_dim, np.float32)
     dtypes = dict(timesteps=torch.int64, states=torch.uint8 if atari else torch.float32,
                   actions=torch.int64 if d.discrete else torch.float32)
     dtypes["prev_action"] = dtypes["actions"]
+
     positions = []
     for i in range(n):
         env, rng = d.make_env(), np.random.default_rng(seed + i)
@@ -204,14 +243,19 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
         S, A, R, G = [d.observe(obs)], [], [], [(target_return or 0.0) * d.return_scale]
         positions.append([_position(obs)])
 
-        def state(u):   # an Atari state: frames u-3 .. u, those before the episode's first frame 0
-            return np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)]) if atari else S[u]
+        def state(u):  # an Atari state: frames u-3 .. u, zeros before the episode's first
+            return (np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)])
+                    if atari else S[u])
+
         for t in range(H):
-            lo = max(0, t + 1 - K)                  # window = steps lo..t, padded on the left to K
+            # the window: steps lo..t, left-padded to K; a_t and r_t are not known yet (0)
+            lo = max(0, t + 1 - K)
             pad = K - (t + 1 - lo)
+
+            # as data.OfflineData.sample's keys, a batch of one
             batch = dict(
                 states=[zero_s] * pad + [state(u) for u in range(lo, t + 1)],
-                actions=[zero_a] * pad + A[lo:t] + [zero_a],              # a_t unknown -> 0
+                actions=[zero_a] * pad + A[lo:t] + [zero_a],
                 rewards=[[0.0]] * pad + [[r] for r in R[lo:t] + [0.0]],
                 rtg=[[0.0]] * pad + [[g] for g in G[lo:t + 1]],
                 timesteps=[0] * pad + [min(u, d.max_ep_len - 1) for u in range(lo, t + 1)],
@@ -219,13 +263,18 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
                 prev_action=A[lo - 1] if lo > 0 else zero_a,
                 prev_reward=[R[lo - 1] if lo > 0 else 0.0],
             )
-            batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32)) for k, v in batch.items()}
+            batch = {k: torch.tensor(np.array([v]), dtype=dtypes.get(k, torch.float32))
+                     for k, v in batch.items()}
             with torch.no_grad():
                 out = _as_numpy(act(batch, np.array([i])))[0]
-            a = choose(out, rng, greedy) if d.discrete else np.clip(out, env.action_space.low, env.action_space.high)
+
+            # the env steps; the lists get a_t, r_t, R_{t+1}, s_{t+1}
+            a = (choose(out, rng, greedy) if d.discrete else
+                 np.clip(out, env.action_space.low, env.action_space.high))
             obs, r, terminated, truncated, info = env.step(a)
             returns[i] += r
             r = (returns[i] if terminated or truncated else 0.0) if d.delayed_reward else r
+
             A.append(a if d.discrete else a.astype(np.float32))
             R.append(float(np.float32(r)))
             G.append(np.float32(G[-1] - r * d.return_scale))
@@ -239,64 +288,79 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
         env.close()
     return _result(d, returns, lengths, success, steps_to_goal, positions)
 
+
 def compare_with_sequential(act, d, episodes, target_return, seed, context):
-    """dt.py's --bench-eval: one line with the batched and the sequential time and whether the returns agree."""
+    """dt.py's --bench-eval: the batched and sequential times, and if the returns agree."""
     rb = evaluate(act, d, episodes, target_return, seed, context, progress=False)
     t0 = time.time()
     rs = evaluate_sequential(act, d, episodes, target_return, seed, context)
     ts = time.time() - t0
-    print(f"{episodes} episodes, {rb['lengths'].sum()} env steps (lengths {rb['lengths'].tolist()}): batched "
-          f"{rb['seconds']:.2f}s, sequential {ts:.2f}s, speed-up {ts / rb['seconds']:.1f}x; same returns: "
+    print(f"{episodes} episodes, {rb['lengths'].sum()} env steps (lengths "
+          f"{rb['lengths'].tolist()}): batched {rb['seconds']:.2f}s, sequential {ts:.2f}s, "
+          f"speed-up {ts / rb['seconds']:.1f}x; same returns: "
           f"{np.allclose(rb['returns'], rs['returns'])}")
 
-# ================================================================================================================
-# The --gif episode and the --target-sweep figure, which a model file's main() makes from a finished run.
+# --------------------------------------------------------------------------------------------------
+# the --gif episode and the --target-sweep figure, from a finished run's checkpoint
 
-GIF_FRAMES = 1500   # frames --gif keeps at most (a stalled Atari episode would otherwise fill memory)
+GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would otherwise fill memory)
+
 
 def episode_gif(act, d, target_return, seed, context, device, out, title, greedy=False):
-    """--gif: one evaluation episode -> <out>/episode.gif, with the title, step and return so far on each frame. MuJoCo:
-    at most 152 frames of 240 x 240, at the env's own speed. Atari: the game's colour screen (not the 84 x 84 input),
-    every second step, at most GIF_FRAMES. -> evaluate()'s result for the episode."""
+    """--gif: one evaluation episode -> <out>/episode.gif, the title, step and return on each frame:
+    MuJoCo at most 152 frames of 240 x 240, Atari the colour screen every second step, at most
+    GIF_FRAMES; at the env's own speed. -> evaluate()'s result."""
     from PIL import Image, ImageDraw, ImageFont
     atari, path = d.family == "atari", os.path.join(out, "episode.gif")
     backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
+
     try:
-        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False, render_every=every,
-                       greedy=greedy)
-    except Exception as e:   # the GL errors differ by backend and library (mujoco.FatalError, AttributeError, ...)
+        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False,
+                       render_every=every, greedy=greedy)
+    except Exception as e:  # the GL errors differ by backend and library (mujoco.FatalError, ...)
         if isinstance(e, DataError) or atari:
             raise
-        raise DataError(f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset MUJOCO_GL to "
-                        f"let the script find a backend, or set it to egl or osmesa with that library installed "
-                        f"(Debian's libegl1 or libosmesa6)") from None
+        raise DataError(
+            f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset "
+            f"MUJOCO_GL to let the script find a backend, or set it to egl or osmesa with that "
+            f"library installed (Debian's libegl1 or libosmesa6)") from None
+
+    # the words on each frame
     font = ImageFont.load_default(size=13)
     images = []
     for step, ret, rgb in res["frames"]:
         img = Image.fromarray(rgb)
-        lines = wrap_text(f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
-                          (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
-        if atari:   # 210 x 160 -> 420 x 320, pixels kept sharp, below a band for the words (the game's score shows)
+        lines = wrap_text(
+            f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
+            (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
+
+        # Atari: the 210 x 160 screen doubled, kept sharp, under a band for the words
+        if atari:
             game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
             img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
             img.paste(game, (0, img.height - game.height))
-        ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white", stroke_width=2, stroke_fill="black")
+        ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white", stroke_width=2,
+                                 stroke_fill="black")
         images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
+
+    # at the game's speed: an env step's seconds of play (Atari) or simulated time
     if atari:
-        dt = data_lib.atari_frame_skip(d.env_spec) / 60   # seconds of play per env step
+        dt = data_lib.atari_frame_skip(d.env_spec) / 60
     else:
         env = d.make_env()
-        dt = getattr(env.unwrapped, "dt", 0.01)   # seconds of simulated time per env step
+        dt = getattr(env.unwrapped, "dt", 0.01)
         env.close()
+
     images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
                    duration=max(20, int(round(every * dt * 100)) * 10))
     cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
-    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, {os.path.getsize(path) / 2 ** 20:.1f} MB -> "
-          f"{path}")
+    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, "
+          f"{os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
     return res
 
+
 def wrap_text(text, font, width):
-    """text in lines that fit `width` pixels in `font`, broken at spaces and underscores (variant names)."""
+    """`text` in lines `width` pixels wide in `font`, broken at spaces and underscores."""
     lines, line = [], ""
     for word in re.split(r"(?<=[ _])", text):
         if line and font.getlength(line + word) > width:
@@ -305,223 +369,296 @@ def wrap_text(text, font, width):
         line += word
     return lines + [line.rstrip()]
 
+
 def pick_gl():
-    """An offscreen OpenGL backend for MuJoCo, where the user set none: MUJOCO_GL is left as it is when set, else the
-    first of egl, osmesa (and glfw where there is a display) that makes a context, tried in a child process, since a
-    failing backend can take the process with it. One sentence where none works."""
+    """MuJoCo's offscreen OpenGL: MUJOCO_GL where set, else the first of (glfw,) egl and osmesa that
+    makes a context in a child process (a failing one can kill its process)."""
     if os.environ.get("MUJOCO_GL"):
         return os.environ["MUJOCO_GL"]
-    display = sys.platform != "linux" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+
+    # else the first that works
+    display = (sys.platform != "linux" or os.environ.get("DISPLAY")
+               or os.environ.get("WAYLAND_DISPLAY"))
     for backend in (["glfw"] if display else []) + ["egl", "osmesa"]:
         probe = "import mujoco; c = mujoco.GLContext(8, 8); c.make_current(); c.free()"
         if subprocess.run([sys.executable, "-c", probe], env=os.environ | {"MUJOCO_GL": backend},
                           capture_output=True, timeout=120).returncode == 0:
             os.environ["MUJOCO_GL"] = backend
             return backend
-    raise DataError("MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. Debian's "
-                    "libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
 
-SWEEP_TARGETS = 8   # --target-sweep's targets
+    raise DataError(
+        "MuJoCo finds no offscreen OpenGL here: set MUJOCO_GL=egl (with the EGL library, e.g. "
+        "Debian's libegl1) or MUJOCO_GL=osmesa (with OSMesa, e.g. Debian's libosmesa6)")
+
+
+SWEEP_TARGETS = 8  # --target-sweep's targets
+
 
 def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
-    """--target-sweep, the DT paper's Figure 4 (does the model follow the return it is asked for?): the policy prompted
-    with SWEEP_TARGETS targets evenly spaced from the data's lowest episode return to a quarter above its best,
-    `episodes` episodes each (evaluate(), the same env seeds at every target) -> a line per target, target_sweep.csv
-    and target_sweep.png in `out`: the achieved return (mean, band +-1 std over the episodes) against the target, the
-    diagonal (the return asked for) and the data's best episode, in the data's normalised score where it has reference
-    returns, else raw. The title names the checkpoint's step (<out>/ckpt.pt). DQN-replay's episode returns count
-    rewards clipped to +-1 (as its returns-to-go do), while the env's are the game's own. -> [(target, evaluate()'s
-    result)]"""
+    """--target-sweep, the DT paper's Fig. 4: the policy at SWEEP_TARGETS targets from the data's
+    lowest episode return to a quarter above its best, `episodes` episodes each (the same env seeds)
+    -> target_sweep.csv and .png in `out`: the return got (mean +-1 std) against the target,
+    normalised where the data has reference returns. DQN-replay's returns count rewards clipped to
+    +-1, the env's do not. -> [(target, evaluate()'s result)]"""
+    # the targets, raw returns, and the units of the figure
     worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
-    targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)                # (8,) raw returns
+    targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
     scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
-    norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)  # the figure's units
+    norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
+
     # the checkpoint's step, for the title (memory-mapped: only the step is read)
-    step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True, mmap=True)["step"])
-    print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} (the data's lowest "
-          f"episode return) to {targets[-1]:.1f} (its best, {best:.1f}, and a quarter more), {episodes} episodes each",
-          flush=True)
+    step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True,
+                          mmap=True)["step"])
+    print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} (the "
+          f"data's lowest episode return) to {targets[-1]:.1f} (its best, {best:.1f}, and a "
+          f"quarter more), {episodes} episodes each", flush=True)
+
+    # each target: a line and a csv row
     results, rows = [], []
     for g in targets:
         res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy)
         results.append((float(g), res))
-        print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "") + f": {summarize(res)}",
-              flush=True)
+        print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "")
+              + f": {summarize(res)}", flush=True)
         rows.append(dict(target=f"{g:.2f}", target_normalized=score(d.normalize_score(g)),
-                         eval_return=f"{res['returns'].mean():.2f}", eval_return_std=f"{res['returns'].std():.2f}",
+                         eval_return=f"{res['returns'].mean():.2f}",
+                         eval_return_std=f"{res['returns'].std():.2f}",
                          normalized_score=score(res["normalized"].mean()),
                          normalized_score_std=score(res["normalized"].std()), episodes=episodes))
+
     with open(os.path.join(out, "target_sweep.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+
+    # the figure: the return got against the target, in the data's units
     plt = pyplot()
-    x = norm(targets)                                                                  # (8,)
-    y = np.array([norm(res["returns"]).mean() for _, res in results])                  # (8,) mean over the episodes
-    sd = np.array([norm(res["returns"]).std() for _, res in results])                  # (8,)
-    unit = (f"normalised: 0 = random, 100 = {'a human gamer' if d.family == 'atari' else 'expert'}" if scored else
-            "raw: the data has no reference returns")
+    x = norm(targets)  # (8,)
+    y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
+    sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
+    unit = (f"normalised: 0 = random, 100 = {'a human gamer' if d.family == 'atari' else 'expert'}"
+            if scored else "raw: the data has no reference returns")
+
+    # both axes alike: the diagonal at 45 degrees
     lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
-    lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))                 # both axes alike
+    lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))
+
+    # the return got (mean, band +-1 std), the return asked for, the data's best
     fig, ax = plt.subplots(figsize=(5.6, 5.6))
     ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
-    ax.plot(x, y, "o-", color="tab:blue", ms=4, label=f"achieved: mean of {episodes} episodes, band ±1 std")
+    ax.plot(x, y, "o-", color="tab:blue", ms=4,
+            label=f"achieved: mean of {episodes} episodes, band ±1 std")
     ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
-    ax.axhline(norm(best), ls=":", color="tab:red", label=f"best episode in the data (return {best:.4g})")
-    ax.set(xlim=lim, ylim=lim, aspect="equal",                                         # the diagonal at 45 degrees
+    ax.axhline(norm(best), ls=":", color="tab:red",
+               label=f"best episode in the data (return {best:.4g})")
+
+    ax.set(xlim=lim, ylim=lim, aspect="equal",
            xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
-    ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, checkpoint at step "
-                 f"{step}", fontsize=9)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)   # under, off the lines
-    fig.savefig(os.path.join(out, "target_sweep.png"), dpi=120, bbox_inches="tight")      # (the legend kept whole)
+    ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, "
+                 f"checkpoint at step {step}", fontsize=9)
+    # the legend under the axes, off the lines; bbox_inches: kept whole
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    fig.savefig(os.path.join(out, "target_sweep.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
+
     print(f"target_sweep.png and target_sweep.csv -> {out}")
     return results
 
-# ================================================================================================================
-# The run record: a model file's main() calls parse_flags, check_flags and opens a Run (with --bench, bench_runs'
-# short runs) inside one_sentence_errors(); train() calls check_data, check_memory, run.start/log/save/finish.
+# --------------------------------------------------------------------------------------------------
+# the run record: main() calls parse_flags, check_flags and Run (--bench: bench_runs) inside
+# one_sentence_errors(); train() calls check_data, check_memory and run.start/log/save/finish
 
-RUN_FILES = ("config.json", "log.csv", "ckpt.pt")      # a folder holding one of these holds a run
-CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config", "dataset_id", "info", "rows",
-             "pending_losses", "numpy_rng", "torch_rng"}
-EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score", "normalized_score_std", "success_rate",
-               "steps_to_goal", "greedy", "wall_time"]   # greedy: 1 where Atari's actions were argmax (per row)
-MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000   # valid numpy / gymnasium seeds; live environments at once
-PROBE_STEPS = 10   # steps timed (after the first) for the run's expected length
+RUN_FILES = ("config.json", "log.csv", "ckpt.pt")  # a folder holding one of these holds a run
+CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config",
+             "dataset_id", "info", "rows", "pending_losses", "numpy_rng", "torch_rng"}
+# greedy: 1 where Atari's actions were argmax (per row)
+EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score",
+               "normalized_score_std", "success_rate", "steps_to_goal", "greedy", "wall_time"]
+MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000  # valid numpy / gymnasium seeds; envs at once
+PROBE_STEPS = 10  # steps timed (after the first) for the run's expected length
 BENCH_MODES = [("eager", False, False), ("compiled", True, False), ("compiled + amp", True, True)]
-FAMILIES = ("mazes", "atari")   # entries of a preset that apply to one family of datasets only
+FAMILIES = ("mazes", "atari")  # entries of a preset that apply to one family of datasets only
+
 
 def parse_flags(Config, presets, argv, prog, description):
-    """Every Config field is a flag (--batch-size for batch_size); --preset applies first, explicit flags win.
-    -> (cfg, the fields that the command line or a named --preset set: not the paper's own rows, presets[""],
-    which a model file's paper_settings may replace by a dataset's own). A bad flag: one sentence, exit 1."""
+    """Config's fields as flags (--batch-size: batch_size), over --preset's settings -> (cfg, the
+    fields the command line or a named --preset set; not the paper's rows, presets[""], which a
+    model file's paper_settings may replace)."""
     argv = None if argv is None else [str(a) for a in argv]
-    p = FlagParser(prog=prog, description=description, formatter_class=argparse.RawTextHelpFormatter)
+    p = FlagParser(prog=prog, description=description,
+                   formatter_class=argparse.RawTextHelpFormatter)
     for f in dataclasses.fields(Config):
-        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")   # argparse %-formats help
+        # (argparse %-formats the help)
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")
         if f.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=text)
         else:
             p.add_argument(flag, type=f.type, default=argparse.SUPPRESS, metavar=f.name.upper(),
                            help=f"{text} (default: {f.default})")
+
+    # a bad flag or preset: one sentence, exit 1
     given = vars(p.parse_args(argv))
     if given.get("preset", "") not in ("", *presets):
         p.error(f"unknown preset '{given['preset']}'; known: {', '.join(k for k in presets if k)}")
+
+    # the flags over the preset over the paper's rows; the preset's family settings, printed
     name, preset = given.get("dataset") or given.get("env") or Config.env, given.get("preset", "")
     values = {**preset_values(presets, preset, name), **given}
-    family = {k.replace("_", "-"): v for k, v in family_setting(presets, preset, name).items() if k not in given}
+    family = {k.replace("_", "-"): v for k, v in family_setting(presets, preset, name).items()
+              if k not in given}
     if family and preset:
         print(f"--preset {preset} on {'a maze' if is_maze(name) else 'Atari'}: " + ", ".join(
-            f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}" for k, v in family.items()))
+            f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
+            for k, v in family.items()))
     if values.get("dataset"):
-        values["env"] = ""   # --dataset names the data; config.json must not record the default --env beside it
+        values["env"] = ""  # --dataset names the data; config.json must not record --env beside it
+
     named = preset_values({k: v for k, v in presets.items() if k}, preset, name)
     return Config(**values), set(given) | set(named) | ({"env"} if values.get("dataset") else set())
 
+
 def family_setting(presets, preset, dataset):
-    """A preset's entry for the dataset's family ("mazes" or "atari"), else {}. The preset "" is the paper's. An
-    entry may hold one game's own row under the game's name (e.g. "pong"), laid over the family's values."""
+    """A preset's entry for the dataset's family ("mazes", "atari"), else {}, with its game's own
+    row ("pong") over it; preset "" is the paper's."""
     family = "mazes" if is_maze(dataset) else "atari" if data_lib.is_atari(dataset) else None
     entry = presets.get(preset, {}).get(family, {}) if family else {}
     rows = [v for k, v in entry.items() if isinstance(v, dict) and k in resolve(dataset).lower()]
     return {k: v for k, v in entry.items() if not isinstance(v, dict)} | (rows[0] if rows else {})
 
+
 def preset_values(presets, preset, dataset):
-    """The settings laid under the flags for this dataset: the paper's for its family (presets[""]), then the
-    preset's own, then the preset's for the family (family_setting); Config's defaults under all of them."""
+    """The settings under the flags: the paper's for the family, the preset's own, the preset's for
+    the family; Config's defaults under them."""
     own = {k: v for k, v in presets.get(preset, {}).items() if k not in FAMILIES}
     return family_setting(presets, "", dataset) | own | family_setting(presets, preset, dataset)
 
+
 def check_flags(cfg, *one_of):
-    """The checks every script shares, before any work: one sentence (DataError) about the first bad value. one_of:
-    fields of which a command sets at most one (--bench and the analyses)."""
+    """The checks every script shares, before any work: a DataError at the first bad value.
+    one_of: fields a command sets at most one of (--bench, the analyses)."""
+    # each field alone
     for f in dataclasses.fields(cfg):
         v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
         if isinstance(v, float) and not math.isfinite(v):
             raise DataError(f"{flag} must be a finite number, got {v}")
         if f.name.endswith("dropout") and not 0 <= v < 1:
             raise DataError(f"{flag} must lie in [0, 1), got {v}")
-        if f.name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every", "n_layer", "n_embd",
-                      "n_head") and v is not None and v <= 0:
+
+        # sizes and counts > 0; lr and clip > 0; decay and warmup >= 0
+        if f.name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every",
+                      "n_layer", "n_embd", "n_head") and v is not None and v <= 0:
             raise DataError(f"{flag} must be a positive whole number, got {v}")
-        if f.name in ("lr", "grad_clip") and v <= 0 or f.name in ("weight_decay", "warmup_steps") and v < 0:
-            raise DataError(f"{flag} must be {'> 0' if f.name in ('lr', 'grad_clip') else '>= 0'}, got {v}")
+        if (f.name in ("lr", "grad_clip") and v <= 0
+                or f.name in ("weight_decay", "warmup_steps") and v < 0):
+            raise DataError(
+                f"{flag} must be {'> 0' if f.name in ('lr', 'grad_clip') else '>= 0'}, got {v}")
+
+    # the fields together
     if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
         raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise DataError(f"--seed must be a whole number from 0 to {MAX_SEED}, got {cfg.seed}")
     if cfg.eval_episodes > MAX_EVAL_EPISODES:
-        raise DataError(f"--eval-episodes {cfg.eval_episodes} would run that many environments at once; use at most "
-                        f"{MAX_EVAL_EPISODES}")
+        raise DataError(f"--eval-episodes {cfg.eval_episodes} would run that many environments at "
+                        f"once; use at most {MAX_EVAL_EPISODES}")
     if len(chosen := [name for name in one_of if getattr(cfg, name)]) > 1:
-        raise DataError(f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+        raise DataError(
+            f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+
+    # the machine: the device, the data's name, the output folder
     kind, _, index = cfg.device.partition(":")
-    cuda = torch.cuda.is_available() and (not index or index.isdigit() and int(index) < torch.cuda.device_count())
+    cuda = torch.cuda.is_available() and (
+        not index or index.isdigit() and int(index) < torch.cuda.device_count())
     if not {"auto": True, "cpu": True, "mps": torch.backends.mps.is_available(), "cuda": cuda}.get(
             "cuda" if kind == "cuda" else cfg.device):
-        raise DataError(f"--device {cfg.device} is not available here (torch {torch.__version__} sees "
-                        f"{torch.cuda.device_count()} CUDA devices); use auto, cpu, cuda, cuda:N or mps")
-    resolve(cfg.dataset or cfg.env)   # an unknown --env: one sentence before any folder is made
+        raise DataError(
+            f"--device {cfg.device} is not available here (torch {torch.__version__} sees "
+            f"{torch.cuda.device_count()} CUDA devices); use auto, cpu, cuda, cuda:N or mps")
+    resolve(cfg.dataset or cfg.env)  # an unknown --env: one sentence before any folder is made
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise DataError(f"--out {cfg.out} is a file, not a folder")
 
+
 def pick_device(name):
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = ("cuda" if torch.cuda.is_available() else
+                "mps" if torch.backends.mps.is_available() else "cpu")
     return torch.device(name)
 
+
 def check_data(cfg, d, atari=False):
-    """Settings that mean nothing for this data, in one sentence before the run folder is touched. atari: the model
-    file reads Atari data (image states, discrete actions)."""
+    """Settings that mean nothing for this data, before the run folder is touched. atari: the model
+    file reads Atari data."""
     if d.family == "atari" and not atari:
-        raise DataError(f"{d.dataset_id} is Atari data (image states, discrete actions), which this model file does "
-                        f"not read (its paper has no Atari rows); dt.py, starformer.py and dema.py do")
+        raise DataError(
+            f"{d.dataset_id} is Atari data (image states, discrete actions), which this model file "
+            f"does not read (its paper has no Atari rows); dt.py, starformer.py and dema.py do")
     if d.family == "atari":
-        d.make_env().close()   # ale-py and OpenCV are there: one sentence now, not at the first evaluation
+        d.make_env().close()  # ale-py and OpenCV are there: one sentence now, not at the first eval
+
+    # a window never leaves its episode
     longest = max(len(e["actions"]) for e in d.episodes)
-    if cfg.context > longest:   # a training window never leaves its episode: the rest would always be padding
-        raise DataError(f"--context {cfg.context} is longer than the longest episode of {d.dataset_id} ({longest} "
-                        f"steps), so a window would never fill; use at most {longest}")
+    if cfg.context > longest:
+        raise DataError(
+            f"--context {cfg.context} is longer than the longest episode of {d.dataset_id} "
+            f"({longest} steps), so a window would never fill; use at most {longest}")
+
+    # a target far out of the data's range (1e30 would also overflow float32 in the model)
     target, top = getattr(cfg, "target_return", None), float(np.abs(d.episode_returns).max())
-    if target is not None and abs(target) > 100 * max(top, 1.0):   # (1e30 would also overflow float32 in the model)
-        raise DataError(f"--target-return {target:g} is more than 100 times the largest episode return in "
-                        f"{d.dataset_id} ({top:.4g}), far outside what the model saw; give a target near the data's")
+    if target is not None and abs(target) > 100 * max(top, 1.0):
+        raise DataError(
+            f"--target-return {target:g} is more than 100 times the largest episode return in "
+            f"{d.dataset_id} ({top:.4g}), far outside what the model saw; give a target near the "
+            f"data's")
+
 
 def free_memory(device):
-    """Bytes free on `device`: CUDA's count, else the OS's available memory (data.available_memory)."""
+    """Bytes free on `device` (CPU: the OS's available memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return data_lib.available_memory()
 
+
 def gb(n):
-    """Bytes in words: MB, GB or TB."""
+    """Bytes in MB, GB or TB."""
     e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
     return f"{n / 2 ** e:.3g} {unit}"
 
+
 def check_memory(model, loss, template, batch_size, device):
-    """The bytes one training step needs, counted on the meta device before anything is allocated: `loss(batch)` on
-    `batch_size` rows shaped like `template`; the parameters count 4 times (gradients, AdamW's two moments), plus the
-    tensors autograd keeps for the backward and the batch. One sentence if that is more than the device has free."""
-    batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype, device="meta") for k, v in template.items()}
+    """A training step's bytes, counted on the meta device before anything is allocated (`loss` on
+    `batch_size` rows shaped like `template`): the parameters 4 times (gradients, AdamW), what
+    autograd keeps, the batch. A DataError if the device has less free."""
+    batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype, device="meta")
+             for k, v in template.items()}
+
+    # the forward on the meta device: what autograd keeps (a parameter counts once, in params)
     kept = []
-    with torch.autograd.graph.saved_tensors_hooks(   # a parameter autograd keeps is counted once, below
-            lambda t: kept.append(0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t,
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.append(
+                0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t,
             lambda t: t):
         loss(batch)
-    params = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
-    need = params + sum(kept) + 2 * sum(v.numel() * v.element_size() for v in batch.values())   # host + device copy
+
+    # the parameters 4 times (gradients, AdamW's moments), the batch twice (host and device)
+    params = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1)
+                 for p in model.parameters())
+    need = params + sum(kept) + 2 * sum(v.numel() * v.element_size() for v in batch.values())
     if (free := free_memory(device)) is not None and need > free:
-        raise DataError(f"a training step needs about {gb(need)} (parameters, gradients and AdamW state {gb(params)}; "
-                        f"activations of {batch_size:,} windows {gb(sum(kept))}), more than the {gb(free)} free on "
-                        f"{device}; lower --batch-size, --context or the model's size")
+        raise DataError(
+            f"a training step needs about {gb(need)} (parameters, gradients and AdamW state "
+            f"{gb(params)}; activations of {batch_size:,} windows {gb(sum(kept))}), more than the "
+            f"{gb(free)} free on {device}; lower --batch-size, --context or the model's size")
     return need
 
+
 def variant_name(cfg, presets):
-    """The run folder's variant: the preset, then every flag that changes what is trained and differs from its
-    default (the preset's value where the preset sets it), e.g. 'default', 'cpu', 'cpu_context5_no-return-token'."""
+    """The run folder's variant: the preset, then each flag that changes what is trained and
+    differs from its default or preset: 'default', 'cpu_context5', ..."""
     base = ({f.name: f.default for f in dataclasses.fields(cfg)}
             | preset_values(presets, cfg.preset, cfg.dataset or cfg.env))
+
     parts = [cfg.preset] if cfg.preset else []
     for f in dataclasses.fields(cfg):
         v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
@@ -530,47 +667,64 @@ def variant_name(cfg, presets):
                          if isinstance(v, float) else f"{flag}{v}")
     return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
 
+
 def run_folder(script, cfg, presets):
     return cfg.out or os.path.join("runs", script, (cfg.dataset or cfg.env).replace("/", "-"),
                                    variant_name(cfg, presets), f"seed{cfg.seed}")
 
+
 def read_checkpoint(path, script):
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several types
-        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or not a torch file); "
-                        f"move it away or pass another --out") from None
+    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several
+        raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or "
+                        f"not a torch file); move it away or pass another --out") from None
+
     if not isinstance(ck, dict) or ck.get("script") != script or not CKPT_KEYS <= set(ck):
-        raise DataError(f"{path} is not a checkpoint of {script}.py; move it away or pass another --out")
+        raise DataError(
+            f"{path} is not a checkpoint of {script}.py; move it away or pass another --out")
     return ck
 
+
 def load_run(script, cfg, given, presets):
-    """The run in cfg's folder, read only (--resume, the analyses) -> (its settings under the flags given now, its
-    checkpoint). A given flag that changes what is trained, the data or the seed, or shortens the run, is refused."""
+    """cfg's run, read only (--resume, the analyses) -> (its settings under the flags given, its
+    checkpoint). Refused: a given flag that changes what is trained, the data or the seed, or that
+    shortens the run."""
     path = os.path.join(run_folder(script, cfg, presets), "ckpt.pt")
     if not os.path.exists(path):
         raise DataError(f"no checkpoint at {path}; train the run first, or pass --out <run folder>")
     ck = read_checkpoint(path, script)
+
+    # the flags given now against the run's own
     names = {f.name: f for f in dataclasses.fields(cfg)}
     saved = {k: v for k, v in ck["config"].items() if k in names}
-    differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here" for k in sorted(given & set(saved))
-              if (not names[k].metadata["run"] or k == "seed") and k != "preset" and getattr(cfg, k) != saved[k]]
+    differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here"
+              for k in sorted(given & set(saved))
+              if (not names[k].metadata["run"] or k == "seed") and k != "preset"
+              and getattr(cfg, k) != saved[k]]
+
+    # and the data, where --env or --dataset is given
     if given & {"env", "dataset"} and resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
         differ.append(f"dataset {ck['dataset_id']} there, {resolve(cfg.dataset or cfg.env)} here")
     if differ:
-        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those flags to use the "
-                        f"run's own, or pass a fresh --out")
+        raise DataError(f"{path} was written with other settings ({'; '.join(differ)}); drop those "
+                        f"flags to use the run's own, or pass a fresh --out")
+
     if "steps" in given and cfg.steps < ck["step"]:
-        raise DataError(f"--steps {cfg.steps} is below the step this run has reached ({ck['step']}) and a run cannot "
-                        f"be shortened; give --steps {ck['step']} or more, or drop --steps")
+        raise DataError(
+            f"--steps {cfg.steps} is below the step this run has reached ({ck['step']}) and a run "
+            f"cannot be shortened; give --steps {ck['step']} or more, or drop --steps")
     return type(cfg)(**(saved | {k: getattr(cfg, k) for k in given if k != "preset"})), ck
 
+
 def lock_folder(out):
-    """Hold <out>/.lock for this process's life; the OS releases it when the process ends, even by kill -9."""
+    """Hold <out>/.lock for this process's life (the OS frees it at its end, even kill -9)."""
     try:
         f = open(os.path.join(out, ".lock"), "a+")
     except OSError as e:
         raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
+
+    # the lock, or one sentence naming the process that holds it
     try:
         if os.name == "nt":
             import msvcrt
@@ -582,30 +736,45 @@ def lock_folder(out):
         f.seek(0)
         pid = f.read().strip() or "?"
         f.close()
-        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass another --out") from None
+        raise DataError(f"{out} is in use by another run (process {pid}); wait for it, or pass "
+                        f"another --out") from None
+
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
 
+
 def refuse_occupied(out, script):
-    """A run starts only in a new or empty folder: one holding a run needs --resume; any other is never written to."""
+    """A run starts in a new or empty folder only; one holding a run needs --resume."""
     files = sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []
     if set(files) & set(RUN_FILES):
         owner = script if {"ckpt.pt", "log.csv"} & set(files) else None
-        with contextlib.suppress(OSError, ValueError, AttributeError), open(os.path.join(out, "config.json")) as f:
+        with contextlib.suppress(OSError, ValueError, AttributeError), open(
+                os.path.join(out, "config.json")) as f:
             owner = json.load(f).get("script", owner)
-        if owner == script and "ckpt.pt" not in files:   # killed before its first checkpoint: nothing to resume
-            raise DataError(f"{out} holds a run that stopped before its first checkpoint (no ckpt.pt), so it cannot be "
-                            f"continued; delete that folder to start again there, or pass a fresh --out")
+
+        # a run of this script: --resume, unless it was killed before its first checkpoint
+        if owner == script and "ckpt.pt" not in files:
+            raise DataError(
+                f"{out} holds a run that stopped before its first checkpoint (no ckpt.pt), so it "
+                f"cannot be continued; delete that folder to start again there, or pass a fresh "
+                f"--out")
         if owner == script:
-            raise DataError(f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
+            raise DataError(
+                f"{out} already holds a run; continue it with --resume, or pass a fresh --out")
+
+    # any other folder with files is never written to
     if files:
-        raise DataError(f"{out} already holds files that are not a run of {script}.py ({', '.join(files[:3])}"
-                        f"{', ...' * (len(files) > 3)}); nothing there is overwritten, so pass a new or empty --out")
+        raise DataError(
+            f"{out} already holds files that are not a run of {script}.py ({', '.join(files[:3])}"
+            f"{', ...' * (len(files) > 3)}); nothing there is overwritten, so pass a new or empty "
+            f"--out")
+
 
 def write_atomic(path, write):
-    """write(tmp) then rename over `path`: a crash or a full disk leaves the previous file whole, and no .tmp."""
+    """write(tmp), then rename it over `path`: a crash or a full disk leaves the old file whole
+    and no .tmp."""
     tmp, folder = path + ".tmp", os.path.dirname(path) or "."
     try:
         write(tmp)
@@ -614,57 +783,71 @@ def write_atomic(path, write):
         partial = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        if not isinstance(e, (OSError, RuntimeError)):   # torch.save reports a failed write as a RuntimeError
+        if not isinstance(e, (OSError, RuntimeError)):  # torch.save's failed write: a RuntimeError
             raise
+
+        # the reason: a full disk, else the OS's or torch's words (without its C++ location)
         previous = os.path.getsize(path) if os.path.exists(path) else 0
-        if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(folder).free <= max(partial, previous):
+        if (getattr(e, "errno", None) == errno.ENOSPC
+                or shutil.disk_usage(folder).free <= max(partial, previous)):
             reason = f"no space left on the device holding {folder}"
-        else:   # torch's own words, without its C++ source location
-            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1].split("] ")[-1][:100]
+        else:
+            reason = (getattr(e, "strerror", None)
+                      or str(e).strip().splitlines()[-1].split("] ")[-1][:100])
         raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
 
+
 class StopSignal:
-    """Ctrl-C (SIGINT) or SIGTERM in training: the loop ends its step (and evaluation), the run saves and exit() ends
-    the process with 128 + the signal. A second signal quits at once; the last checkpoint stays as it was."""
+    """Ctrl-C or SIGTERM in training: the step (and evaluation) ends, the run saves, exit() exits
+    128 + the signal. A second signal quits at once, the last checkpoint kept."""
 
     def __enter__(self):
         self.signum, self.previous = 0, {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+            self.previous = {s: signal.signal(s, self.handle)
+                             for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def handle(self, signum, frame):
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to save; again to quit "
-              f"without saving", file=sys.stderr, flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (and evaluation) to "
+              f"save; again to quit without saving", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
     def exit(self, step, out):
-        print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume", flush=True)
+        print(f"stopped at step {step}; checkpoint saved in {out}; continue with --resume",
+              flush=True)
         raise SystemExit(128 + self.signum)
 
+
 class Run:
-    """One run's folder (runs/<script>/<env>/<variant>/seed<N>/, or --out): config.json, log.csv (a row per log step
-    and one per evaluated target), ckpt.pt (all an exact resume needs) and curve.png. Run(...) writes nothing: it names
-    the folder, refuses what must not happen there and, with --resume, takes the run's settings from its checkpoint
-    (self.cfg). start() creates and locks the folder, or restores the resumed run."""
+    """A run's folder (runs/<script>/<env>/<variant>/seed<N>/, or --out): config.json, log.csv (a
+    row per log step and per evaluated target), ckpt.pt (all an exact resume needs), curve.png.
+    Run(...) writes nothing: it names the folder, refuses what must not happen there and with
+    --resume takes the run's settings from its checkpoint (self.cfg)."""
 
     def __init__(self, script, cfg, given, presets, columns=()):
         self.script, self.ck, self.lock, self.made = script, None, None, False
         self.fields = ["step", "loss", "lr", *columns, *EVAL_FIELDS]
         self.out = out = run_folder(script, cfg, presets)
         if os.path.exists(os.path.join(out, ".lock")):
-            lock_folder(out).close()           # a folder another process is using: that first
+            lock_folder(out).close()  # a folder another process is using: that first
+
+        # --resume: a folder with a checkpoint, read under the lock; else one that holds nothing
         if cfg.resume and not os.path.exists(os.path.join(out, "ckpt.pt")):
             if os.path.isdir(out) and set(os.listdir(out)) & {"log.csv", "config.json"}:
-                raise DataError(f"{out} has no ckpt.pt to resume from (its run stopped before its first checkpoint, or "
-                                f"the file was moved); put ckpt.pt back, or start again in a fresh --out")
-            raise DataError(f"{out} holds no run to resume (no ckpt.pt there); drop --resume to start one")
+                raise DataError(
+                    f"{out} has no ckpt.pt to resume from (its run stopped before its first "
+                    f"checkpoint, or the file was moved); put ckpt.pt back, or start again in a "
+                    f"fresh --out")
+            raise DataError(
+                f"{out} holds no run to resume (no ckpt.pt there); drop --resume to start one")
+
         if cfg.resume:
             self.lock = lock_folder(out)
             try:
@@ -682,12 +865,12 @@ class Run:
     def __exit__(self, *exc):
         if self.lock is not None:
             self.lock.close()
-            if self.made and os.listdir(self.out) == [".lock"]:   # a new folder that never got a log line
+            if self.made and os.listdir(self.out) == [".lock"]:  # new, and never got a log line
                 shutil.rmtree(self.out, ignore_errors=True)
 
     def start(self, cfg, model, opt, sched, rng, d, info, need):
-        """Create and lock a new run's folder (checking again, under the lock, that it holds no run), or restore the
-        resumed run's model, optimiser, schedule, RNGs, log rows and pending losses. -> the step to continue from."""
+        """Make and lock a new run's folder (checked again under the lock), or restore the resumed
+        run's model, optimiser, schedule, RNGs, log rows and pending losses. -> its step."""
         self.cfg, self.d, self.info, self.model = cfg, d, info, model
         self.device = next(model.parameters()).device
         if self.lock is None:
@@ -695,147 +878,201 @@ class Run:
             try:
                 os.makedirs(self.out, exist_ok=True)
             except OSError as e:
-                raise DataError(f"cannot create the output folder {self.out} ({e.strerror})") from None
+                raise DataError(
+                    f"cannot create the output folder {self.out} ({e.strerror})") from None
             self.lock = lock_folder(self.out)
             refuse_occupied(self.out, self.script)
+
+        # --resume: all of it as the checkpoint left it
         step, self.wall0, self.rows, self.pending, self.logged = 0, 0.0, [], [], False
         if ck := self.ck:
             try:
                 model.load_state_dict(ck["model"])
                 opt.load_state_dict(ck["optimizer"])
             except (RuntimeError, ValueError, KeyError):
-                raise DataError(f"{self.out}/ckpt.pt does not fit this model and data; pass another --out") from None
+                raise DataError(f"{self.out}/ckpt.pt does not fit this model and data; pass "
+                                f"another --out") from None
             sched.load_state_dict(ck["scheduler"])
             step, self.wall0, self.rows = ck["step"], ck["wall_time"], list(ck["rows"])
-            self.pending = [torch.tensor(v) for v in ck["pending_losses"]]   # float32, exactly the values saved
+            self.pending = [torch.tensor(v) for v in ck["pending_losses"]]  # float32, as saved
+
+            # the RNGs: the next windows and dropout masks as if the run had never stopped
             rng.bit_generator.state = json.loads(ck["numpy_rng"])
             torch.set_rng_state(ck["torch_rng"])
             if ck.get("cuda_rng") is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state_all(ck["cuda_rng"])
             print(f"resumed from {self.out}/ckpt.pt at step {step} of {cfg.steps}")
-        print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} steps; normalised with "
-              f"{d.ref_source}\n{self.script} {self.variant}: {sum(p.numel() for p in model.parameters()):,} "
-              f"parameters; a training step needs about {gb(need)} on {self.device}; run folder {self.out}", flush=True)
+
+        # the run's first lines
+        print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} "
+              f"steps; normalised with {d.ref_source}\n{self.script} {self.variant}: "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters; a training step needs "
+              f"about {gb(need)} on {self.device}; run folder {self.out}", flush=True)
+
+        # the clocks: the run's, the log interval's, the probe's (length())
         self.first, self.t_start, self.t_log, self.n_log = step, time.time(), time.time(), 0
-        self.t_probe, self.step_s, self.eval_s = None, None, None   # the run's length, measured (length())
+        self.t_probe, self.step_s, self.eval_s = None, None, None
         return step
 
     def wall(self):
         return self.wall0 + time.time() - self.t_start
 
     def length(self, step):
-        """One line: how long the rest of the run takes, from the measured step and (once timed) evaluation."""
+        """One line: the rest of the run's time, from the measured step and evaluation."""
         cfg, timed = self.cfg, self.eval_s is not None
-        evals = cfg.steps // cfg.eval_every - step // cfg.eval_every + bool(cfg.steps % cfg.eval_every)
+
+        # the steps left at the measured time, and the evaluations left
+        evals = (cfg.steps // cfg.eval_every - step // cfg.eval_every
+                 + bool(cfg.steps % cfg.eval_every))
         train = (cfg.steps - step) * self.step_s
         total = train + evals * (self.eval_s or 0.0)
-        each = f"{duration(self.eval_s)} each" if timed else f"{cfg.eval_episodes} episodes (timed at the first)"
-        print(f"run length: {cfg.steps - step:,} steps at {1e3 * self.step_s:.0f} ms/step = {duration(train)}, plus "
-              f"{evals} evaluation{'s' * (evals != 1)} of {each}: about {duration(total)} in all on {self.device}" + (
-                  "; more than a few hours on a CPU: --preset cpu is the configuration for a CPU (minutes), and the "
-                  "paper's needs a GPU (--device cuda)" if total > 3 * 3600 and self.device.type == "cpu" else ""),
-              flush=True)
+        each = (f"{duration(self.eval_s)} each" if timed else
+                f"{cfg.eval_episodes} episodes (timed at the first)")
+
+        print(f"run length: {cfg.steps - step:,} steps at {1e3 * self.step_s:.0f} ms/step = "
+              f"{duration(train)}, plus {evals} evaluation{'s' * (evals != 1)} of {each}: about "
+              f"{duration(total)} in all on {self.device}" + (
+                  "; more than a few hours on a CPU: --preset cpu is the configuration for a CPU "
+                  "(minutes), and the paper's needs a GPU (--device cuda)"
+                  if total > 3 * 3600 and self.device.type == "cpu" else ""), flush=True)
 
     def add_row(self, **values):
         self.rows.append(dict.fromkeys(self.fields, "") | values)
 
     def log(self, step, loss, lr, **extra):
-        """Every step: keep the loss, on its device. Every --log-every steps and at the last: check the losses are
-        finite (one sentence naming the first bad step), print a line, write log.csv with their mean (and `extra`)."""
+        """Every step: keep the loss, on its device. Every --log-every steps and at the last: check
+        the losses finite, print a line and write their mean (and `extra`) to log.csv."""
         self.pending.append(loss.detach())
         self.n_log += 1
-        if step == self.first + 1 and step % self.cfg.log_every:   # a first sign of life, before the first log line
-            print(f"step {step:6d} | loss {loss.item():.5f} | first step {time.time() - self.t_log:.1f} s", flush=True)
+
+        # a sign of life at the first step; the PROBE_STEPS after it timed (a sync at each end)
+        if step == self.first + 1 and step % self.cfg.log_every:
+            print(f"step {step:6d} | loss {loss.item():.5f} | first step "
+                  f"{time.time() - self.t_log:.1f} s", flush=True)
         if step == self.first + 1:
-            loss.item()                                            # (a device sync, once)
-            self.t_probe = time.time()                             # steps after the first (its warm-up) are timed
+            loss.item()
+            self.t_probe = time.time()
         elif step == self.first + PROBE_STEPS + 1 and step < self.cfg.steps:
-            loss.item()                                            # (a device sync, once)
+            loss.item()
             self.step_s = (time.time() - self.t_probe) / PROBE_STEPS
             self.length(step)
+
+        # the rest only at a log step and at the last
         if step % self.cfg.log_every and step != self.cfg.steps:
             return
+
+        # the log row: the losses' mean
         mean = float(np.mean(self.finite_losses(step)))
-        self.add_row(step=step, loss=f"{mean:.6f}", lr=f"{lr:.3e}", wall_time=f"{self.wall():.1f}", **extra)
+        self.add_row(step=step, loss=f"{mean:.6f}", lr=f"{lr:.3e}", wall_time=f"{self.wall():.1f}",
+                     **extra)
+
+        # the line, with the last evaluation's first target, its score named (on Atari 100 is a
+        # gamer's return, not points)
         evals, last = [r for r in self.rows if r["eval_return"] != ""], ""
-        if evals:   # the last one's first target, its score named: on Atari 100 is a gamer's return, not points
+        if evals:
             e = next(r for r in evals if r["step"] == evals[-1]["step"])
             kind = "gamer-normalised" if self.d.family == "atari" else "normalised"
-            last = (f" | last eval {e['normalized_score']} ({kind}; return {e['eval_return']})" if e["normalized_score"]
-                    else f" | last eval return {e['eval_return']}") + f" (step {e['step']})"
-        print(f"step {step:6d} | loss {mean:.5f} | lr {lr:.2e} | {1e3 * (time.time() - self.t_log) / self.n_log:.1f} "
-              f"ms/step" + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
+            last = (f" | last eval {e['normalized_score']} ({kind}; return {e['eval_return']})"
+                    if e["normalized_score"] else f" | last eval return {e['eval_return']}"
+                    ) + f" (step {e['step']})"
+        print(f"step {step:6d} | loss {mean:.5f} | lr {lr:.2e} | "
+              f"{1e3 * (time.time() - self.t_log) / self.n_log:.1f} ms/step"
+              + "".join(f" | {k} {v}" for k, v in extra.items() if v != "") + last, flush=True)
         self.pending, self.t_log, self.n_log = [], time.time(), 0
         self.write_log()
 
     def finite_losses(self, step):
-        """The losses since the last log line (one device sync), or one sentence at the first non-finite."""
+        """The losses since the last log line (one device sync); a DataError at a non-finite one."""
         values = torch.stack(self.pending).float().tolist() if self.pending else []
         if bad := [i for i, v in enumerate(values) if not math.isfinite(v)]:
-            raise DataError(f"the training loss is {values[bad[0]]} at step {step - len(values) + bad[0] + 1}, so the "
-                            f"run stops there (its last checkpoint is kept); lower --lr or check the data")
+            raise DataError(
+                f"the training loss is {values[bad[0]]} at step {step - len(values) + bad[0] + 1}, "
+                f"so the run stops there (its last checkpoint is kept); lower --lr or check the "
+                f"data")
         return values
 
     def write_log(self):
-        """log.csv (and, the first time, config.json), always before ckpt.pt: the log covers the checkpoint's steps."""
+        """log.csv (the first time, config.json too), always before the ckpt.pt it covers."""
         def write(tmp):
             with open(tmp, "w", newline="") as f:
                 w = csv.DictWriter(f, self.fields, restval="")
                 w.writeheader()
                 w.writerows(self.rows)
+
         if not self.logged:
-            config = dataclasses.asdict(self.cfg) | dict(script=self.script, variant=self.variant, info=self.info,
-                                                         dataset_id=self.d.dataset_id, device=str(self.device))
+            config = dataclasses.asdict(self.cfg) | dict(
+                script=self.script, variant=self.variant, info=self.info,
+                dataset_id=self.d.dataset_id, device=str(self.device))
             write_atomic(os.path.join(self.out, "config.json"),
                          lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config, indent=2)))
             self.logged = True
         write_atomic(os.path.join(self.out, "log.csv"), write)
 
     def save(self, step, model, opt, sched, rng, results=()):
-        """After an evaluation (results: [(target, evaluate()'s dict)], a log row each) or a stop signal: log.csv, then
-        ckpt.pt, each atomic; then curve.png."""
+        """After an evaluation (results: [(target, evaluate()'s dict)], a row each) or a stop:
+        log.csv, then ckpt.pt, each atomic; curve.png."""
+        # a log row and a line per target
         for g, res in results:
-            self.add_row(step=step, target="" if g is None else f"{g:g}", wall_time=f"{self.wall():.1f}",
-                         eval_return=f"{res['returns'].mean():.2f}", eval_return_std=f"{res['returns'].std():.2f}",
+            self.add_row(step=step, target="" if g is None else f"{g:g}",
+                         wall_time=f"{self.wall():.1f}",
+                         eval_return=f"{res['returns'].mean():.2f}",
+                         eval_return_std=f"{res['returns'].std():.2f}",
                          normalized_score=score(res["normalized"].mean()),
                          normalized_score_std=score(res["normalized"].std()),
                          success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                         steps_to_goal=f"{res['steps_to_goal'].mean():.1f}" if "success" in res else "",
+                         steps_to_goal=(f"{res['steps_to_goal'].mean():.1f}" if "success" in res
+                                        else ""),
                          greedy=int(self.cfg.greedy) if self.d.discrete else "")
-            print(f"eval step {step}{'' if g is None else f' target {g:g}'}: {summarize(res)} ({res['seconds']:.0f}s)",
-                  flush=True)
-        if results and self.eval_s is None and self.step_s is not None:   # the first evaluation: now it is timed
+            print(f"eval step {step}{'' if g is None else f' target {g:g}'}: {summarize(res)} "
+                  f"({res['seconds']:.0f}s)", flush=True)
+
+        # the first evaluation, timed: the run's length again
+        if results and self.eval_s is None and self.step_s is not None:
             self.eval_s = sum(res["seconds"] for _, res in results)
             if step < self.cfg.steps:
                 self.length(step)
+
+        # log.csv, then the checkpoint: all an exact resume needs
         self.write_log()
         d, cuda = self.d, self.device.type == "cuda"
         state = dict(script=self.script, model=model.state_dict(), optimizer=opt.state_dict(),
                      scheduler=sched.state_dict(), step=step, wall_time=self.wall(), rows=self.rows,
-                     config=dataclasses.asdict(self.cfg), variant=self.variant, dataset_id=d.dataset_id, info=self.info,
-                     pending_losses=self.finite_losses(step), numpy_rng=json.dumps(rng.bit_generator.state),
-                     torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
-                     state_mean=torch.from_numpy(d.state_mean), state_std=torch.from_numpy(d.state_std),
-                     return_scale=d.return_scale)
+                     config=dataclasses.asdict(self.cfg), variant=self.variant,
+                     dataset_id=d.dataset_id, info=self.info,
+                     pending_losses=self.finite_losses(step),
+                     numpy_rng=json.dumps(rng.bit_generator.state),
+                     torch_rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
+                     state_mean=torch.from_numpy(d.state_mean),
+                     state_std=torch.from_numpy(d.state_std), return_scale=d.return_scale)
         write_atomic(os.path.join(self.out, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
+
         if results:
-            plot_curve(self.rows, os.path.join(self.out, "curve.png"), "a gamer" if d.family == "atari" else "expert",
+            plot_curve(self.rows, os.path.join(self.out, "curve.png"),
+                       "a gamer" if d.family == "atari" else "expert",
                        f"{self.script} {self.variant} {d.dataset_id} seed {self.cfg.seed}")
+
+        # the next log interval starts now, the evaluation's time not in its ms/step
         self.t_log, self.n_log = time.time(), 0
 
     def finish(self, results):
-        """The run's last line: the first target's final evaluation and its best one in log.csv (by normalised score,
-        else return; the first of equals), before `episodes=`. -> the final one's dict of per-episode arrays."""
+        """The last line: the first target's final evaluation and its best in log.csv (by score,
+        else return; the first of equals). -> the final one's dict."""
         (g, res), best = results[0], ""
-        if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed) and success rate
-            print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} success_rate={res['success'].mean():.3f}")
-        if evals := [r for r in self.rows if r["eval_return"] != "" and r["target"] == ("" if g is None else f"{g:g}")]:
-            key = "normalized_score" if all(r["normalized_score"] != "" for r in evals) else "eval_return"
+        if "success" in res:  # goal-reaching data: steps to the goal (the horizon when missed)
+            print(f"maze: steps_to_goal={res['steps_to_goal'].mean():.1f} "
+                  f"success_rate={res['success'].mean():.3f}")
+
+        if evals := [r for r in self.rows
+                     if r["eval_return"] != "" and r["target"] == ("" if g is None else f"{g:g}")]:
+            key = ("normalized_score" if all(r["normalized_score"] != "" for r in evals) else
+                   "eval_return")
             b = max(evals, key=lambda r: float(r[key]))
             best = f"best_{key.removeprefix('eval_')}={b[key]} best_step={b['step']} "
-        print(f"final: normalized_score={score(res['normalized'].mean()) or 'none'} return={res['returns'].mean():.2f} "
-              f"{best}episodes={len(res['returns'])}")
+        print(f"final: normalized_score={score(res['normalized'].mean()) or 'none'} "
+              f"return={res['returns'].mean():.2f} {best}episodes={len(res['returns'])}")
         return res
+
 
 def duration(seconds):
     """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
@@ -844,9 +1081,11 @@ def duration(seconds):
             return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
     return f"{seconds:.0f} s"
 
+
 def score(x):
-    """A normalised score for log.csv: empty where the data has no reference returns (undefined rather than NaN)."""
+    """log.csv's normalised score: empty without reference returns (not NaN)."""
     return f"{x:.2f}" if math.isfinite(x) else ""
+
 
 def pyplot():
     import matplotlib
@@ -854,9 +1093,10 @@ def pyplot():
     import matplotlib.pyplot as plt
     return plt
 
+
 def plot_curve(rows, path, hundred, title):
-    """curve.png: the training loss, and per target the evaluation's normalised score (its raw return where the data
-    has no reference returns), plus, on goal-reaching data, the success rate and the steps to the goal."""
+    """curve.png: the loss, and per target the normalised score (else the return); goal-reaching
+    data adds success rate and steps to the goal."""
     plt = pyplot()
     evals = [r for r in rows if r["eval_return"] != ""]
     scored = any(r["normalized_score"] != "" for r in evals)
@@ -866,87 +1106,116 @@ def plot_curve(rows, path, hundred, title):
     if any(r["success_rate"] != "" for r in evals):
         panels += [("success_rate", "success rate (%)", ""),
                    ("steps_to_goal", "steps to the goal", "the horizon if missed")]
+
+    # a panel per column, a line per target
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
     for ax, (col, name, note) in zip(axes[0], panels):
-        series = defaultdict(list)   # target -> (step, value); only evaluation rows have the evaluation columns
+        series = defaultdict(list)  # target -> (step, value)
         for r in rows:
             if r[col] != "":
-                series[r["target"]].append((int(r["step"]), float(r[col]) * (100 if col == "success_rate" else 1)))
+                series[r["target"]].append((int(r["step"]),
+                                            float(r[col]) * (100 if col == "success_rate" else 1)))
+
         for target, pts in series.items():
-            ax.plot(*zip(*pts), "o-" if len(pts) < 40 else "-", ms=3, label=f"target {target}" if target else None)
-        if not ax.lines:   # the first evaluation came before the first log line
-            ax.text(0.5, 0.5, "no logged loss yet", ha="center", va="center", transform=ax.transAxes, color="gray")
-        ax.set(xlabel="gradient step", ylabel=name, yscale="log" if col == "loss" and ax.lines else "linear")
+            ax.plot(*zip(*pts), "o-" if len(pts) < 40 else "-", ms=3,
+                    label=f"target {target}" if target else None)
+        if not ax.lines:  # the first evaluation came before the first log line
+            ax.text(0.5, 0.5, "no logged loss yet", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+
+        # the axes: the loss log-scaled
+        ax.set(xlabel="gradient step", ylabel=name,
+               yscale="log" if col == "loss" and ax.lines else "linear")
         ax.set_title(name + (f"\n({note})" if note else ""), fontsize=9)
         if any(line.get_label()[:1] != "_" for line in ax.lines):
             ax.legend(fontsize=8)
+
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
+
 def bench_runs(script, cfg, given, presets, tokens):
-    """--bench: for each mode (eager, torch.compile and, on CUDA, compiled with bf16 autocast) a short real run in a
-    temporary folder, -> (its settings, its Run) for the model file to train(); the Run's own record times the steps
-    (PROBE_STEPS of them, after the first), and a line per mode is printed here. Nothing is written to keep."""
+    """--bench: a short real run per mode (eager, compiled, on CUDA compiled with bf16 autocast) in
+    a temporary folder -> (its settings, its Run) to train(); the Run times PROBE_STEPS steps after
+    the first, and a line per mode is printed here."""
     device, eager_ms = pick_device(cfg.device), None
-    print(f"bench {script} {variant_name(cfg, presets)} on {device} (torch {torch.__version__}): batch "
-          f"{cfg.batch_size}, K={cfg.context}, {tokens:,} tokens per batch, {PROBE_STEPS} timed steps", flush=True)
+    print(f"bench {script} {variant_name(cfg, presets)} on {device} (torch {torch.__version__}): "
+          f"batch {cfg.batch_size}, K={cfg.context}, {tokens:,} tokens per batch, {PROBE_STEPS} "
+          f"timed steps", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         for label, compiled, amp in BENCH_MODES[:3 if device.type == "cuda" else 2]:
-            c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp, steps=PROBE_STEPS + 2,
-                                    log_every=10 ** 9, eval_every=10 ** 9, eval_episodes=1, resume=False,
+            # the mode's run, logged and evaluated (1 episode) at its end only
+            c = dataclasses.replace(cfg, device=str(device), compile=compiled, amp=amp,
+                                    steps=PROBE_STEPS + 2, log_every=10 ** 9, eval_every=10 ** 9,
+                                    eval_episodes=1, resume=False,
                                     out=os.path.join(tmp, label.replace(" + ", "_")))
+
+            # the peak memory counted from here; the run's own lines (data, length, eval) silenced
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            # the run's own lines (data, length, evaluation) are not the bench's
             with Run(script, c, given, presets) as run, contextlib.redirect_stdout(io.StringIO()):
                 yield c, run
+
+            # its line: the run's step time; the peak memory (DeMa's Table 7 "GPU memory usage")
             ms = 1e3 * run.step_s
             eager_ms = eager_ms or ms
             first = run.t_probe - run.t_start
             params = sum(p.numel() for p in run.model.parameters())
-            # DeMa's Table 7 "GPU memory usage": the most this mode's steps held at once
             memory = (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB"
                       if device.type == "cuda" else "")
             print(f"  {label:15s} {ms:9.2f} ms/step {1e3 * tokens / ms:12,.0f} tokens/s   "
                   f"{eager_ms / ms:5.2f}x eager   "
-                  + (f"(first step, with compilation: {first:.1f} s)" if compiled else f"({params:,} parameters)")
+                  + (f"(first step, with compilation: {first:.1f} s)" if compiled
+                     else f"({params:,} parameters)")
                   + memory, flush=True)
+
 
 @contextlib.contextmanager
 def one_sentence_errors():
-    """A model file's main() runs in this: what a user can fix is one sentence on stderr and exit 1 (a DataError, or
-    memory the device does not have); a second Ctrl-C exits 130."""
+    """main()'s frame: what a user can fix (a DataError, memory the device lacks) is one sentence on
+    stderr and exit 1; a second Ctrl-C exits 130."""
     try:
         yield
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
+
+    # out of memory, in torch's words or the OS's: how much was asked for
     except (MemoryError, RuntimeError) as e:
         words = str(e).lower()
-        if not (isinstance(e, MemoryError) or re.search(r"out of memory|not enough memory|can't allocate", words)):
+        if not (isinstance(e, MemoryError)
+                or re.search(r"out of memory|not enough memory|can't allocate", words)):
             raise
         size = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ \w)ib", words)
-        size = f" (it asked for {gb(int(size[1])) if size[1] else size[2].upper() + 'B'} at once)" if size else ""
-        print(f"error: out of memory{size}; lower --batch-size, --context or the model's size", file=sys.stderr)
+        size = (f" (it asked for {gb(int(size[1])) if size[1] else size[2].upper() + 'B'} at once)"
+                if size else "")
+        print(f"error: out of memory{size}; lower --batch-size, --context or the model's size",
+              file=sys.stderr)
         raise SystemExit(1)
-    except OSError as e:   # a figure or GIF into a folder that cannot be written (read-only, full disk)
+
+    # a figure or GIF into a folder that cannot be written (read-only, full)
+    except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
             raise
-        print(f"error: could not write {e.filename or 'the output'} ({e.strerror}); run the analysis on a copy of the "
-              f"run folder that you can write to", file=sys.stderr)
+        print(f"error: could not write {e.filename or 'the output'} ({e.strerror}); run the "
+              f"analysis on a copy of the run folder that you can write to", file=sys.stderr)
         raise SystemExit(1)
+
+    # a second Ctrl-C in training (StopSignal), or one outside it
     except KeyboardInterrupt:
         print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
         raise SystemExit(130)
 
-# ================================================================================================================
-# report (python evaluate.py report [RUNS_DIR]). A run folder is any folder under RUNS_DIR with config.json and log.csv
-# as Run writes them; runs are grouped by (dataset_id, script, variant), whatever the folder names say.
+# --------------------------------------------------------------------------------------------------
+# report: a run is any folder under RUNS_DIR with Run's config.json and log.csv, grouped by
+# (dataset_id, script, variant) whatever the folder names
+
 
 def _number(v):
-    """A log.csv number, None where the cell is empty; a cell that is not a finite number is a ValueError."""
+    """A log.csv cell: None if empty; a ValueError if not a finite number."""
     if v == "":
         return None
     x = float(v)
@@ -954,26 +1223,34 @@ def _number(v):
         raise ValueError(v)
     return x
 
+
 def read_run(folder):
-    """-> dict(folder, key=(dataset_id, script, variant), steps, seed, status, evals, last, best). evals: the
-    evaluations of the headline target (the first target in log.csv) as dicts step, target, normalized_score,
-    eval_return, success_rate, steps_to_goal; last: the final one; best: the best normalised score (None where one
-    is missing). status: None for a finished run, else why it is left out of the averages."""
+    """-> dict(folder, key=(dataset_id, script, variant), steps, seed, status, evals, last, best):
+    evals, the headline target's (log.csv's first) evaluations; last, the final one; best, the best
+    score (None if one is missing); status, None if finished, else why it is not averaged."""
     run = dict(folder=folder, key=None, steps=None, evals=[], status=None, seed=None)
-    if missing := [f for f in ("config.json", "log.csv") if not os.path.exists(os.path.join(folder, f))]:
-        return run | dict(status=f"no {' or '.join(missing)} (not a run's folder, or one whose files were moved)")
+    if missing := [f for f in ("config.json", "log.csv")
+                   if not os.path.exists(os.path.join(folder, f))]:
+        return run | dict(status=f"no {' or '.join(missing)} (not a run's folder, or one whose "
+                                 f"files were moved)")
+
+    # config.json and log.csv (ValueError: bad JSON, undecodable bytes)
     try:
         with open(os.path.join(folder, "config.json")) as f:
             cfg = json.load(f)
-        run.update(key=(str(cfg["dataset_id"]), str(cfg["script"]), str(cfg["variant"])), steps=int(cfg["steps"]),
-                   seed=cfg.get("seed"))
+        run.update(key=(str(cfg["dataset_id"]), str(cfg["script"]), str(cfg["variant"])),
+                   steps=int(cfg["steps"]), seed=cfg.get("seed"))
         with open(os.path.join(folder, "log.csv"), newline="") as f:
             rows = list(csv.reader(f))
-    except (OSError, ValueError, KeyError, TypeError, csv.Error) as e:  # ValueError: bad JSON, undecodable bytes
+    except (OSError, ValueError, KeyError, TypeError, csv.Error) as e:
         return run | dict(status=f"unreadable ({type(e).__name__})")
+
+    # its rows, each cell a finite number or empty
     header = rows[0] if rows else []
     if not {"step", "target", "normalized_score", "success_rate", "steps_to_goal"} <= set(header):
-        return run | dict(status="unreadable (log.csv lacks the step, target and evaluation columns)")
+        return run | dict(status="unreadable (log.csv lacks the step, target and evaluation "
+                                 "columns)")
+
     parsed = []
     for line, r in enumerate(rows[1:], start=2):
         if len(r) != len(header):
@@ -983,63 +1260,89 @@ def read_run(folder):
             try:
                 cells[k] = int(row[k]) if k == "step" else _number(row.get(k, ""))
             except ValueError:
-                return run | dict(status=f"unreadable (log.csv line {line}: {k} '{row[k]}' is not a finite number)")
+                return run | dict(status=f"unreadable (log.csv line {line}: {k} '{row[k]}' is not "
+                                         f"a finite number)")
         parsed.append(cells | dict(target=row["target"]))
-    # an evaluation row has a return; its normalised score is empty where the data has no reference returns
+
+    # the evaluations (rows with a return; the score is empty without reference returns)
     evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
     if not evals:
         return run | dict(status="no evaluation yet")
-    run["evals"] = [r for r in evals if r["target"] == evals[0]["target"]]  # the headline target
+
+    # the headline target's: the first in log.csv
+    run["evals"] = [r for r in evals if r["target"] == evals[0]["target"]]
     scores = [e["normalized_score"] for e in run["evals"]]
-    run.update(last=max(run["evals"], key=lambda e: e["step"]), best=None if None in scores else max(scores))
+    run.update(last=max(run["evals"], key=lambda e: e["step"]),
+               best=None if None in scores else max(scores))
+
+    # a run short of its --steps: in progress
     if run["last"]["step"] < run["steps"]:
         step = max(r["step"] for r in parsed)
-        with contextlib.suppress(Exception):   # a stopped run saves between log lines: its checkpoint's step, if any
-            ck = torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu", weights_only=True, mmap=True)
-            step = int(ck["step"]) or step     # (memory-mapped: only its small entries are read)
+        # a stopped run saved between log lines: its checkpoint's step (memory-mapped)
+        with contextlib.suppress(Exception):
+            ck = torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu",
+                            weights_only=True, mmap=True)
+            step = int(ck["step"]) or step
         run["status"] = f"in progress at step {step} of {run['steps']}"
     return run
 
+
 def _mean_std(values, scale=1.0):
-    """'mean ± std' over seeds, population std (ddof=0, so 0.0 with one seed); '-' when any value is missing."""
+    """'mean ± std' over seeds (ddof=0: 0.0 with one seed); '-' if one is missing."""
     if any(v is None for v in values):
         return "-"
     v = scale * np.asarray(values, dtype=np.float64)
     return f"{v.mean():.1f} ± {v.std():.1f}"
 
+
 def report(runs_dir="runs"):
-    """The markdown table over the seeds of every run under runs_dir (its first lines say what each column holds),
-    printed and written to runs_dir/report.md, with the figure runs_dir/report.png. -> the table's text."""
+    """The markdown table over the seeds of every run under runs_dir, printed and written to
+    report.md, with report.png there. -> the table's text."""
     if not os.path.isdir(runs_dir):
-        raise DataError(f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
-    # every folder under runs_dir (itself included) holding a run's file; read_run says why one is left out
-    runs = [read_run(root) for root, _, files in sorted(os.walk(runs_dir)) if set(RUN_FILES) & set(files)]
+        raise DataError(
+            f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
+
+    # each folder under runs_dir (itself too) with a run's file; read_run: why one is left out
+    runs = [read_run(root) for root, _, files in sorted(os.walk(runs_dir))
+            if set(RUN_FILES) & set(files)]
     if not runs:
         raise DataError(f"{runs_dir} holds no run folder (a folder with config.json and log.csv)")
+
+    # the finished runs by (dataset_id, script, variant); a copy of a run: one seed counts once
     groups = defaultdict(list)
     for r in runs:
         if r["status"] is None:
             twin = next((o for o in groups[r["key"]] if o["seed"] == r["seed"]), None)
-            if twin is not None:   # a copy of a run: one seed counts once
-                r["status"] = (f"seed {r['seed']} again (the table counts {os.path.relpath(twin['folder'], runs_dir)}"
-                               f" for it)")
+            if twin is not None:
+                r["status"] = (f"seed {r['seed']} again (the table counts "
+                               f"{os.path.relpath(twin['folder'], runs_dir)} for it)")
             else:
                 groups[r["key"]].append(r)
+
+    # goal-reaching data: the success and steps-to-goal columns
     goal = any(r["last"]["success_rate"] is not None for g in groups.values() for r in g)
-    lines = ["Score: the normalised score 100 * (return - random) / (reference - random), the reference being D4RL's "
-             "expert return (MuJoCo, Adroit, mazes) or, on Atari rows, a human gamer's (gamer-normalised), of each "
-             "run's headline target (the first target in its log.csv): **last** = the final evaluation's, **best** = "
-             "the best evaluation's during training, each taken per seed, then mean ± std over seeds (population std, "
-             "ddof=0: 0.0 with one seed); **last return** = the final evaluation's raw episode return, the same way; "
-             "**target** = the headline target's return-to-go prompt (none for a model without one)."
+
+    # the table: what its columns hold, then a row per group (last return: StARformer's tables
+    # are raw returns)
+    lines = ["Score: the normalised score 100 * (return - random) / (reference - random), the "
+             "reference being D4RL's expert return (MuJoCo, Adroit, mazes) or, on Atari rows, a "
+             "human gamer's (gamer-normalised), of each run's headline target (the first target in "
+             "its log.csv): **last** = the final evaluation's, **best** = the best evaluation's "
+             "during training, each taken per seed, then mean ± std over seeds (population std, "
+             "ddof=0: 0.0 with one seed); **last return** = the final evaluation's raw episode "
+             "return, the same way; **target** = the headline target's return-to-go prompt (none "
+             "for a model without one)."
              + (" Success and steps to the goal: the final evaluation." if goal else ""), ""]
-    # last return: StARformer's tables are raw returns
-    columns = ["dataset", "script", "variant", "seeds", "steps", "target", "last score", "best score", "last return"]
+    columns = ["dataset", "script", "variant", "seeds", "steps", "target", "last score",
+               "best score", "last return"]
     columns += ["success % (last)", "steps to goal (last)"] if goal else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
     for key, g in sorted(groups.items()):
-        steps, targets = sorted({r["steps"] for r in g}), sorted({r["evals"][0]["target"] or "none" for r in g})
-        cells = [*key, str(len(g)), str(steps[0]) if len(steps) == 1 else "differ: " + ", ".join(map(str, steps)),
+        steps, targets = (sorted({r["steps"] for r in g}),
+                          sorted({r["evals"][0]["target"] or "none" for r in g}))
+        cells = [*key, str(len(g)),
+                 str(steps[0]) if len(steps) == 1 else "differ: " + ", ".join(map(str, steps)),
                  targets[0] if len(targets) == 1 else "differ: " + ", ".join(targets),
                  _mean_std([r["last"]["normalized_score"] for r in g]),
                  _mean_std([r["best"] for r in g]),
@@ -1048,30 +1351,39 @@ def report(runs_dir="runs"):
             cells += [_mean_std([r["last"]["success_rate"] for r in g], 100.0),
                       _mean_std([r["last"]["steps_to_goal"] for r in g])]
         lines.append("| " + " | ".join(cells) + " |")
+
+    # no finished run; the runs left out, and why
     if not groups:
         lines.append("(no finished run yet)")
     if left_out := [r for r in runs if r["status"] is not None]:
         lines += ["", "Not in the table:"]
         lines += [f"- {os.path.relpath(r['folder'], runs_dir)}: {r['status']}" for r in left_out]
+
+    # printed first: a folder that cannot be written still gives the table
     text = "\n".join(lines)
-    print(text, flush=True)   # the table first: a folder that cannot be written still gives it
+    print(text, flush=True)
     try:
         with open(os.path.join(runs_dir, "report.md"), "w") as f:
             f.write(text + "\n")
         if groups:
             plot_report(groups, os.path.join(runs_dir, "report.png"))
     except OSError as e:
-        raise DataError(f"the table above could not be saved in {runs_dir} ({e.strerror or type(e).__name__}); pass "
-                        f"a folder you can write to, or copy the runs to one") from None
+        raise DataError(
+            f"the table above could not be saved in {runs_dir} ({e.strerror or type(e).__name__}); "
+            f"pass a folder you can write to, or copy the runs to one") from None
     return text
 
+
 def plot_report(groups, path):
-    """One subplot per dataset: each group's normalised score vs step, mean over seeds, band = min..max over seeds."""
+    """A subplot per dataset: each group's score against step, mean and min..max over seeds."""
     plt = pyplot()
     datasets = sorted({key[0] for key in groups})
     cols, rows = min(3, len(datasets)), math.ceil(len(datasets) / 3)
-    most = max(sum(k[0] == dataset for k in groups) for dataset in datasets)   # legend lines under a subplot
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, (3.6 + 0.2 * most) * rows), squeeze=False)
+    most = max(sum(k[0] == dataset for k in groups) for dataset in datasets)  # legend lines
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, (3.6 + 0.2 * most) * rows),
+                             squeeze=False)
+
+    # per group, the mean over seeds in a band from their min to their max
     for ax, dataset in zip(axes.flat, datasets):
         for key in sorted(k for k in groups if k[0] == dataset):
             by_step = defaultdict(list)
@@ -1079,13 +1391,17 @@ def plot_report(groups, path):
                 for e in run["evals"]:
                     if e["normalized_score"] is not None:
                         by_step[e["step"]].append(e["normalized_score"])
+
             steps = sorted(by_step)
             line, = ax.plot(steps, [np.mean(by_step[s]) for s in steps], marker="o", markersize=3,
-                            label=f"{key[1]}/{key[2]} ({len(groups[key])} seed{'s' * (len(groups[key]) > 1)})")
-            ax.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps],
-                            color=line.get_color(), alpha=0.2)
+                            label=f"{key[1]}/{key[2]} ({len(groups[key])} "
+                                  f"seed{'s' * (len(groups[key]) > 1)})")
+            ax.fill_between(steps, [min(by_step[s]) for s in steps],
+                            [max(by_step[s]) for s in steps], color=line.get_color(), alpha=0.2)
         ax.set(title=dataset, xlabel="step", ylabel="normalised score")
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)   # under, off the curves
+        # the legend under the axes, off the curves
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+
     for ax in axes.flat[len(datasets):]:
         ax.axis("off")
     fig.suptitle("mean over seeds; band: min..max over seeds", fontsize=9)
@@ -1093,22 +1409,26 @@ def plot_report(groups, path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-# ================================================================================================================
-# The command line: python evaluate.py report [RUNS_DIR]
+# --------------------------------------------------------------------------------------------------
+# the command line: python evaluate.py report [RUNS_DIR]
+
 
 def main(argv=None):
-    p = FlagParser(prog="evaluate.py", description="Evaluation helpers for the model files; from the command line: "
-                   "a seed-aggregated report of a folder of runs.")
+    p = FlagParser(prog="evaluate.py", description="Evaluation helpers for the model files; from "
+                   "the command line: a seed-aggregated report of a folder of runs.")
     sub = p.add_subparsers(dest="command", required=True)
-    p_report = sub.add_parser("report", help="one table (printed, RUNS_DIR/report.md) and figure (RUNS_DIR/report.png) "
-                              "over every run folder under RUNS_DIR")
-    p_report.add_argument("runs_dir", nargs="?", default="runs", metavar="RUNS_DIR", help="default: %(default)s")
+    p_report = sub.add_parser("report", help="one table (printed, RUNS_DIR/report.md) and figure "
+                              "(RUNS_DIR/report.png) over every run folder under RUNS_DIR")
+    p_report.add_argument("runs_dir", nargs="?", default="runs", metavar="RUNS_DIR",
+                          help="default: %(default)s")
+
     args = p.parse_args(argv)
     try:
         report(args.runs_dir)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
+
 
 if __name__ == "__main__":
     main()

@@ -243,7 +243,7 @@ def test_target_sweep_evaluates_eight_targets_from_the_checkpoint_and_never_trai
     assert [float(r["target"]) for r in rows] == pytest.approx([lo + i * (hi - lo) / 7 for i in range(8)], abs=0.006)
     assert {r["episodes"] for r in rows} == {"2"}
     cfg, model, d, _ = dt.load_model(dt.parse_flags(["--out", str(out)])[0], {"out"})
-    first = evaluate.evaluate(dt.policy(model), d, 2, float(rows[0]["target"]), 3 + 10_000, 4, progress=False)
+    first = evaluate.evaluate(dt.policy(model, cfg), d, 2, float(rows[0]["target"]), 3 + 10_000, 4, progress=False)
     assert float(rows[0]["eval_return"]) == pytest.approx(first["returns"].mean(), abs=0.006)
     assert float(rows[0]["normalized_score"]) == pytest.approx(d.normalize_score(first["returns"]).mean(), abs=0.006)
     assert Image.open(out / "target_sweep.png").size[0] >= 600

@@ -21,6 +21,7 @@ Glossary (paper symbol -> code name, shape; Config: b batch_size, K context, E n
 N d_state, W d_conv):
     L        tokens in a sequence: 3K (B3LD), K (BL3D)      T in the code
     d_inner  expand * D, the channels of the S6 layer       Mamba.d_inner, "di" in shapes
+    x_i      S6 input, after the conv and SiLU              x (b, di, L)
     Delta_i  step size softplus(S_Delta(x_i)) (Eq. 5)       delta (b, di, L)
     A        diagonal state matrix -exp(A_log) (Eq. 1)      A (di, N)
     B_i, C_i input-dependent S_B(x_i), S_C(x_i) (Eq. 5)     B, C (b, N, L)
@@ -31,7 +32,7 @@ N d_state, W d_conv):
 
 Official code ("the code"; paths cited bare are its, at e2aed7e): AndssY/dema, branch main (the
 hidden attention: branch attention, 05bd941), https://github.com/AndssY/dema/tree/e2aed7e1a3893bbf0ff651388659f0927c88d365
-It vendors state-spaces/mamba@12d8550 (v1.2.0.post1 and two build fixes) as mamba/,
+It vendors state-spaces/mamba@12d8550 (v1.2.0.post1 and two later fixes) as mamba/,
 https://github.com/state-spaces/mamba/tree/12d855003ba92c8a15d1739ce65a14c6fb16e254
 changing one line: MixerModel's embedding is nn.Linear(vocab_size, d_model) (DeMa's E -> D), not
 nn.Embedding (mamba/mamba_ssm/models/mixer_seq_simple.py#L105); the attention branch adds hooks
@@ -44,8 +45,8 @@ Departures from the paper and the official code:
     window's); the code's pads enter the state (--no-pad-mask, with data.py's zeros, not its
     raw-zero states, actions -10 and start-anchored windows: gym/experiment.py#L217-L237).
  3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the code trains
-    on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps (gym/decision_transformer/models/
-    ssm.py#L109-L116) and evaluates on R_t (--rtg-shift reproduces it).
+    on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps
+    (gym/decision_transformer/models/ssm.py#L109-L116) and evaluates on R_t (--rtg-shift: its way).
  4. MuJoCo warmup: 10k steps, the code's (gym/experiment.py#L608; Table 8 says 1e5).
  5. Atari: the code's E=128 and N=128 (atari/configs/config.py#L6-L8; Table 9: 256, 64), the only
     sizes that give Table 7's 1.7M parameters, and its cosine's end (atari/run_atari.py#L169);
@@ -60,11 +61,11 @@ Departures from the paper and the official code:
     proportion to length as the gym code (gym/experiment.py#L254), left-padded under the inert pad
     mask (it right-pads: the same for a causal model). The Atari code packs whole trajectories by
     cu_seqlens for an unreleased kernel (App. C), which the vendored MixerModel.forward does not
-    take (mixer_seq_simple.py#L151), and feeds a_t, not a_{t-1}, beside s_t (atari/models/
-    mamba.py#L195-L198). Atari here: Table 10's batch 8, lr 1e-4, 200 updates a batch, on the
-    transformer's 39,060-step cosine (Frostbite's 50 epochs: --steps); evaluation from a_{-1} = 0
-    and the full softmax, the code's from a random a_{-1} (atari/mingpt/trainer_atari.py#L342) and
-    top-3 sampling (#L364).
+    take (mixer_seq_simple.py#L151), and feeds a_t, not a_{t-1}, beside s_t
+    (atari/models/mamba.py#L195-L198). Atari here: Table 10's batch 8, lr 1e-4, 200 updates a
+    batch, on the transformer's 39,060-step cosine (Frostbite's 50 epochs: --steps); evaluation from
+    a_{-1} = 0 and the full softmax, the code's from a random a_{-1}
+    (atari/mingpt/trainer_atari.py#L342) and top-3 sampling (#L364).
  9. Hidden attention (Fig. 4): Eq. 5 exactly (softplus, fp32, vectorised), not Eq. 6's ReLU
     approximation; the attention branch computes the same sum in a triple loop in fp16.
 10. MuJoCo evaluation: DT's two targets, the last evaluation the result; the code conditions on
@@ -105,14 +106,14 @@ class Config:
     delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 13)")
     batch_size: int = arg(64, "windows (rnn mode: whole trajectories) per batch")
     context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
-    lr: float = arg(1e-4, "AdamW learning rate (D.1: per dataset)")
+    lr: float = arg(1e-4, "AdamW learning rate (per dataset: D.1)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (Atari: of the weights only)")
     beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
     warmup_steps: int = arg(10_000, "linear warmup, then constant (departure 4)")
     lr_decay_steps: int = arg(0, "0: constant after the warmup; N: the code's Atari cosine")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    n_embd: int = arg(256, "E, token-embedding width (D.1: per dataset)")
-    d_model: int = arg(64, "D, Mamba's residual width (D.1: per dataset)")
+    n_embd: int = arg(256, "E, token-embedding width (D.1)")
+    d_model: int = arg(64, "D, Mamba's residual width (D.1)")
     n_layer: int = arg(3, "Mamba blocks")
     d_state: int = arg(64, "N, SSM state size per channel")
     d_conv: int = arg(4, "W, width of the causal depthwise convolution")
@@ -132,7 +133,6 @@ class Config:
                           run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
     greedy: bool = arg(False, "Atari: the likeliest action, not the code's softmax draw", run=True)
-    # the scan's implementation (the same results)
     scan: str = arg("auto", "auto (CPU: sequential, CUDA: parallel) | sequential | parallel",
                     run=True)
     scan_chunk: int = arg(0, "N > 0: the backward recomputes the loop in N-token chunks", run=True)
@@ -694,13 +694,13 @@ def load_dataset(cfg):
 
 
 def build_model(cfg, info):
-    """The model the data's spaces call for: Atari's (frames, discrete actions) or MuJoCo's."""
+    """The model the data's spaces call for: Atari's for discrete actions, else the gym one."""
     return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"],
                 discrete=info.get("discrete", False))
 
 
 def batch_tokens(cfg):
-    """Tokens in a training batch, for --bench's tokens/s (RNN mode: of --bench's episodes)."""
+    """Tokens in one training batch, for --bench's tokens/s (RNN mode: of --bench's episodes)."""
     steps = min(max(200, 2 * cfg.context), cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context
     return (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
 
@@ -813,7 +813,7 @@ def targets(cfg, d):
 
 
 def evaluate(model, d, cfg, device):
-    """--eval-episodes episodes a target, in parallel in the data's env -> [(target, results)]."""
+    """DT's Alg. 1 in the data's env, --eval-episodes in parallel a target -> [(target, result)]."""
     model.eval()
     act = policy(model, cfg)
     results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
@@ -832,8 +832,8 @@ def train(cfg, run, d=None):
     ev.check_data(cfg, d, atari=True)  # a context or target that means nothing for this data
     device, info = ev.pick_device(cfg.device), d.info()
 
-    # one step's memory (RNN mode: the longest trajectories'), from shapes, before allocating
-    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)
+    # one step's memory, from shapes alone, before anything is allocated
+    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)  # RNN: the longest
     with torch.device("meta"):
         meta = build_model(cfg, info)
         need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,

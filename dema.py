@@ -1,80 +1,82 @@
 """
-Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Optimization in Offline Reinforcement
-Learning?" (NeurIPS 2024, arXiv 2405.12094).
+Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Optimization in
+Offline Reinforcement Learning?" (NeurIPS 2024, arXiv 2405.12094).
 
-Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no MLP, no timestep
-embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action, state) and a_t is read
-from the s_t token. Transformer-like DeMa (the method, --mode transformer) re-runs the last K steps from a zero state
-at every decision; RNN-like DeMa (--mode rnn) carries the conv and SSM states through an episode (Sec. 3.2, App. C).
+Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no
+MLP, no timestep embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go,
+PREVIOUS action, state) and a_t is read from the s_t token. Transformer-like DeMa (the method,
+--mode transformer) re-runs the last K steps from a zero state at every decision; RNN-like DeMa
+(--mode rnn) carries the conv and SSM states through an episode (Sec. 3.2, App. C).
 
-    python dema.py --env hopper-medium                 # the paper's configuration: 100k steps (hours on a CPU)
-    python dema.py --env hopper-medium --preset cpu    # small configuration for a 2-core laptop
-    python dema.py --env hopper-medium --mode rnn --batch-size 16 --scan-chunk 30     # RNN-like DeMa, ~8 GB
-    python dema.py --out <run folder> --attention      # Fig. 4: hidden attention along one evaluation episode
-    python dema.py --out <run folder> --target-sweep   # DT's Fig. 4: the return achieved against the one asked for
-    python dema.py --out <run folder> --s6-ablation zero --s6-layers 0      # Fig. 5: evaluate with layer 0's S6 zeroed
-    python dema.py --bench-scan | --params             # scan timings; parameter counts next to dt.py's (no run needed)
-    python dema.py --dataset dqn-replay/breakout/1pct-v0   # Atari (Table 5): Table 9's setting, cross-entropy
-    python dema.py --dataset replica/breakout/mixed-v0 --preset cpu    # the classroom Atari DeMa (~15 min of a core)
-    python dema.py --env hopper-medium --residual post # "DeMa with post.": a transformer block around S6 (Tables 3-4)
-    python dema.py --bench --env breakout-expert       # Table 7, Atari: training step time (and GPU memory) on frames
+    python dema.py --env hopper-medium                 # the paper's configuration (a GPU)
+    python dema.py --env hopper-medium --preset cpu    # a small one for a 2-core laptop
+    python dema.py --env hopper-medium --mode rnn --batch-size 16 --scan-chunk 30    # RNN-like
+    python data.py make breakout-mixed
+    python dema.py --dataset made/breakout/mixed-v0 --preset cpu         # Atari, on a CPU
+    python dema.py --out <run folder> --attention      # Fig. 4: hidden attention along an episode
+    python dema.py --out <run folder> --s6-ablation zero --s6-layers 0   # Fig. 5: S6 zeroed
+    python dema.py --bench --env breakout-expert       # Table 7: a training step on frames
 
-Glossary (paper symbol -> code name, shape; mamba-minimal style):
-    b         batch size (windows, or whole trajectories in RNN mode)         Config.batch_size
-    K         context: the timesteps in a window                               Config.context
-    L         tokens in a sequence: 3K for B3LD, K for BL3D (Sec. 4.1)          T in the code
-    E         token-embedding width ("embedding dimension", Table 8)           Config.n_embd
-    D         Mamba residual width (d_model, Table 8)                          Config.d_model
-    d_inner   expand * D, the channels of the S6 layer                         Mamba.d_inner, "di" in shape comments
-    N         SSM state size per channel (d_state)                             Config.d_state
-    R         rank of Delta's input projection, ceil(D / 16)                   Mamba.dt_rank
-    W         width of the causal depthwise convolution (d_conv)               Config.d_conv
-    x_i       S6 input after the convolution and SiLU                          x (b, di, L)
-    Delta_i   step size softplus(S_Delta(x_i)) (Eq. 5)                         delta (b, di, L)
-    A         diagonal state matrix -exp(A_log) (Eq. 1)                        A (di, N)
-    B_i, C_i  input-dependent projections S_B(x_i), S_C(x_i) (Eq. 5)          B, C (b, N, L)
-    A_bar_i   exp(Delta_i A) (zero-order hold)                                 A_bar (b, di, N) per step
-    B_bar_i   Delta_i B_i (Euler, as the official kernel)                      inside du_t * B_t
-    h_i       SSM state, h_0 = 0 (Eq. 5)                                       h (b, di, N)
-    alpha     hidden attention, y_i = sum_j alpha_ij x_j (Eq. 5-6)             Mamba.hidden_attention (b, di, L, L)
-    R_t, s_t  return-to-go (times return_scale), state (normalised)            rtg (b, K, 1), states (b, K, obs_dim)
-    a_{t-1}   the previous action (data.py's prev_action before a window)      previous_actions(...) (b, K, act_dim)
-  Atari (DeMa(..., discrete=True); the official atari/ code):
-    s_t       the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model)  states (b, K, 4, 84, 84)
-    a_t       one of the game's |A| actions (Discrete)                         actions (b, K) int64; logits (b, K, |A|)
+Glossary (paper symbol -> code name, shape; Config: b batch_size, K context, E n_embd, D d_model,
+N d_state, W d_conv):
+    L        tokens in a sequence: 3K (B3LD), K (BL3D)      T in the code
+    d_inner  expand * D, the channels of the S6 layer       Mamba.d_inner, "di" in shapes
+    x_i      S6 input, after the conv and SiLU              x (b, di, L)
+    Delta_i  step size softplus(S_Delta(x_i)) (Eq. 5)       delta (b, di, L)
+    A        diagonal state matrix -exp(A_log) (Eq. 1)      A (di, N)
+    B_i, C_i input-dependent S_B(x_i), S_C(x_i) (Eq. 5)     B, C (b, N, L)
+    alpha    hidden attention: y_i = sum_j alpha_ij x_j     Mamba.hidden_attention (b, di, L, L)
+    R_t, s_t return-to-go (scaled), state (normalised)      rtg (b, K, 1), states (b, K, obs_dim)
+    a_{t-1}  the previous action                            previous_actions() (b, K, act_dim)
+    Atari's s_t, a_t: the last 4 frames (b, K, 4, 84, 84) uint8; actions (b, K) int64, logits
 
-Official code: https://github.com/AndssY/dema/blob/e2aed7e1a3893bbf0ff651388659f0927c88d365/gym/decision_transformer/models/ssm.py#L30
-(branch main; the hidden attention is on its branch attention, 05bd941) and the Mamba v1.2.0 it vendors unchanged,
-https://github.com/state-spaces/mamba/blob/afd5fb5b1b89d2d353e9316809903267cbe70971/mamba_ssm/modules/mamba_simple.py#L31
+Official code ("the code"; paths cited bare are its, at e2aed7e): AndssY/dema, branch main (the
+hidden attention: branch attention, 05bd941), https://github.com/AndssY/dema/tree/e2aed7e1a3893bbf0ff651388659f0927c88d365
+It vendors state-spaces/mamba@12d8550 (v1.2.0.post1 and two later fixes) as mamba/,
+https://github.com/state-spaces/mamba/tree/12d855003ba92c8a15d1739ce65a14c6fb16e254
+changing one line: MixerModel's embedding is nn.Linear(vocab_size, d_model) (DeMa's E -> D), not
+nn.Embedding (mamba/mamba_ssm/models/mixer_seq_simple.py#L105); the attention branch adds hooks
+that return the hidden attention.
 
 Departures from the paper and the official code:
- 1. Plain PyTorch scan, causal conv and RMSNorm, not mamba's CUDA and Triton kernels (CPU too; same to float tolerance).
- 2. Left padding is inert (zero conv input, Delta = 0: a padded window's outputs equal the shorter window's); official
-    pads enter the state (--no-pad-mask, with data.py's zeros: not its states 0, actions -10, start-anchored windows).
- 3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the official code trains on
-    (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps and evaluates on R_t (--rtg-shift reproduces it).
- 4. MuJoCo warmup: 10k steps, the official code's (the paper's Table 8 says 1e5).
- 5. Atari: where Table 9 and the official code differ, the code's E=128 and N=128 (Table 9: 256, 64), the only
-    sizes that give Table 7's 1.7M parameters, and its cosine's end (step 23,432); Table 9's optimiser.
- 6. The official model's unused predict_state / predict_return heads (780 parameters at hopper) are left out.
- 7. "DeMa with post." (--residual post) swaps the block inside DeMa (its tokens, E -> D Linear and final RMSNorm
-    stay), as Fig. 1 draws it; the official one is DT's GPT with S6 for attention (DT's tokens, LayerNorm, no E -> D).
- 8. RNN-like DeMa (Tables 10-12) trains on trajectories cut to their first --rnn-max-len 1000 steps, drawn in
-    proportion to length as the gym code (gym/experiment.py#L254), left-padded under the inert pad mask; the official
-    code right-pads (the same for a causal model). Its Atari code takes each whole trajectory once an epoch, packed by
-    cu_seqlens for a variable-length kernel that is not released (App. C): the vendored MixerModel.forward takes no
-    cu_seqlens (mamba/mamba_ssm/models/mixer_seq_simple.py#L151), so it cannot run as published, and it feeds a_t, not
-    a_{t-1}, beside s_t (atari/models/mamba.py#L198). Atari here: Table 10's batch 8, lr 1e-4, 200 updates a batch
-    on the transformer's 39,060 steps and cosine (Frostbite's 50 epochs are not set: --steps); evaluation starts from
-    a_{-1} = 0 with the full softmax, the code from a random a_{-1} with top-3 sampling (trainer_atari.py#L342).
- 9. Hidden attention (Fig. 4): Eq. 5 exactly (softplus, fp32, vectorised), not Eq. 6's ReLU approximation; the
-    attention branch computes the same sum in a triple loop in fp16.
-10. MuJoCo evaluation: DT's two targets per environment, and the last evaluation is the result; the official code
-    conditions on four (hopper: 3600, 7200, 36000, 72000) and keeps each one's best over its 10 evaluations.
-    Atari: Table 9's one target per game; the code evaluates three (Breakout 90, 150, 180; Pong and Gopher one) and
-    reports the last (atari/mingpt/trainer_atari.py#L266), and Asterix's 700 is not among its 900, 1000, 1100.
-11. Mazes: the paper's maze code is not released; Tables 14-15's settings here, and --preset cpu drops a_{t-1} there
-    (the data's actions are noisy: a_{t-1} is copied rather than used).
+ 1. Plain PyTorch scan, causal conv and RMSNorm, not mamba's CUDA and Triton kernels (CPU too; the
+    same to float tolerance).
+ 2. Left padding is inert (zero conv input, Delta = 0: a padded window's outputs equal the shorter
+    window's); the code's pads enter the state (--no-pad-mask, with data.py's zeros, not its
+    raw-zero states, actions -10 and start-anchored windows: gym/experiment.py#L217-L237).
+ 3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the code trains
+    on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps
+    (gym/decision_transformer/models/ssm.py#L109-L116) and evaluates on R_t (--rtg-shift: its way).
+ 4. MuJoCo warmup: 10k steps, the code's (gym/experiment.py#L608; Table 8 says 1e5).
+ 5. Atari: the code's E=128 and N=128 (atari/configs/config.py#L6-L8; Table 9: 256, 64), the only
+    sizes that give Table 7's 1.7M parameters, and its cosine's end (atari/run_atari.py#L169);
+    Table 9's batch 128, lr 6e-4, weight decay 0.1, clip 1 and 512 x 20 warmup tokens (DT's:
+    kzl/decision-transformer@e2d82e6 atari/run_dt_atari.py#L86), where the code's Mamba path has
+    8, 1e-4, 1e-4, 0.8 and 3000 x 32 (run_atari.py#L235-L252).
+ 6. The code's unused predict_state / predict_return heads (780 parameters at hopper) are left out.
+ 7. "DeMa with post." (--residual post) swaps the block inside DeMa (its tokens, E -> D and final
+    RMSNorm stay), as Fig. 1 draws it; the code's is DT's GPT with S6 for attention (DT's tokens,
+    LayerNorm, no E -> D; gym/decision_transformer/models/trajectory_gpt2.py#L450-L451).
+ 8. RNN-like DeMa (Tables 10-12) trains on trajectories cut to --rnn-max-len 1000 steps, drawn in
+    proportion to length as the gym code (gym/experiment.py#L254), left-padded under the inert pad
+    mask (it right-pads: the same for a causal model). The Atari code packs whole trajectories by
+    cu_seqlens for an unreleased kernel (App. C), which the vendored MixerModel.forward does not
+    take (mixer_seq_simple.py#L151), and feeds a_t, not a_{t-1}, beside s_t
+    (atari/models/mamba.py#L195-L198). Atari here: Table 10's batch 8, lr 1e-4, 200 updates a
+    batch, on the transformer's 39,060-step cosine (Frostbite's 50 epochs: --steps); evaluation from
+    a_{-1} = 0 and the full softmax, the code's from a random a_{-1}
+    (atari/mingpt/trainer_atari.py#L342) and top-3 sampling (#L364).
+ 9. Hidden attention (Fig. 4): Eq. 5 exactly (softplus, fp32, vectorised), not Eq. 6's ReLU
+    approximation; the attention branch computes the same sum in a triple loop in fp16.
+10. MuJoCo evaluation: DT's two targets, the last evaluation the result; the code conditions on
+    four (hopper: 3600, 7200, 36000, 72000; gym/experiment.py#L128) and keeps each one's best over
+    its 10 evaluations (#L489-L493). Atari: Table 9's one target per game; the code evaluates three
+    (Breakout 90, 150, 180; Pong and Gopher one; atari/mingpt/trainer_atari.py#L266) and prints
+    each; Asterix's 700 is not among its 900, 1000, 1100.
+11. Mazes: the paper's maze code is not released; Tables 14-15's settings here, and --preset cpu
+    drops a_{t-1} there (the data's actions are noisy: a_{t-1} is copied rather than used).
+12. Atari: the window sampler and the evaluation frames are data.py's and evaluate.py's, which say
+    how they differ from the official code (which DeMa's copies from DT's).
 """
 import dataclasses
 import math
@@ -91,160 +93,178 @@ import torch.nn.functional as F
 import data as data_lib
 import evaluate as ev
 
+
 def arg(default, help, run=False):
-    """A Config field and flag; run=True: not what is trained (not in the run folder's name, may differ on --resume)."""
+    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
     return field(default=default, metadata={"help": help, "run": run})
+
 
 @dataclass
 class Config:
-    # --- the paper's settings (what is trained): Table 8 and D.1 at hopper-medium; a new run on another named dataset
-    # gets that dataset's row (paper_settings) unless given. E and D are two widths (a Linear E -> D after the tokens).
-    delayed_reward: bool = arg(False, "rewards all paid at the episode's last step, in data and evaluation (Table 13)")
-    batch_size: int = arg(64, "windows (transformer mode) or whole trajectories (rnn mode) per batch")
+    # ---- the paper's settings (Table 8, D.1 on hopper-medium; other data: paper_values) ----
+    steps: int = arg(100_000, "gradient steps", run=True)  # the code: 10 iterations x 10k
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 13)")
+    batch_size: int = arg(64, "windows (rnn mode: whole trajectories) per batch")
     context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
-    lr: float = arg(1e-4, "AdamW learning rate (D.1: 1e-4 hopper-medium(-replay), walker2d-medium; else 1e-3)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay: of every parameter (MuJoCo), of the weights (Atari)")
-    beta2: float = arg(0.999, "AdamW's second-moment decay (Table 9, Atari: 0.95)")
-    warmup_steps: int = arg(10_000, "linear warmup, then constant (the official code's 1e4: departure 4)")
-    lr_decay_steps: int = arg(0, "0: constant lr after the warmup (MuJoCo); N: the official Atari cosine (lr_factor)")
+    lr: float = arg(1e-4, "AdamW learning rate (per dataset: D.1)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (Atari: of the weights only)")
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
+    warmup_steps: int = arg(10_000, "linear warmup, then constant (departure 4)")
+    lr_decay_steps: int = arg(0, "0: constant after the warmup; N: the code's Atari cosine")
     grad_clip: float = arg(0.25, "gradient-norm clip")
-    preset: str = arg("", "'cpu': the small configuration for a 2-core machine")
-    amp: bool = arg(False, "bf16 autocast for the forward pass; the scan, the residual stream and the loss stay fp32")
-    n_embd: int = arg(256, "E, token-embedding width (D.1: 256 hopper-medium(-replay), else 128)")
-    d_model: int = arg(64, "D, Mamba residual width (D.1: 128 for the medium-expert datasets, else 64)")
+    n_embd: int = arg(256, "E, token-embedding width (D.1)")
+    d_model: int = arg(64, "D, Mamba's residual width (D.1)")
     n_layer: int = arg(3, "Mamba blocks")
     d_state: int = arg(64, "N, SSM state size per channel")
     d_conv: int = arg(4, "W, width of the causal depthwise convolution")
     expand: int = arg(2, "d_inner = expand * D")
-    dropout: float = arg(0.0, "dropout on the tokens (Table 8: 0; Table 9, Atari: 0.1) and after --residual post's MLP")
-    mode: str = arg("transformer", "'transformer': K-step windows (the method); 'rnn': whole trajectories (Sec. 3.2)")
-    token_layout: str = arg("b3ld", "'b3ld': R_t, a_{t-1}, s_t, three tokens a step; 'bl3d': one (Sec. 4.1, Table 2)")
-    residual: str = arg("pre", "'pre': Mamba's block (the method); 'post': a transformer block around S6 (Tables 3-4)")
-    prev_action: bool = arg(True, "a_{t-1} in each step's tokens; --no-prev-action: the null a_{-1} = 0 at every step")
-    timestep_embedding: bool = arg(False, "add DT's learned timestep embedding to every token (App. G, Table 17)")
-    rtg_shift: bool = arg(False, "train on the official code's (R_{t-1}, a_{t-1}, s_t) -> a_t (departure 3)")
-    pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: pads enter the state, as officially (departure 2)")
-    inner_it: int = arg(1, "gradient updates on each drawn batch (Table 10, RNN-like DeMa on Atari: 200)")
-    rnn_max_len: int = arg(1000, "rnn mode: trajectories are cut to their first this many steps")
-    # --- the run (seed, data, evaluation, output, device, analyses): these do not change what is trained
+    dropout: float = arg(0.0, "on the tokens (Atari: 0.1) and after the post block's MLP")
+    mode: str = arg("transformer", "transformer: K-step windows (the method) | rnn (Sec. 3.2)")
+    token_layout: str = arg("b3ld", "b3ld: R_t, a_{t-1}, s_t, 3 tokens a step | bl3d: 1 (Sec. 4.1)")
+    residual: str = arg("pre", "pre: Mamba's block (the method) | post: S6 in a transformer's")
+    prev_action: bool = arg(True, "a_{t-1} in each step; --no-prev-action: the null a_{-1} = 0")
+    timestep_embedding: bool = arg(False, "add DT's timestep embedding to every token (Table 17)")
+    rtg_shift: bool = arg(False, "train on the code's (R_{t-1}, a_{t-1}, s_t) -> a_t (departure 3)")
+    pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: it enters the state (dep. 2)")
+    inner_it: int = arg(1, "updates on each drawn batch (Table 10, RNN-like on Atari: 200)")
+    rnn_max_len: int = arg(1000, "rnn mode: trajectories cut to their first N steps")
+    # the evaluation: the code's MuJoCo one, every 10k steps, 100 episodes a target
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          run=True)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
+    greedy: bool = arg(False, "Atari: the likeliest action, not the code's softmax draw", run=True)
+    scan: str = arg("auto", "auto (CPU: sequential, CUDA: parallel) | sequential | parallel",
+                    run=True)
+    scan_chunk: int = arg(0, "N > 0: the backward recomputes the loop in N-token chunks", run=True)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
     env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
     dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
     seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    steps: int = arg(100_000, "gradient steps (official code: 10 iterations x 10k)", run=True)
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end", run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel (official MuJoCo code: 100)", run=True)
-    target_return: float = arg(None, "return-to-go prompt, raw return units; default: the dataset's targets", run=True)
-    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (official code); it can stall", run=True)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               run=True)
     log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
     device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    out: str = arg("", "output folder; default runs/dema/<env>/<variant>/seed<N>", run=True)
-    resume: bool = arg(False, "continue the run in the output folder (its settings come from its checkpoint)", run=True)
-    compile: bool = arg(False, "torch.compile the model for training (same results within float tolerance)", run=True)
-    bench: bool = arg(False, "time training steps (eager, compiled, CUDA's AMP) on synthetic data, and exit", run=True)
-    scan: str = arg("auto", "auto (sequential on CPU, parallel on CUDA) | sequential | parallel", run=True)
-    scan_chunk: int = arg(0, "recompute the sequential scan in chunks of N tokens for the backward; 0 = off", run=True)
-    attention: bool = arg(False, "Fig. 4: the hidden attention along one evaluation episode", run=True)
-    s6_ablation: str = arg("", "Fig. 5: evaluate with --s6-layers' S6 zero|random|swap (--s6-donor's)", run=True)
-    s6_layers: str = arg("all", "the layers --s6-ablation changes: 'all' or 0-based indices, e.g. 0,2", run=True)
-    s6_donor: str = arg("", "--s6-ablation swap: another DeMa's run folder or ckpt.pt (same D, N, W, expand)", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint (Atari in colour)", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): the return achieved at 8 targets, from the "
-                                    "data's lowest to above its best", run=True)
-    bench_scan: bool = arg(False, "time the sequential and parallel scans (forward + backward) and exit", run=True)
-    params: bool = arg(False, "print parameter counts at the paper's settings next to dt.py's and exit", run=True)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", run=True)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
 
-# Atari: Table 9 as the preset "" (departure 5; AndssY/dema@e2aed7e atari/configs/config.py#L1), 10 epochs of 1%
-# DQN-replay. The code counts tokens: a warmup of 512 x 20 tokens (3 steps of 128 x 30), the cosine's end at
-# 6 (500000 - 3K) K tokens, i.e. step 23,432 whatever K (atari/run_atari.py#L169).
-ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4, beta2=0.95,
-             weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3, lr_decay_steps=23_432, steps=39_060,
-             eval_every=3906, eval_episodes=10)
-# --preset cpu: dt.py's preset budget (steps, batch, K, lr, warmup, evaluations); N=16 and two layers keep the scan
-# cheap. Mazes: dt.py's maze setting (K=1, no dropout), F.2's 50 episodes, departure 11. Atari (breakout/mixed-v0):
-# dt.py's Atari preset's windows (K=8, batch 32, lr 6e-4, warmup 100), E = D = 64, the cosine of a 4500-step run
-# stopped at step 3000, where its return stops rising (step 4500: 33.8 against 32.7, 30 episodes, seeds 0-2).
-ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4, warmup_steps=100,
-                 lr_decay_steps=4500, steps=3000, eval_every=1500, eval_episodes=10)
-# ... and with --mode rnn: 4 trajectories cut to their first 100 steps, 0.25 GB and 0.6-0.8 s a step on one core, an
-# hour's run (32 of up to 1000 steps need 17.5 GB and 102 s a step); parse_flags lays it under the flags
+    # ---- this file's analyses ----
+    attention: bool = arg(False, "Fig. 4: the hidden attention along an episode", run=True)
+    s6_ablation: str = arg("", "Fig. 5: --s6-layers' S6 zero|random|swap, evaluated", run=True)
+    s6_layers: str = arg("all", "--s6-ablation's layers: all, or 0-based indices (0,2)", run=True)
+    s6_donor: str = arg("", "swap: another DeMa's run folder or ckpt.pt (same sizes)", run=True)
+    bench_scan: bool = arg(False, "time the two scans (forward + backward)", run=True)
+    params: bool = arg(False, "parameter counts at the paper's settings, dt.py's too", run=True)
+
+
+# Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
+# 512 x 20 warmup tokens are 3 steps of 128 x 30, and the code's cosine ends at 2 len(data) 3K
+# tokens, batch x K a step (atari/mingpt/trainer_atari.py#L216): step ~23.4k.
+ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4,
+             beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3,
+             lr_decay_steps=23_432, steps=39_060, eval_every=3906, eval_episodes=10)
+# --preset cpu: dt.py's budget, N=16, two layers; mazes: dt.py's setting, F.2's 50 episodes; Atari:
+# dt.py's windows, E = D = 64, a 4500-step cosine stopped where the return stops rising (README);
+# --mode rnn: 4 trajectories of 100 steps, for memory (RESULTS.md)
+ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
+                 warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
+                 eval_episodes=10)
 ATARI_CPU_RNN = dict(rnn_max_len=100, batch_size=4)
 PRESETS = {"": dict(atari=ATARI),
-           "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64, lr=1e-3,
-                       warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
-                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50), atari=ATARI_CPU)}
+           "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64,
+                       lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
+                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50),
+                       atari=ATARI_CPU)}
 
-# >>> model: begin (needs only torch, math and dataclasses: copy this block, with Config and arg above, into your code)
+# >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
+
 
 def fp32(t):
     """Upcast to float32 (float64 stays float64, for the tests)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
-# The selective scan (Mamba's S6 recurrence, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), with the signature and semantics
-# of mamba's reference (state-spaces/mamba@afd5fb5 mamba_ssm/ops/selective_scan_interface.py#L91, selective_scan_ref):
+
+# The selective scan (S6, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), as mamba's selective_scan_ref
+# (state-spaces/mamba@12d8550 mamba_ssm/ops/selective_scan_interface.py#L91):
 #   u, delta, z: (b, di, L);  A: (di, N);  B, C: (b, N, L);  D, delta_bias: (di,)
-#   delta <- softplus(delta + delta_bias)                                      (if asked)
-#   A_bar_t = exp(delta_t A) (ZOH),   B_bar_t u_t = delta_t B_t u_t (Euler, as the official kernel)
-#   h_t = A_bar_t h_{t-1} + B_bar_t u_t,  h_0 = 0;    y_t = <C_t, h_t> + D u_t;    y <- y * silu(z)
-# It runs in fp32 with autocast off (fp64 stays fp64), and the output is cast back to u's dtype: under --amp the
+#   delta <- softplus(delta + delta_bias)                                    (if asked)
+#   A_bar_t = exp(delta_t A) (ZOH),  B_bar_t u_t = delta_t B_t u_t (Euler, as the official kernel)
+#   h_t = A_bar_t h_{t-1} + B_bar_t u_t,  h_0 = 0;   y_t = <C_t, h_t> + D u_t;   y <- y * silu(z)
+# In fp32 with autocast off (fp64 stays fp64), the output cast back to u's dtype: under --amp the
 # projections and the convolution run in bf16, the state update never does.
 
 def _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus):
     u, delta, A, B, C = (fp32(t) for t in (u, delta, A, B, C))
     if delta_bias is not None:
-        delta = delta + delta_bias.to(delta.dtype)[:, None]                  # (b, di, L)
+        delta = delta + delta_bias.to(delta.dtype)[:, None]  # (b, di, L)
     if delta_softplus:
-        delta = F.softplus(delta)                                            # threshold 20, as the CUDA kernel
+        delta = F.softplus(delta)  # threshold 20, as the CUDA kernel
     return u, delta, A, B, C
+
 
 def _scan_finish(y, u, D, z, dtype_in):
     if D is not None:
-        y = y + u * D.to(y.dtype)[:, None]                                   # skip connection D u
+        y = y + u * D.to(y.dtype)[:, None]  # skip connection D u
     if z is not None:
-        y = y * F.silu(z.to(y.dtype))                                        # gate
+        y = y * F.silu(z.to(y.dtype))  # gate
     return y.to(dtype_in)
+
 
 def _scan_loop(h, delta, du, A, B, C):
     """Eq. (5) read left to right from the state h (b, di, N): -> (y (b, di, L), the last h)."""
     ys = []
-    # unbind hands out the time slices (indexing [..., t] would make autograd allocate a zero tensor per slice)
+    # unbind: indexing [..., t] would make autograd allocate a zero tensor per slice
     for delta_t, du_t, B_t, C_t in zip(delta.unbind(-1), du.unbind(-1), B.unbind(-1), C.unbind(-1)):
-        A_bar = torch.exp(delta_t[:, :, None] * A)                           # (b, di, N)   exp(Delta_t A)
-        h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)      # (b, di, N)   h_t = A_bar h + B_bar u_t
-        ys.append((h * C_t[:, None, :]).sum(-1))                             # (b, di)      y_t = <C_t, h_t>
-    return torch.stack(ys, dim=-1), h                                        # (b, di, L), (b, di, N)
+        A_bar = torch.exp(delta_t[:, :, None] * A)  # (b, di, N)  exp(Delta_t A)
+        h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)  # h_t = A_bar h + B_bar u_t
+        ys.append((h * C_t[:, None, :]).sum(-1))  # (b, di)  y_t = <C_t, h_t>
+    return torch.stack(ys, dim=-1), h  # (b, di, L), (b, di, N)
 
-def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, chunk=0):
-    """The reference: a loop over time; autograd keeps ~2 states per token. chunk > 0: chunks of that many tokens,
-    each recomputed in the backward (exact gradients; L / chunk + ~2 chunk states kept instead of ~2 L)."""
+
+def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                              delta_softplus=False, chunk=0):
+    """The reference: a loop over time; autograd keeps ~2 states a token. chunk > 0: chunks of
+    that many tokens recomputed in the backward (exact; L / chunk + ~2 chunk states kept)."""
     dtype_in = u.dtype
     u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
     batch, d_inner, L = u.shape
-    h = u.new_zeros(batch, d_inner, A.shape[1])                              # (b, di, N), h_0 = 0
-    du = delta * u                                                           # (b, di, L)
+    h = u.new_zeros(batch, d_inner, A.shape[1])  # (b, di, N), h_0 = 0
+    du = delta * u  # (b, di, L)
+
     step = chunk if chunk and torch.is_grad_enabled() else L
     ys = []
     for s in range(0, L, step):
-        args = (h, delta[..., s:s + step], du[..., s:s + step], A, B[..., s:s + step], C[..., s:s + step])
-        y, h = (torch.utils.checkpoint.checkpoint(_scan_loop, *args, use_reentrant=False) if step < L
-                else _scan_loop(*args))
+        args = (h, delta[..., s:s + step], du[..., s:s + step], A, B[..., s:s + step],
+                C[..., s:s + step])
+        y, h = (torch.utils.checkpoint.checkpoint(_scan_loop, *args, use_reentrant=False)
+                if step < L else _scan_loop(*args))
         ys.append(y)
     return _scan_finish(torch.cat(ys, dim=-1), u, D, z, dtype_in)
 
+
 def _hillis_steele(a, b):
-    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, with the official kernel's operator
-    (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1), in ceil(log2 L) rounds: after shift s each position holds the
-    composition of its last 2s terms (state-spaces/mamba@afd5fb5 csrc/selective_scan/selective_scan_common.h#L111)."""
+    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, in ceil(log2 L) rounds of
+    the official kernel's operator (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
+    (state-spaces/mamba@12d8550 csrc/selective_scan/selective_scan_common.h#L111)."""
     a, b = a.clone(), b.clone()
     L, s = a.shape[2], 1
+
     while s < L:
-        b[:, :, s:] += a[:, :, s:] * b[:, :, :-s]    # the right side is evaluated into a temporary first
-        a[:, :, s:] *= a[:, :, :-s].clone()          # clone: the slices overlap in memory
+        b[:, :, s:] += a[:, :, s:] * b[:, :, :-s]  # the right side is evaluated first
+        a[:, :, s:] *= a[:, :, :-s].clone()  # clone: the slices overlap in memory
         s *= 2
     return b
 
+
 class _LinearScan(torch.autograd.Function):
-    """h = scan(a, b) with a hand-written backward, itself a reverse scan with the same operator:
-        g_t = dLoss/dh_t (total) = gh_t + a_{t+1} g_{t+1},   dLoss/db_t = g_t,   dLoss/da_t = g_t h_{t-1}."""
+    """h = scan(a, b) with a hand-written backward, a reverse scan with the same operator:
+    g_t = dLoss/dh_t = gh_t + a_{t+1} g_{t+1}; dLoss/db_t = g_t; dLoss/da_t = g_t h_{t-1}."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -255,36 +275,46 @@ class _LinearScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gh):
         a, h = ctx.saved_tensors
-        a_next = torch.cat([a[:, :, 1:], torch.ones_like(a[:, :, :1])], dim=2)     # a_{t+1}, 1 past the end
-        g = _hillis_steele(a_next.flip(2), gh.flip(2)).flip(2)                     # reverse scan
-        h_prev = torch.cat([torch.zeros_like(h[:, :, :1]), h[:, :, :-1]], dim=2)    # h_{t-1}, h_{-1} = 0
+        # a_{t+1} (1 past the end) and h_{t-1} (h_{-1} = 0)
+        a_next = torch.cat([a[:, :, 1:], torch.ones_like(a[:, :, :1])], dim=2)
+        h_prev = torch.cat([torch.zeros_like(h[:, :, :1]), h[:, :, :-1]], dim=2)
+        g = _hillis_steele(a_next.flip(2), gh.flip(2)).flip(2)  # reverse scan
+
         return g * h_prev, g
 
-def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
-    """The same recurrence by an associative scan over time, in log2(L) rounds over (b, di, L, N) tensors. Only exp
-    of non-positive numbers is taken: a large negative A Delta underflows to 0 (never exp(A S_i) exp(-A S_j))."""
+
+def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                            delta_softplus=False):
+    """The same recurrence by an associative scan, log2(L) rounds over (b, di, L, N) tensors; exp
+    of non-positive numbers only (never exp(A S_i) exp(-A S_j))."""
     dtype_in = u.dtype
     u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
-    a = torch.exp(delta[..., None] * A[:, None, :])                          # (b, di, L, N)  A_bar_t
-    b = (delta * u)[..., None] * B.transpose(1, 2)[:, None]                  # (b, di, L, N)  B_bar_t u_t
-    h = _LinearScan.apply(a, b)                                              # (b, di, L, N)  all h_t
-    y = (h * C.transpose(1, 2)[:, None]).sum(-1)                             # (b, di, L)     y_t = <C_t, h_t>
+
+    a = torch.exp(delta[..., None] * A[:, None, :])  # (b, di, L, N)  A_bar_t
+    b = (delta * u)[..., None] * B.transpose(1, 2)[:, None]  # (b, di, L, N)  B_bar_t u_t
+    h = _LinearScan.apply(a, b)  # (b, di, L, N)  all h_t
+    y = (h * C.transpose(1, 2)[:, None]).sum(-1)  # (b, di, L)  y_t = <C_t, h_t>
     return _scan_finish(y, u, D, z, dtype_in)
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan='auto', chunk=0):
-    # auto: the loop on CPU, where it was faster at every training size timed (--bench-scan); the log-depth scan on
-    # CUDA, where the loop would launch ~18 kernels per token per layer (reasoned, not measured: no GPU here)
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   scan='auto', chunk=0):
+    # auto: the loop on CPU, the faster there at DeMa's sizes (--bench-scan); the log-depth scan on
+    # CUDA, where the loop would launch ~18 kernels per token and layer
     if scan == 'auto':
         scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
-    # the state update stays fp32 (the meta device, where train() sizes a step before allocating, has no autocast)
+
+    # the state update in fp32 (the meta device, where train() sizes a step, has no autocast)
     with torch.autocast("cpu" if u.device.type == "meta" else u.device.type, enabled=False):
         if scan == 'parallel':
             return selective_scan_parallel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-        return selective_scan_sequential(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk)
+        return selective_scan_sequential(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                         chunk)
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (official code: mamba's fused RMSNorm, eps 1e-5, no bias;
-    state-spaces/mamba@afd5fb5 mamba_ssm/ops/triton/layernorm.py#L481)."""
+    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (the code: mamba's fused RMSNorm, eps 1e-5, no
+    bias; state-spaces/mamba@12d8550 mamba_ssm/ops/triton/layernorm.py#L481)."""
 
     def __init__(self, d, eps=1e-5):
         super().__init__()
@@ -294,32 +324,39 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
-class Mamba(nn.Module):
-    """Mamba-1 mixer (state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> causal depthwise
-    conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan with A = -exp(A_log) and the D skip -> * SiLU(z) ->
-    out_proj. Its S6 layer (the "hidden attention", Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only=True: that layer
-    alone, the post block's mixer, with the official S6's dt_rank ceil((d_model / expand) / 16)
-    (AndssY/dema@e2aed7e gym/decision_transformer/models/trajectory_gpt2.py#L266)."""
 
-    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4,
-                 s6_only=False):
+class Mamba(nn.Module):
+    """Mamba-1 mixer (state-spaces/mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L31): in_proj ->
+    causal depthwise conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan -> * SiLU(z) ->
+    out_proj. Its S6 layer (Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only: that layer alone, the post
+    block's, dt_rank ceil((d_model / expand) / 16) as the code's
+    (gym/decision_transformer/models/trajectory_gpt2.py#L288-L290)."""
+
+    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3,
+                 dt_max=1e-1, dt_init_floor=1e-4, s6_only=False):
         super().__init__()
-        self.d_model, self.d_state, self.d_conv, self.expand, self.s6_only = d_model, d_state, d_conv, expand, s6_only
+        self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
+        self.expand, self.s6_only = expand, s6_only
         self.d_inner = d_inner = d_model if s6_only else expand * d_model
-        self.dt_rank = dt_rank = math.ceil((int(d_model / expand) if s6_only else d_model) / 16)   # "auto"
+        self.dt_rank = dt_rank = math.ceil((int(d_model / expand) if s6_only else d_model) / 16)
+
         self.in_proj = None if s6_only else nn.Linear(d_model, 2 * d_inner, bias=False)
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
-        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)  # S_Delta (rank R), S_B, S_C of Eq. (5)
+        # S_Delta (rank R), S_B and S_C of Eq. (5)
+        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_inner, 1))
+        A = torch.arange(1, d_state + 1, dtype=torch.float32)
+        self.A_log = nn.Parameter(torch.log(A).repeat(d_inner, 1))
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = None if s6_only else nn.Linear(d_inner, d_model, bias=False)
-        # Mamba's initialisation (the paper states none; the official code uses mamba's, mamba_simple.py#L82): dt_proj
-        # weight U(-R^-1/2, R^-1/2); its bias softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N) (S4D-real);
-        # out_proj / sqrt(n_layer), GPT-2's (AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
+
+        # mamba's initialisation (the code's; mamba_simple.py#L82-L110): dt_proj's weight
+        # U(-R^-1/2, R^-1/2), its bias softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N)
+        # (S4D-real); out_proj / sqrt(n_layer) (mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
-            dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min))
+                           + math.log(dt_min))
             dt = dt.clamp(min=dt_init_floor)
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             if not s6_only:
@@ -327,79 +364,96 @@ class Mamba(nn.Module):
                 self.out_proj.weight /= math.sqrt(n_layer)
 
     def ssm_inputs(self, h, mask=None):
-        """h (b, T, D) -> x (b, di, T) post-conv S6 input, z (b, di, T), delta (b, di, T), A (di, N), B, C (b, N, T)."""
+        """h (b, T, D) -> x (post-conv), z, delta (b, di, T), A (di, N), B, C (b, N, T)."""
         T = h.shape[1]
-        if self.s6_only:                                                     # the S6 layer reads h itself, ungated
-            x, z = h.transpose(1, 2), None                                   # (b, di = D, T)
+        if self.s6_only:  # the S6 layer reads h itself, ungated
+            x, z = h.transpose(1, 2), None  # (b, di = D, T)
         else:
-            x, z = self.in_proj(h).chunk(2, dim=-1)                          # (b, T, di) each
-            x, z = x.transpose(1, 2), z.transpose(1, 2)                      # (b, di, T)
+            x, z = self.in_proj(h).chunk(2, dim=-1)  # (b, T, di) each
+            x, z = x.transpose(1, 2), z.transpose(1, 2)  # (b, di, T)
         if mask is not None:
-            x = x * mask[:, None, :].to(x.dtype)                             # pads = the zeros before a fresh start
-        x = F.silu(self.conv1d(x)[..., :T])                                  # causal depthwise conv, width W
-        dbc = self.x_proj(x.transpose(1, 2))                                 # (b, T, R + 2N)
+            x = x * mask[:, None, :].to(x.dtype)  # pads = the zeros before a fresh start
+
+        x = F.silu(self.conv1d(x)[..., :T])  # causal depthwise conv, width W
+
+        # Eq. (5): Delta = softplus(S_Delta(x)), B = S_B(x), C = S_C(x)
+        dbc = self.x_proj(x.transpose(1, 2))  # (b, T, R + 2N)
         dt, B, C = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(fp32(self.dt_proj(dt))).transpose(1, 2)          # (b, di, T)  Eq. (5): softplus(S_Delta(x))
+        delta = F.softplus(fp32(self.dt_proj(dt))).transpose(1, 2)  # (b, di, T)
         if mask is not None:
-            delta = delta * mask[:, None, :]                                 # Delta = 0: the state passes pads as is
-        A = -torch.exp(fp32(self.A_log))                                     # (di, N), fp32
+            delta = delta * mask[:, None, :]  # Delta = 0: the state passes pads as is
+        A = -torch.exp(fp32(self.A_log))  # (di, N), fp32
         return x, z, delta, A, B.transpose(1, 2), C.transpose(1, 2)
 
     def forward(self, h, mask=None, scan='auto', chunk=0):
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
-        y = selective_scan(x, delta, A, B, C, D=self.D, z=z, scan=scan, chunk=chunk)   # (b, di, T)
+        y = selective_scan(x, delta, A, B, C, D=self.D, z=z, scan=scan, chunk=chunk)  # (b, di, T)
         return y.transpose(1, 2) if self.s6_only else self.out_proj(y.transpose(1, 2))  # (b, T, D)
 
     def step(self, h, cache):
-        """One token (Sec. 3.2; mamba_simple.py#L208): h (b, D), (conv_state, ssm_state) -> (out (b, D), new cache)."""
+        """One token (Sec. 3.2; mamba_simple.py#L208): h (b, D), cache -> (out (b, D), cache)."""
         conv_state, ssm_state = cache
-        x, z = (h, None) if self.s6_only else self.in_proj(h).chunk(2, dim=-1)   # (b, di)
-        conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)  # roll in x_t
-        x = F.silu((conv_state * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias)            # (b, di)
+        x, z = (h, None) if self.s6_only else self.in_proj(h).chunk(2, dim=-1)  # (b, di)
+        # roll x_t into the conv's last W inputs
+        conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)
+        x = F.silu((conv_state * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias)  # (b, di)
+
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(fp32(self.dt_proj(dt)))                           # (b, di)
-        with torch.autocast(h.device.type, enabled=False):                  # the state update stays fp32
+        delta = F.softplus(fp32(self.dt_proj(dt)))  # (b, di)
+
+        # Eq. (5), one step; the state update stays fp32
+        with torch.autocast(h.device.type, enabled=False):
             x, B, C = fp32(x), fp32(B), fp32(C)
             A = -torch.exp(fp32(self.A_log))
-            ssm_state = torch.exp(delta[..., None] * A) * ssm_state + (delta * x)[..., None] * B[:, None, :]  # Eq. (5)
-            y = (ssm_state * C[:, None, :]).sum(-1) + self.D * x             # (b, di)
+            A_bar = torch.exp(delta[..., None] * A)  # (b, di, N)
+            ssm_state = A_bar * ssm_state + (delta * x)[..., None] * B[:, None, :]
+            y = (ssm_state * C[:, None, :]).sum(-1) + self.D * x  # (b, di)
         if self.s6_only:
             return y.to(h.dtype), (conv_state, ssm_state)
         return self.out_proj((y * F.silu(fp32(z))).to(h.dtype)), (conv_state, ssm_state)
 
     def hidden_attention(self, h, mask=None, last_row=False):
-        """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5), exactly (departure 9), per channel c:
-            alpha[c]_{i,j} = sum_n C_i[n] exp(A[c,n] sum_{k=j+1..i} Delta_k[c]) Delta_j[c] B_j[n]   for j <= i, else 0
-        so that y_i[c] = sum_j alpha[c]_{i,j} x_j[c] is the S6 output without the D skip and the gate (x: post-conv)
-        (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394) -> (b, di, T, T), or the last row."""
+        """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5; departure 9), per channel c:
+            alpha[c]_{i,j} = sum_n C_i[n] exp(A[c,n] sum_{k=j+1..i} Delta_k[c]) Delta_j[c] B_j[n]
+        for j <= i, else 0: y_i = sum_j alpha_{i,j} x_j, S6 without D skip and gate
+        (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394) -> (b, di, T, T)
+        or the last row."""
         x, z, delta, A, B, C = self.ssm_inputs(h, mask)
         B, C = fp32(B), fp32(C)
+
         T = x.shape[-1]
-        S = delta.cumsum(-1)                                                 # (b, di, T)
+        S = delta.cumsum(-1)  # (b, di, T)
         rows = slice(T - 1, T) if last_row else slice(0, T)
-        seg = S[:, :, rows, None] - S[:, :, None, :]                         # (b, di, Ti, Tj) = sum_{k=j+1..i} Delta_k
-        causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()[rows]   # (Ti, Tj)
-        seg = seg.masked_fill(~causal, 0.0)                                  # never exp(+large) above the diagonal
-        decay = torch.exp(seg[..., None] * A[None, :, None, None, :])        # (b, di, Ti, Tj, N), all <= 1
-        alpha = (C.transpose(1, 2)[:, None, rows, None, :] * decay * B.transpose(1, 2)[:, None, None, :, :]).sum(-1)
-        alpha = alpha * delta[:, :, None, :] * causal                        # (b, di, Ti, Tj)
+
+        # seg[i, j] = sum_{k=j+1..i} Delta_k, never exp(+large) above the diagonal
+        seg = S[:, :, rows, None] - S[:, :, None, :]  # (b, di, Ti, Tj)
+        causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()[rows]  # (Ti, Tj)
+        seg = seg.masked_fill(~causal, 0.0)
+        decay = torch.exp(seg[..., None] * A[None, :, None, None, :])  # (b, di, Ti, Tj, N), <= 1
+
+        C_i = C.transpose(1, 2)[:, None, rows, None, :]  # (b, 1, Ti, 1, N)
+        B_j = B.transpose(1, 2)[:, None, None, :, :]  # (b, 1, 1, Tj, N)
+        alpha = (C_i * decay * B_j).sum(-1) * delta[:, :, None, :] * causal  # (b, di, Ti, Tj)
         return alpha[:, :, 0] if last_row else alpha
 
+
 class Block(nn.Module):
-    """Sec. 4.2, Fig. 1 right: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the method;
-    state-spaces/mamba@afd5fb5 mamba_ssm/modules/mamba_simple.py#L297). --residual post, "DeMa with post." (Tables 3-4,
-    departure 7): x + S6(LN(x)), then x + MLP(LN(x)), the transformer's block with S6 in attention's place; ReLU in
-    the MLP (D.1), GELU in the official Atari code (AndssY/dema@e2aed7e atari/mingpt/model_atari2.py#L263)."""
+    """Sec. 4.2, Fig. 1: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the
+    method; state-spaces/mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L297). "DeMa with post."
+    (departure 7): x + S6(LN(x)), then x + MLP(LN(x)); ReLU in the MLP (D.1), GELU on Atari as
+    the code's (atari/mingpt/model_atari2.py#L273)."""
 
     def __init__(self, cfg, gelu=False):
         super().__init__()
         D, self.post = cfg.d_model, cfg.residual == "post"
         self.norm = nn.LayerNorm(D) if self.post else RMSNorm(D)
-        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer, s6_only=self.post)
+        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer,
+                           s6_only=self.post)
+
         if self.post:
             self.norm2 = nn.LayerNorm(D)
-            self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(), nn.Linear(4 * D, D),
-                                     nn.Dropout(cfg.dropout))
+            self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(),
+                                     nn.Linear(4 * D, D), nn.Dropout(cfg.dropout))
 
     def forward(self, x, mask=None, scan='auto', chunk=0):
         x = x + self.mixer(self.norm(x), mask, scan, chunk)
@@ -410,49 +464,56 @@ class Block(nn.Module):
         x = x + out
         return (x + self.mlp(self.norm2(x)) if self.post else x), cache
 
+
 def previous_actions(actions, prev_action):
-    """a_{t-1} at every position (b, K, act): prev_action is data.py's a_{t-1} of the window's first step."""
+    """a_{t-1} at every position (b, K, act); prev_action: the a_{t-1} of the window's first."""
     return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
 
+
 class DeMa(nn.Module):
-    """Tokens [R_t, a_{t-1}, s_t] per step ("B3LD", Sec. 4.1) or one of the three concatenated ("BL3D"), Linear E (3E)
-    -> D, n_layer blocks, final RMSNorm, a_t = tanh(Linear(the s_t token's output)); no LayerNorm on the embeddings
-    (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30, Mamba_mujoco). discrete=True, Atari (Sec. 5;
-    AndssY/dema@e2aed7e atari/models/mamba.py#L76, DMamba): logits over the |A| actions."""
+    """Tokens [R_t, a_{t-1}, s_t] a step ("B3LD", Sec. 4.1) or the three concatenated ("BL3D"),
+    Linear E (3E) -> D, the blocks, RMSNorm, a_t = tanh(Linear(the s_t token's output)), no
+    LayerNorm on the embeddings (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30);
+    Atari (Sec. 5; atari/models/mamba.py#L76): logits."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
         E, D = cfg.n_embd, cfg.d_model
         self.discrete = discrete
         self.bl3d = cfg.token_layout == "bl3d"
-        self.n = 1 if self.bl3d else 3                       # tokens per step
+        self.n = 1 if self.bl3d else 3  # tokens per step
         self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
         self.prev_action = cfg.prev_action
-        # App. G, Table 17 ("DeMa with pos. embed."): DT's timestep embedding added to every token
+
+        # Table 17, "DeMa with pos. embed.": DT's timestep embedding added to every token
         self.embed_timestep = nn.Embedding(max_ep_len, E) if cfg.timestep_embedding else None
+
+        # the token embeddings: Atari's DQN torso, 4 x 84 x 84 -> 64 x 7 x 7 -> E, tanh (Table 9's
+        # "ReLU (state encoder)"), and tanh after R_t's and a_{t-1}'s (the code's); MuJoCo: DT's
         if discrete:
-            # DQN's torso (Mnih et al. 2015) on the 4 x 84 x 84 stack -> 64 x 7 x 7 -> E, tanh (Table 9: "ReLU (state
-            # encoder)"); tanh after the return and action embeddings too (official DMamba)
             self.embed_state = nn.Sequential(
                 nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, E), nn.Tanh())
+                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, E),
+                nn.Tanh())
             self.embed_return = nn.Sequential(nn.Linear(1, E), nn.Tanh())
             self.embed_action = nn.Sequential(nn.Embedding(act_dim, E), nn.Tanh())
         else:
-            self.embed_return = nn.Linear(1, E)              # a linear layer per modality, as DT (official MuJoCo code)
+            self.embed_return = nn.Linear(1, E)
             self.embed_action = nn.Linear(act_dim, E)
             self.embed_state = nn.Linear(obs_dim, E)
         self.drop = nn.Dropout(cfg.dropout)
-        # the official backbone, MixerModel: AndssY/dema@e2aed7e mamba/mamba_ssm/models/mixer_seq_simple.py#L86
-        self.embedding = nn.Linear(3 * E if self.bl3d else E, D)   # its embedding (E -> D, or 3E -> D)
-        # Sec. 4.2, Tables 3-4: Mamba's pre up-projection block (the method) or the post one (GELU in its MLP on Atari)
+
+        # the code's MixerModel (mixer_seq_simple.py#L86): embedding (E -> D, or 3E -> D), blocks,
+        # norm_f, an RMSNorm (the paper names none)
+        self.embedding = nn.Linear(3 * E if self.bl3d else E, D)
         self.blocks = nn.ModuleList([Block(cfg, gelu=discrete) for _ in range(cfg.n_layer)])
-        self.ln_f = RMSNorm(D)                               # official norm_f: RMSNorm (the paper names no norm)
-        # MuJoCo: tanh(Linear) into [-1, 1]; Atari: logits, official head Linear(D, |A|, bias=False) (mamba.py#L132)
+        self.ln_f = RMSNorm(D)
+        # MuJoCo: tanh(Linear); Atari: logits, the code's Linear(D, |A|, bias=False) (mamba.py#L132)
         self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
                                nn.Sequential(nn.Linear(D, act_dim), nn.Tanh()))
-        # the official model's apply(_init_weights) (ssm.py#L96): every Linear bias zero except dt_proj's (its
-        # softplus^-1 init), embeddings (the timestep and Atari action tables) N(0, 0.02); other weights PyTorch's init
+
+        # the code's apply(_init_weights) (ssm.py#L96): Linear biases zero but dt_proj's, tables
+        # N(0, 0.02), other weights PyTorch's
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
                 nn.init.zeros_(m.bias)
@@ -460,241 +521,348 @@ class DeMa(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def tokens(self, states, prev_actions, rtg, timesteps):
-        """states (b, K, obs) (Atari: (b, K, 4, 84, 84) uint8), prev_actions (b, K, act) = a_{t-1} (Atari: (b, K)
-        int64), rtg (b, K, 1), timesteps (b, K) -> (b, nK, D), fp32."""
+        """states (b, K, obs) (Atari: (b, K, 4, 84, 84) uint8), prev_actions (b, K, act) = a_{t-1}
+        (Atari: (b, K) int64), rtg (b, K, 1), timesteps (b, K) -> (b, nK, D), fp32."""
         b, K = states.shape[:2]
-        if not self.prev_action:   # --no-prev-action: every step's a_{t-1} slot holds the null a_{-1} = 0
+        if not self.prev_action:  # --no-prev-action: each step's a_{t-1} is the null a_{-1} = 0
             prev_actions = torch.zeros_like(prev_actions)
-        if self.discrete:          # the frames / 255 through the conv torso, one step at a time in the batch dimension
-            frames = states.reshape(b * K, *states.shape[2:]).to(self.embedding.weight.dtype) / 255.0
-            frames = frames.contiguous(memory_format=torch.channels_last)  # same values; convs ~1.3x faster on CPU
-            e = [self.embed_action(prev_actions), self.embed_return(rtg),    # official Atari order, mamba.py#L220
-                 self.embed_state(frames).view(b, K, -1)]                                     # 3 x (b, K, E)
+
+        # Atari: the frames / 255 through the torso, the code's order a_{t-1}, R_t, s_t
+        # (mamba.py#L222-L224); MuJoCo: R_t, a_{t-1}, s_t (ssm.py#L134-L136)
+        if self.discrete:
+            frames = states.reshape(b * K, *states.shape[2:])  # (bK, 4, 84, 84)
+            frames = frames.to(self.embedding.weight.dtype) / 255.0
+            # channels-last: the same values, and faster convolutions on CPU
+            frames = frames.contiguous(memory_format=torch.channels_last)
+            e = [self.embed_action(prev_actions), self.embed_return(rtg),
+                 self.embed_state(frames).view(b, K, -1)]  # 3 x (b, K, E)
         else:
-            e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]  # ssm.py#L133
+            e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]
         if self.embed_timestep is not None:
-            time = self.embed_timestep(timesteps)                                                # (b, K, E)
+            time = self.embed_timestep(timesteps)  # (b, K, E)
             e = [x + time for x in e]
-        u = (torch.cat(e, dim=-1) if self.bl3d                               # (b, K, 3E): one token per step
-             else torch.stack(e, dim=2).reshape(b, 3 * K, -1))               # (b, 3K, E): step 0's three, step 1's ...
-        return fp32(self.embedding(self.drop(u)))            # the residual stream stays fp32 under --amp (official too)
+
+        # BL3D: one token per step (b, K, 3E); B3LD: (b, 3K, E), step 0's three, step 1's, ...
+        u = torch.cat(e, dim=-1) if self.bl3d else torch.stack(e, dim=2).reshape(b, 3 * K, -1)
+        # the residual stream stays fp32 under --amp (the code's too)
+        return fp32(self.embedding(self.drop(u)))
 
     def forward(self, states, actions, rtg, timesteps, mask, prev_action):
-        """Sec. 3.1: a_t from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}. states (b,K,obs), actions (b,K,act), rtg (b,K,1),
-        timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act) -> actions (b,K,act) (Atari: logits (b,K,|A|))."""
-        x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)   # (b, nK, D)
-        tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None         # (b, nK)
+        """Sec. 3.1: a_t from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}. states (b,K,obs), actions
+        (b,K,act), rtg (b,K,1), timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act) ->
+        actions (b,K,act) (Atari: logits (b,K,|A|))."""
+        prev_actions = previous_actions(actions, prev_action)  # (b, K, act)
+        x = self.tokens(states, prev_actions, rtg, timesteps)  # (b, nK, D)
+        tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None  # (b, nK)
+
         for block in self.blocks:
             x = block(x, tmask, self.scan, self.scan_chunk)
-        x = self.ln_f(x)                                                     # (b, nK, D)
-        return self.predict_action(x[:, self.n - 1::self.n])                 # from the s_t token (every token, BL3D)
+
+        x = self.ln_f(x)  # (b, nK, D)
+        return self.predict_action(x[:, self.n - 1::self.n])  # from the s_t token (BL3D: each)
 
     def init_cache(self, batch, device=None, dtype=torch.float32):
-        """Per layer (Mamba.step's cache), zero: the last W conv inputs (b, di, W) and the SSM state h (b, di, N)."""
+        """Per layer, zero: the last W conv inputs (b, di, W) and the SSM state h (b, di, N)."""
         return [(torch.zeros(batch, b.mixer.d_inner, b.mixer.d_conv, device=device, dtype=dtype),
-                 torch.zeros(batch, b.mixer.d_inner, b.mixer.d_state, device=device, dtype=dtype)) for b in self.blocks]
+                 torch.zeros(batch, b.mixer.d_inner, b.mixer.d_state, device=device, dtype=dtype))
+                for b in self.blocks]
 
     def step(self, states, prev_action, rtg, timesteps, cache):
-        """RNN-like DeMa (Sec. 3.2): the current triplet through every layer, carrying the conv and SSM states.
-        states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,) -> (action (b, act) or logits, cache)."""
-        toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None], timesteps[:, None])   # (b, n, D)
+        """RNN-like DeMa (Sec. 3.2): the current triplet through the layers, carrying their states.
+        states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,) -> (actions, cache)."""
+        toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None],
+                           timesteps[:, None])  # (b, n, D)
+
         cache = list(cache)
-        for x in toks.unbind(1):                                             # the step's tokens, s_t's last
+        for x in toks.unbind(1):  # the step's tokens, s_t's last
             for l, block in enumerate(self.blocks):
                 x, cache[l] = block.step(x, cache[l])
-        return self.predict_action(self.ln_f(x)), cache                     # x is the s_t token's output
+        return self.predict_action(self.ln_f(x)), cache  # x is the s_t token's output
 
     def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
-        """Per layer, the implicit attention of its S6 layer (Mamba.hidden_attention) on this window."""
+        """Per layer, its S6 layer's implicit attention (Mamba.hidden_attention) on this window."""
         x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)
         tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
+
         attn = []
         for block in self.blocks:
             attn.append(block.mixer.hidden_attention(block.norm(x), tmask, last_row))
             x = block(x, tmask, self.scan)
         return attn
+
 # <<< model: end
 
-# ----------------------------------------------------------------------------------------------------------------
-# the paper's pieces: per-dataset sizes, data, loss, policy
+
+# --------------------------------------------------------------------------------------------------
+# the paper's pieces: per-dataset settings, data, model, schedule, loss, policy
 
 SCRIPT = "dema"
+LOG_COLUMNS = ()
 CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), residual=("pre", "post"),
                scan=("auto", "sequential", "parallel"), s6_ablation=("", "zero", "random", "swap"))
-WINDOW = ("states", "actions", "rtg", "timesteps", "mask", "prev_action")     # a batch's keys, in DeMa.forward's order
-S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
+WINDOW = ("states", "actions", "rtg", "timesteps", "mask", "prev_action")  # DeMa.forward's order
+S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias",
+                 "A_log", "D")
 
-def check_model(cfg):
-    """DeMa's own flags (evaluate.check_flags has the common ones): one sentence (DataError) about the first bad one."""
-    for name, ok in CHOICES.items():
-        if getattr(cfg, name) not in ok:
-            *rest, last = [c for c in ok if c]
-            raise data_lib.DataError(f"unknown --{name.replace('_', '-')} '{getattr(cfg, name)}'; use "
-                                     f"{', '.join(rest)} or {last}")
-    for name in ("d_model", "d_state", "d_conv", "expand", "rnn_max_len", "inner_it"):
-        if getattr(cfg, name) <= 0:
-            raise data_lib.DataError(f"--{name.replace('_', '-')} must be a positive whole number, got "
-                                     f"{getattr(cfg, name)}")
-    for bad, why in (
-            (cfg.lr_decay_steps < 0, f"--lr-decay-steps must be 0 (off) or a step count, got {cfg.lr_decay_steps}"),
-            (not 0 <= cfg.beta2 < 1, f"--beta2 must lie in [0, 1), got {cfg.beta2}"),
-            (cfg.scan_chunk < 0, f"--scan-chunk must be 0 (off) or a positive number of tokens, got {cfg.scan_chunk}"),
-            (cfg.scan_chunk and cfg.scan == "parallel", "--scan-chunk needs the sequential scan; drop --scan parallel"),
-            (cfg.mode == "rnn" and not cfg.pad_mask,
-             "--mode rnn needs the pad mask (a batch's trajectories are padded to the longest); drop --no-pad-mask"),
-            (cfg.mode == "rnn" and cfg.compile,
-             "--compile with --mode rnn would recompile for every new trajectory length; train RNN mode without it"),
-            (cfg.rtg_shift and cfg.mode == "transformer" and cfg.context < 2,
-             f"--rtg-shift trains on a window's last K-1 steps, so it needs --context 2 or more, got {cfg.context}"),
-            (cfg.s6_layers != "all" and not re.fullmatch(r"\d+(,\d+)*", cfg.s6_layers),
-             f"--s6-layers must be 'all' or 0-based layer indices such as 0,2; got '{cfg.s6_layers}'"),
-            ((cfg.s6_ablation == "swap") != bool(cfg.s6_donor),
-             "--s6-ablation swap and --s6-donor <run folder of another DeMa> go together")):
-        if bad:
-            raise data_lib.DataError(why)
 
 def paper_values(name, mode="transformer"):
-    """Per-dataset settings: D.1 (MuJoCo), Tables 14-15 and F.2 (mazes), D.2 and Table 10 (Atari; Table 9: PRESETS)."""
+    """Per-dataset settings: D.1 (MuJoCo), Tables 14-15, F.2 (mazes), D.2, Table 10 (Atari)."""
     atari, name = data_lib.is_atari(name), name.lower()
-    if atari and mode == "rnn":   # Table 10, D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates each
+    # Table 10, D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates each
+    if atari and mode == "rnn":
         return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
-    if atari:   # D.2: K=8 for Qbert and Frostbite (Table 9's warmup would be 10 steps there, not 3: < 0.03% of the run)
+
+    # D.2: K=8 for Qbert and Frostbite (Table 9's warmup stays 3 steps there, not 10)
+    if atari:
         return dict(context=8) if re.search("qbert|frostbite", name) else {}
-    if m := re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert|simple)", name):
+
+    # D.1
+    if m := re.search(r"(halfcheetah|hopper|walker2d)[-/](medium-replay|medium-expert|medium|expert"
+                      r"|simple)", name):
         env, level = m.groups()
         hopper_medium = env == "hopper" and level in ("medium", "medium-replay")
-        return dict(n_embd=256 if hopper_medium else 128, d_model=128 if level == "medium-expert" else 64,
+        return dict(n_embd=256 if hopper_medium else 128,
+                    d_model=128 if level == "medium-expert" else 64,
                     lr=1e-4 if hopper_medium or (env, level) == ("walker2d", "medium") else 1e-3)
-    maze_eval = dict(eval_episodes=50)            # F.2: 50 evaluation episodes on every maze
-    if "pointmaze" in name or "maze2d" in name:   # Table 15 (maze2d); medium: K=8, E=256; umaze: Table 8's values
+
+    # mazes, F.2's 50 evaluation episodes: Table 15 (maze2d; umaze: Table 8's), Table 14 (antmaze)
+    maze_eval = dict(eval_episodes=50)
+    if "pointmaze" in name or "maze2d" in name:
         if "umaze" in name:
             return dict(n_embd=128, d_model=64, lr=1e-4, **maze_eval)
         return dict(n_embd=256 if "medium" in name else 128, d_model=64, lr=2e-5, batch_size=32,
                     context=8 if "medium" in name else 20, dropout=0.1, **maze_eval)
-    if "antmaze" in name:                         # Table 14
-        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1, **maze_eval)
+    if "antmaze" in name:
+        return dict(n_embd=128, d_model=128, lr=2e-5, batch_size=32, context=5, dropout=0.1,
+                    **maze_eval)
     return {}
 
+
 def paper_settings(cfg, given):
-    """paper_values() under `given`: Config's defaults < PRESETS[""] (Atari) < the dataset's row < --preset < flags."""
-    return dataclasses.replace(cfg, **{k: v for k, v in paper_values(cfg.dataset or cfg.env, cfg.mode).items()
-                                      if k not in given})
+    """Config's defaults < PRESETS[""] (Atari) < paper_values' row < --preset < the flags; this
+    file's flags checked -> cfg."""
+    name = cfg.dataset or cfg.env
+    # --preset cpu --mode rnn on Atari: ATARI_CPU_RNN under the flags (a value equal to the
+    # preset's, which `given` holds too, is the preset's)
+    if cfg.preset == "cpu" and cfg.mode == "rnn" and data_lib.is_atari(name):
+        preset = ev.preset_values(PRESETS, "cpu", name)
+        rnn = {k: v for k, v in ATARI_CPU_RNN.items()
+               if k not in given or getattr(cfg, k) == preset.get(k)}
+        cfg, given = dataclasses.replace(cfg, **rnn), given | set(rnn)
+        if rnn:
+            flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in rnn.items())
+            print(f"--preset cpu --mode rnn on Atari: {flags}")
+
+    row = paper_values(name, cfg.mode)
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in row.items() if k not in given})
+
+    # this file's flags (check_flags has the shared ones): one sentence, the first bad
+    for f, ok in CHOICES.items():
+        if getattr(cfg, f) not in ok:
+            *rest, last = [c for c in ok if c]
+            raise data_lib.DataError(f"unknown --{f.replace('_', '-')} '{getattr(cfg, f)}'; use "
+                                     f"{', '.join(rest)} or {last}")
+    for f in ("d_model", "d_state", "d_conv", "expand", "rnn_max_len", "inner_it"):
+        if getattr(cfg, f) <= 0:
+            raise data_lib.DataError(f"--{f.replace('_', '-')} must be a positive whole number, "
+                                     f"got {getattr(cfg, f)}")
+
+    for bad, why in (
+            (cfg.lr_decay_steps < 0, f"--lr-decay-steps must be 0 (off) or more, got "
+                                     f"{cfg.lr_decay_steps}"),
+            (not 0 <= cfg.beta2 < 1, f"--beta2 must lie in [0, 1), got {cfg.beta2}"),
+            (cfg.scan_chunk < 0, f"--scan-chunk must be 0 (off) or more, got {cfg.scan_chunk}"),
+            (cfg.scan_chunk and cfg.scan == "parallel",
+             "--scan-chunk needs the sequential scan; drop --scan parallel"),
+            (cfg.mode == "rnn" and not cfg.pad_mask,
+             "--mode rnn needs the pad mask (trajectories are padded); drop --no-pad-mask"),
+            (cfg.mode == "rnn" and cfg.compile,
+             "--compile with --mode rnn would recompile for each trajectory length; drop one"),
+            (cfg.rtg_shift and cfg.mode == "transformer" and cfg.context < 2,
+             f"--rtg-shift needs --context 2 or more (it trains on K-1 steps), got {cfg.context}"),
+            (cfg.s6_layers != "all" and not re.fullmatch(r"\d+(,\d+)*", cfg.s6_layers),
+             f"--s6-layers must be 'all' or 0-based indices such as 0,2; got '{cfg.s6_layers}'"),
+            ((cfg.s6_ablation == "swap") != bool(cfg.s6_donor),
+             "--s6-ablation swap and --s6-donor <another DeMa's run folder> go together")):
+        if bad:
+            raise data_lib.DataError(why)
+    return cfg
+
+
+def load_dataset(cfg):
+    return data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
+
 
 def build_model(cfg, info):
-    """The model the data's spaces call for: Atari's (image states, discrete actions: info["discrete"]) or MuJoCo's."""
-    return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"], discrete=info.get("discrete", False))
+    """The model the data's spaces call for: Atari's for discrete actions, else the gym one."""
+    return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"],
+                discrete=info.get("discrete", False))
+
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s (RNN mode: of --bench's episodes)."""
+    steps = min(max(200, 2 * cfg.context), cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context
+    return (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
+
 
 def param_groups(model, cfg):
-    """AdamW's groups: the official MuJoCo code decays every parameter, the Atari code not biases, norms, or its *emb*
-    names: R_t, a_{t-1} and timestep tables, the E -> D Linear (AndssY/dema@e2aed7e atari/models/mamba.py#L141)."""
+    """AdamW's groups: the code's MuJoCo decays every parameter, its Atari not biases, norms or its
+    *emb* names, R_t's and a_{t-1}'s embeddings and E -> D (atari/models/mamba.py#L159; here the
+    timestep table too)."""
     if not model.discrete:
         return [{"params": list(model.parameters())}]
+
     undecayed = ("embed_return.", "embed_action.", "embed_timestep.", "embedding.", "ln_f.")
-    rest = {n for n, p in model.named_parameters() if n.endswith("bias") or "norm" in n or n.startswith(undecayed)}
+    rest = {n for n, p in model.named_parameters()
+            if n.endswith("bias") or "norm" in n or n.startswith(undecayed)}
     return [{"params": [p for n, p in model.named_parameters() if n not in rest]},
             {"params": [p for n, p in model.named_parameters() if n in rest], "weight_decay": 0.0}]
 
+
 def lr_factor(s, cfg):
-    """--lr's factor at step s: linear warmup, then constant (AndssY/dema@e2aed7e gym/experiment.py#L455) or, with
-    --lr-decay-steps N, max(0.1, (1 + cos(pi p)) / 2), p = (s - warmup) / (N - warmup) not clamped: 0.1 from p = 0.8,
-    rising again past 1.2 (AndssY/dema@e2aed7e atari/mingpt/trainer_atari.py#L217)."""
+    """--lr's factor at step s: linear warmup, then constant (gym/experiment.py#L455-L458) or,
+    with --lr-decay-steps N, max(0.1, (1 + cos(pi p)) / 2), p = (s - warmup) / (N - warmup) not
+    clamped: 0.1 from p = 0.8, rising again past 1.2 (atari/mingpt/trainer_atari.py#L222-L223)."""
     if s < cfg.warmup_steps or not cfg.lr_decay_steps:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
+
     p = (s - cfg.warmup_steps) / max(1, cfg.lr_decay_steps - cfg.warmup_steps)
     return max(0.1, 0.5 * (1.0 + math.cos(math.pi * p)))
 
+
 def get_batch(d, n, cfg, rng, longest=False):
-    """n windows of K steps (App. C), or RNN-like n whole trajectories drawn in proportion to length (longest: the
-    longest, to size the worst step), left-padded (departure 8; AndssY/dema@e2aed7e gym/experiment.py#L254)."""
+    """n windows of K steps (App. C); RNN-like: n whole trajectories drawn in proportion to length
+    (longest: the longest, sizing the worst step), left-padded (departure 8)."""
     if cfg.mode != "rnn":
         return d.sample(n, cfg.context, rng)
-    lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))                 # (n_episodes,)
-    ep = np.full(n, lengths.argmax()) if longest else rng.choice(len(lengths), size=n, p=lengths / lengths.sum())
+
+    lengths = np.diff(np.append(d.ep_start, len(d.step_ep_start)))  # (n_episodes,)
+    if longest:
+        ep = np.full(n, lengths.argmax())
+    else:
+        ep = rng.choice(len(lengths), size=n, p=lengths / lengths.sum())
     steps = np.minimum(lengths[ep], cfg.rnn_max_len)
     start = d.ep_start[ep]
     return data_lib.gather_windows(d.flat, start, start + steps - 1, int(steps.max()))
 
+
 def predict(model, b, cfg, training=False):
-    """A data.py / evaluate.py window -> (predicted actions, target actions, loss mask)."""
+    """A data.py / evaluate.py window -> (predicted actions, targets, loss mask)."""
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in WINDOW)
     if training and cfg.rtg_shift:
-        # departure 3, the official alignment (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L109)
-        states, actions, timesteps, prev = states[:, 1:], actions[:, 1:], timesteps[:, :-1], actions[:, 0]
-        rtg, mask = rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
+        # departure 3, the code's alignment (gym/decision_transformer/models/ssm.py#L109-L116)
+        states, actions, prev = states[:, 1:], actions[:, 1:], actions[:, 0]
+        timesteps, rtg, mask = timesteps[:, :-1], rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
 
+
 def loss_fn(model, batch, cfg):
-    pred, target, mask = predict(model, batch, cfg, training=True)                 # (b, K, act) each; Atari: logits
-    if target.dtype == torch.int64:            # Sec. 3.1, App. C: cross-entropy for discrete actions (Atari)
-        err = F.cross_entropy(pred.float().flatten(0, 1), target.flatten(), reduction="none").view_as(mask)  # (b, K)
-    else:                                      # Sec. 3.1: MSE for continuous actions
-        err = ((pred.float() - target) ** 2).mean(-1)                               # (b, K)
-    return (err * mask).sum() / mask.sum()     # App. C: the padding's loss is masked
+    pred, target, mask = predict(model, batch, cfg, training=True)  # (b, K, act) or logits
+    if target.dtype == torch.int64:
+        # Sec. 3.1, App. C: cross-entropy for discrete actions (Atari)
+        err = F.cross_entropy(pred.float().flatten(0, 1), target.flatten(), reduction="none")
+        err = err.view_as(mask)  # (b, K)
+    else:
+        # Sec. 3.1: MSE for continuous actions
+        err = ((pred.float() - target) ** 2).mean(-1)  # (b, K)
+    return (err * mask).sum() / mask.sum()  # App. C: the padding's loss is masked
+
 
 def policy(model, cfg):
-    """The action (Atari: logits) for evaluate.evaluate. Transformer-like: the window re-run from a zero state.
-    RNN-like (Sec. 3.2): only the current triplet, carrying each env's conv and SSM states from its first step."""
+    """The actions (Atari: logits) for evaluate.py. Transformer-like: the window from a zero state;
+    RNN-like (Sec. 3.2): the current triplet, each env's states carried from its first step."""
     if cfg.mode == "transformer":
         return lambda batch, live: predict(model, batch, cfg)[0][:, -1]
-    caches = {}                                                                     # env index -> its per-layer cache
+
+    caches = {}  # env index -> its per-layer cache
 
     def act_rnn(batch, live):
+        # each live env's cache (zero at its first step)
         fresh = batch["timesteps"][:, -1] == 0
-        zero = model.init_cache(1, batch["states"].device, fp32(model.embedding.weight).dtype)   # (not uint8 frames')
-        per_env = [zero if bool(fresh[j]) or int(i) not in caches else caches[int(i)] for j, i in enumerate(live)]
-        cache = [tuple(torch.cat([c[l][k] for c in per_env]) for k in range(2)) for l in range(len(zero))]
+        zero = model.init_cache(1, batch["states"].device, fp32(model.embedding.weight).dtype)
+        per_env = [zero if bool(fresh[j]) or int(i) not in caches else caches[int(i)]
+                   for j, i in enumerate(live)]
+        cache = [tuple(torch.cat([c[l][k] for c in per_env]) for k in range(2))
+                 for l in range(len(zero))]
+
+        # a step of the live envs, then their caches kept
         prev = previous_actions(batch["actions"], batch["prev_action"])[:, -1]
-        a, cache = model.step(batch["states"][:, -1], prev, batch["rtg"][:, -1], batch["timesteps"][:, -1], cache)
+        a, cache = model.step(batch["states"][:, -1], prev, batch["rtg"][:, -1],
+                              batch["timesteps"][:, -1], cache)
         for j, i in enumerate(live):
             caches[int(i)] = [(c[j:j + 1], h[j:j + 1]) for c, h in cache]
         return a
     return act_rnn
 
+
+def rollout(cfg):
+    """How evaluate.py runs the policy: the context it keeps (RNN-like: one step); Atari: greedy or
+    sampled actions."""
+    return dict(context=cfg.context if cfg.mode == "transformer" else 1, greedy=cfg.greedy)
+
+
 def targets(cfg, d):
-    """--target-return, else DT's two per environment (data.py); Atari: Table 9's (data.DEMA_ATARI_TARGETS)."""
+    """Return-to-go prompts, raw units: --target-return, else DT's (Atari: Table 9's, dep. 10)."""
     if cfg.target_return is not None:
         return [cfg.target_return]
-    if d.family == "atari":   # Table 9's one; the official code runs three and reports the last (departure 10)
-        game = d.env_spec.id.split("/")[-1].split("-")[0]                    # 'ALE/Breakout-v5' -> 'Breakout'
+
+    if d.family == "atari":
+        game = d.env_spec.id.split("/")[-1].split("-")[0]  # 'ALE/Breakout-v5' -> 'Breakout'
         return [data_lib.DEMA_ATARI_TARGETS.get(game, d.target_returns[0])]
     return d.target_returns
 
+
 def evaluate(model, d, cfg, device):
-    """--eval-episodes episodes in parallel for each target, in the dataset's env. -> [(target, results)]"""
+    """DT's Alg. 1 in the data's env, --eval-episodes in parallel a target -> [(target, result)]."""
     model.eval()
-    context = cfg.context if cfg.mode == "transformer" else 1                   # RNN-like: its state holds the rest
-    results = [(g, ev.evaluate(policy(model, cfg), d, cfg.eval_episodes, g, cfg.seed + 10_000, context, device,
-                               greedy=cfg.greedy)) for g in targets(cfg, d)]
+    act = policy(model, cfg)
+    results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
+                               **rollout(cfg))) for g in targets(cfg, d)]
     model.train()
     return results
 
-# ----------------------------------------------------------------------------------------------------------------
-# training: dt.py's loop; DeMa's own are the model, the batches, AdamW's groups and schedule, the attention figure
+# --------------------------------------------------------------------------------------------------
+# training
+
 
 def train(cfg, run, d=None):
-    """Train DeMa (--resume: continue the run) and evaluate it; --bench passes its timer as `run`, synthetic `d`."""
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward) if d is None else d
-    ev.check_data(cfg, d, atari=True)                               # a context or target that means nothing here
+    """Train DeMa (Sec. 3.1) and evaluate it -> the first target's final evaluation.
+    run: the evaluate.Run that keeps the folder, log and checkpoint (--resume: restores them)."""
+    d = load_dataset(cfg) if d is None else d
+    ev.check_data(cfg, d, atari=True)  # a context or target that means nothing for this data
     device, info = ev.pick_device(cfg.device), d.info()
-    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)
-    with torch.device("meta"):                                      # one step's memory, from shapes, before allocating
+
+    # one step's memory, from shapes alone, before anything is allocated
+    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)  # RNN: the longest
+    with torch.device("meta"):
         meta = build_model(cfg, info)
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size, device)
+        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
+                               device)
+
+    # the model, the optimiser and the schedule
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)
-    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    rng = np.random.default_rng(cfg.seed)                           # draws the training windows
-    step = run.start(cfg, model, opt, sched, rng, d, info, need)    # --resume: all of the above as the run left it
+    rng = np.random.default_rng(cfg.seed)  # draws the training windows
+
+    # open the run, or with --resume restore all of the above as the run left it
+    step = run.start(cfg, model, opt, sched, rng, d, info, need)
     fwd = torch.compile(model) if cfg.compile else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)   # --amp: bf16 outside the scan
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
     results = batch = None
-    with ev.StopSignal() as stop:                                   # Ctrl-C: end this step, save, exit 130
+    with ev.StopSignal() as stop:  # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
-            if batch is None or step % cfg.inner_it == 0:          # Table 10: --inner-it updates on each batch
-                # with --inner-it > 1 from its own generator, so that a run resumed between two draws draws it again
-                own = rng if cfg.inner_it == 1 else np.random.default_rng((cfg.seed, step // cfg.inner_it))
-                batch = {k: v.to(device, non_blocking=True) for k, v in get_batch(d, cfg.batch_size, cfg, own).items()}
+            # Table 10: --inner-it updates a batch; with more than one, each batch from its own
+            # generator (a run resumed between two draws draws it again)
+            if batch is None or step % cfg.inner_it == 0:
+                seed = (cfg.seed, step // cfg.inner_it)
+                own = rng if cfg.inner_it == 1 else np.random.default_rng(seed)
+                batch = get_batch(d, cfg.batch_size, cfg, own)
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+            # forward, backward, clip the gradient, step the optimiser and the schedule
             with autocast:
                 loss = loss_fn(fwd, batch, cfg)
             opt.zero_grad(set_to_none=True)
@@ -703,281 +871,322 @@ def train(cfg, run, d=None):
             opt.step()
             sched.step()
             step += 1
-            run.log(step, loss, sched.get_last_lr()[0])             # every --log-every steps: a line and log.csv
+
+            # log every --log-every steps; evaluate and checkpoint every --eval-every
+            run.log(step, loss, sched.get_last_lr()[0])
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                results = evaluate(model, d, cfg, device)           # the env, for each target
-                run.save(step, model, opt, sched, rng, results)     # log.csv, then ckpt.pt, then curve.png
+                results = evaluate(model, d, cfg, device)
+                run.save(step, model, opt, sched, rng, results)  # log.csv, ckpt.pt, curve.png
+
         if stop.signum and step < cfg.steps:
             run.save(step, model, opt, sched, rng)
             stop.exit(step, run.out)
-    results = results or evaluate(model, d, cfg, device)            # resumed at --steps: evaluate the checkpoint
-    if cfg.mode == "transformer":                                   # hidden attention against token distance
+
+    # a run resumed at --steps evaluates its checkpoint; then the hidden attention (App. J)
+    results = results or evaluate(model, d, cfg, device)
+    if cfg.mode == "transformer":
         attention_figure(model, d, cfg, os.path.join(run.out, "attention.png"))
     return run.finish(results)
 
-# ----------------------------------------------------------------------------------------------------------------
-# figures, analyses (Fig. 4, App. J; Fig. 5) and benchmarks (--bench times train() on synthetic data): they never train
+# --------------------------------------------------------------------------------------------------
+# this file's analyses: --attention and --s6-ablation read a run's checkpoint and never train;
+# --bench-scan and --params need no run
 
-def plt_agg():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
-    """Hidden attention on dataset windows (full ones where there are any): every layer's last query row (the s_t
-    token's, whose output is the action: App. J), mean |alpha| over channels and windows against the key's distance."""
-    b = d.sample((2 if d.discrete else 8) * n_windows, cfg.context, np.random.default_rng(seed))   # (frames: fewer)
+    """App. J: each layer's last attention row (the s_t token's) on dataset windows, full ones
+    first, mean |alpha| over channels and windows against the key's distance."""
+    b = d.sample((2 if d.discrete else 8) * n_windows, cfg.context, np.random.default_rng(seed))
     full = torch.nonzero(b["mask"].all(dim=1)).squeeze(1)
     keep = full[:n_windows] if len(full) else torch.arange(n_windows)
     b = {k: v[keep].to(next(model.parameters()).device) for k, v in b.items()}
+
     model.eval()
     with torch.no_grad():
-        rows = model.hidden_attention(*(b[k] for k in WINDOW), last_row=True)          # n_layer x (b, di, T)
+        rows = model.hidden_attention(*(b[k] for k in WINDOW), last_row=True)  # layers x (b, di, T)
     model.train()
-    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows]).flip(-1).cpu().numpy()   # (n_layer, T) by key distance
+
+    # (n_layer, T) by the key's distance, and its kind (a: a_{t-1}; BL3D: 'step')
+    prof = torch.stack([a.abs().mean(dim=(0, 1)) for a in rows]).flip(-1).cpu().numpy()
     T = prof.shape[1]
     dist = np.arange(T)
-    kind = np.array(["s", "a", "R"] if model.n == 3 else ["step"])[dist % model.n]    # a: a_{t-1}; BL3D: 'step'
-    plt = plt_agg()
+    kind = np.array(["s", "a", "R"] if model.n == 3 else ["step"])[dist % model.n]
+
+    # the figure, and the layers' mean at a few distances
+    plt = ev.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for l, p in enumerate(list(prof) + [prof.mean(0)]):
         label = f"layer {l + 1}" if l < len(prof) else "mean of layers"
         line, = ax.plot(dist, p, "-", lw=1, label=label, color="k" if l == len(prof) else None)
         for k, mk in (("s", "o"), ("a", "^"), ("R", "s"), ("step", "o")):
             ax.plot(dist[kind == k], p[kind == k], mk, ms=3, color=line.get_color())
+    xlabel = "token distance from the current s_t token"
     ax.set(yscale="log", ylabel="mean |alpha| over channels and windows",
-           xlabel="token distance from the current s_t token" + (" (o s, ^ a, [] R)" if model.n == 3 else " (steps)"),
+           xlabel=xlabel + (" (o s, ^ a, [] R)" if model.n == 3 else " (steps)"),
            title=f"DeMa hidden attention, {d.dataset_id}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
     shown = sorted({i for i in (0, 1, 2, 3, 6, T - 1) if i < T})
     print(f"hidden attention -> {path}: mean |alpha| at distance {'/'.join(map(str, shown))}: "
           + " / ".join(f"{prof.mean(0)[i]:.3g}" for i in shown))
 
-def load_model(cfg, given):
-    """An analysis's run, from its checkpoint -> (its cfg, its model in eval mode, its folder, its data)."""
-    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
-    model = build_model(cfg, ck["info"])
-    model.load_state_dict(ck["model"])
-    d = data_lib.load_data(cfg.dataset or cfg.env, delayed_reward=cfg.delayed_reward)
-    return cfg, model.to(ev.pick_device(cfg.device)).eval(), ev.run_folder(SCRIPT, cfg, PRESETS), d
-
-def gif(cfg, given):
-    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif (never trains)."""
-    cfg, model, out, d = load_model(cfg, given)
-    context = cfg.context if cfg.mode == "transformer" else 1
-    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, context,
-                   next(model.parameters()).device, out, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
-
-def target_sweep(cfg, given):
-    """--target-sweep (DT's Fig. 4): the run's checkpoint at 8 targets from the data's lowest return to above its best,
-    --eval-episodes each -> target_sweep.png and .csv (never trains)."""
-    cfg, model, out, d = load_model(cfg, given)
-    context = cfg.context if cfg.mode == "transformer" else 1                   # RNN-like: its state holds the rest
-    device = next(model.parameters()).device
-    ev.target_sweep(policy(model, cfg), d, cfg.eval_episodes, cfg.seed + 10_000, context, device, out,
-                    f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}", greedy=cfg.greedy)
 
 def attention_episode(cfg, given):
-    """--attention (Fig. 4, App. J): one episode at the first target; at every decision each layer's last attention row,
-    |alpha| averaged over channels -> attention_episode.npz (steps, n_layer, T) and a heat map per layer (.png)."""
-    cfg, model, out, d = load_model(cfg, given)
+    """--attention (Fig. 4): one episode at the first target, each decision's last attention row
+    per layer, mean |alpha| over channels -> attention_episode.npz (steps, n_layer, T), .png."""
+    cfg, model, d, out = load_model(cfg, given)
     if cfg.mode != "transformer":
-        raise data_lib.DataError("--attention draws transformer-like DeMa's window at each decision (Fig. 4); this run "
-                                 "is --mode rnn")
+        raise data_lib.DataError("--attention needs transformer-like DeMa's window (Fig. 4); this "
+                                 "run is --mode rnn")
+
     decide, steps = policy(model, cfg), []
 
     def act(batch, live):
-        rows = model.hidden_attention(*(batch[k] for k in WINDOW), last_row=True)      # n_layer x (1, di, T)
-        steps.append(torch.stack([a[0].abs().mean(0) for a in rows]).cpu())           # (n_layer, T)
+        rows = model.hidden_attention(*(batch[k] for k in WINDOW), last_row=True)  # (1, di, T) each
+        steps.append(torch.stack([a[0].abs().mean(0) for a in rows]).cpu())  # (n_layer, T)
         return decide(batch, live)
 
-    res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000, cfg.context, next(model.parameters()).device,
-                      progress=False, greedy=cfg.greedy)
-    attn = torch.stack(steps).numpy()                                                 # (steps, n_layer, T)
+    res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000,
+                      device=next(model.parameters()).device, progress=False, **rollout(cfg))
+    attn = torch.stack(steps).numpy()  # (steps, n_layer, T)
     np.savez(os.path.join(out, "attention_episode.npz"), attention=attn, returns=res["returns"])
-    plt = plt_agg()
+
+    # a heat map per layer and of their mean, on one log scale
+    plt = ev.pyplot()
     from matplotlib.colors import LogNorm
-    panels = list(attn.transpose(1, 0, 2)) + [attn.mean(1)]                           # (steps, T) each
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), sharey=True, layout="constrained")
+    panels = list(attn.transpose(1, 0, 2)) + [attn.mean(1)]  # (steps, T) each
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), sharey=True,
+                             layout="constrained")
     vmax = attn.max()
-    norm = LogNorm(vmin=max(attn[attn > 0].min(initial=vmax), vmax * 1e-6), vmax=vmax) if vmax > 0 else None
+    vmin = max(attn[attn > 0].min(initial=vmax), vmax * 1e-6)
+    norm = LogNorm(vmin=vmin, vmax=vmax) if vmax > 0 else None
     T = attn.shape[2]
     for i, (ax, p) in enumerate(zip(axes, panels)):
-        im = ax.imshow(p.T, origin="lower", aspect="auto", cmap="turbo", norm=norm, interpolation="nearest",
-                       extent=(-0.5, len(p) - 0.5, -0.5, T - 0.5))
+        im = ax.imshow(p.T, origin="lower", aspect="auto", cmap="turbo", norm=norm,
+                       interpolation="nearest", extent=(-0.5, len(p) - 0.5, -0.5, T - 0.5))
         title = f"layer {i + 1}" if i < len(panels) - 1 else "mean of layers"
         ax.set(xlabel="decision step t of the episode", title=title)
     axes[0].set_ylabel(f"token position in the window ({T - 1} = s_t)")
     fig.colorbar(im, ax=axes.tolist(), label="mean |alpha| over channels (last row)")
-    fig.suptitle(f"DeMa hidden attention along one episode, {d.dataset_id} (return {res['returns'][0]:.0f})")
+    fig.suptitle(f"DeMa hidden attention along one episode, {d.dataset_id} "
+                 f"(return {res['returns'][0]:.0f})")
+
     path = os.path.join(out, "attention_episode.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    s_prev = attn.mean(1)[:, T - 1 - model.n]                           # the attention s_t pays to the previous step
+
+    # s_t's attention to the previous step, and its period
+    s_prev = attn.mean(1)[:, T - 1 - model.n]
     period = ""
     if len(s_prev) >= 16:
         spectrum = np.abs(np.fft.rfft(s_prev - s_prev.mean()))
-        period = f"; the previous step's score repeats every ~{len(s_prev) / (1 + spectrum[1:].argmax()):.1f} steps"
-    print(f"hidden attention along one episode ({len(attn)} steps, return {res['returns'][0]:.1f}) -> {path}; "
-          f"mean |alpha| at distance 0/{model.n}: {attn.mean((0, 1))[-1]:.3g} / {attn.mean((0, 1))[-1 - model.n]:.3g}"
-          + period)
+        period = (f"; the previous step's score repeats every "
+                  f"~{len(s_prev) / (1 + spectrum[1:].argmax()):.1f} steps")
+    mean = attn.mean((0, 1))
+    print(f"hidden attention along one episode ({len(attn)} steps, return "
+          f"{res['returns'][0]:.1f}) -> {path}; mean |alpha| at distance 0/{model.n}: "
+          f"{mean[-1]:.3g} / {mean[-1 - model.n]:.3g}" + period)
+
 
 def ablate_s6(model, how, layers, donor=None, seed=0):
-    """Sec. 4.2, Fig. 5: the S6 parameters of `layers`, in place: 'zero' (the block then passes its input through the
-    residual alone), 'random' (Mamba's initialisation, drawn with `seed`) or 'swap' (the same layer of `donor`)."""
+    """Sec. 4.2, Fig. 5: the S6 parameters of `layers`, in place: 'zero' (the residual alone),
+    'random' (Mamba's initialisation, drawn with `seed`) or 'swap' (`donor`'s layer)."""
     with torch.no_grad():
         for l in layers:
             mixer = model.blocks[l].mixer
             source = donor.blocks[l].mixer if how == "swap" else None
             if how == "random":
                 torch.manual_seed(seed + l)
-                source = Mamba(mixer.d_model, mixer.d_state, mixer.d_conv, mixer.expand, n_layer=len(model.blocks),
-                               s6_only=mixer.s6_only)
+                source = Mamba(mixer.d_model, mixer.d_state, mixer.d_conv, mixer.expand,
+                               n_layer=len(model.blocks), s6_only=mixer.s6_only)
             for name in S6_PARAMETERS:
                 p = mixer.get_parameter(name)
                 p.copy_(torch.zeros_like(p) if how == "zero" else source.get_parameter(name))
 
+
 def s6_ablation(cfg, given):
-    """--s6-ablation (Sec. 4.2, Fig. 5): both scores per target, of the checkpoint and of its ablate_s6 change."""
-    cfg, model, out, d = load_model(cfg, given)
+    """--s6-ablation (Fig. 5): each target's scores, before and after ablate_s6."""
+    cfg, model, d, out = load_model(cfg, given)
     n, device, donor = len(model.blocks), next(model.parameters()).device, None
-    layers = list(range(n)) if cfg.s6_layers == "all" else sorted({int(x) for x in cfg.s6_layers.split(",")})
+    layers = (list(range(n)) if cfg.s6_layers == "all" else
+              sorted({int(x) for x in cfg.s6_layers.split(",")}))
+
     if max(layers) >= n:
-        raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers (0..{n - 1})")
-    if cfg.s6_ablation == "swap":   # another DeMa run (its folder or ckpt.pt) whose mixers have this run's shapes
-        path = os.path.join(cfg.s6_donor, "ckpt.pt") if os.path.isdir(cfg.s6_donor) else cfg.s6_donor
+        raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers "
+                                 f"(0..{n - 1})")
+
+    # swap: another DeMa run (folder or ckpt.pt) with this run's mixer shapes
+    if cfg.s6_ablation == "swap":
+        path = (os.path.join(cfg.s6_donor, "ckpt.pt") if os.path.isdir(cfg.s6_donor) else
+                cfg.s6_donor)
         if not os.path.exists(path):
             raise data_lib.DataError(f"--s6-donor: no checkpoint at {path}")
         ck = ev.read_checkpoint(path, SCRIPT)
         names = {f.name for f in dataclasses.fields(Config)}
-        donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}), ck["info"])
+        donor = build_model(Config(**{k: v for k, v in ck["config"].items() if k in names}),
+                            ck["info"])
         donor.load_state_dict(ck["model"])
-        shapes = lambda m: [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS] for l in layers]  # noqa
+
+        def shapes(m):
+            return [[m.blocks[l].mixer.get_parameter(p).shape for p in S6_PARAMETERS]
+                    for l in layers]
         if len(donor.blocks) <= max(layers) or shapes(donor) != shapes(model):
-            raise data_lib.DataError(f"--s6-donor {path}: its layers {list(layers)} do not have this run's S6 shapes "
-                                     f"(same --d-model, --d-state, --d-conv, --expand and enough layers needed)")
+            raise data_lib.DataError(f"--s6-donor {path}: its layers {list(layers)} are missing or "
+                                     f"not of this run's sizes (--d-model, --d-state, ...)")
         donor = donor.to(device)
+
+    # the scores before and after
     before = evaluate(model, d, cfg, device)
     ablate_s6(model, cfg.s6_ablation, layers, donor, seed=cfg.seed)
     after = evaluate(model, d, cfg, device)
-    for (g, r0), (_, r1) in zip(before, after):
-        print(f"s6 ablation {cfg.s6_ablation} of layers {','.join(map(str, layers))}, target {g}: normalized_score="
-              f"{r1['normalized'].mean():.2f} (original {r0['normalized'].mean():.2f}) "
-              f"return={r1['returns'].mean():.2f} (original {r0['returns'].mean():.2f}) episodes={len(r1['returns'])}")
 
-def bench(cfg):
-    """--bench (evaluate.bench_modes): train()'s own steps on synthetic data, hopper's or Atari's shapes (Table 7)."""
-    length = max(200, 2 * cfg.context)
-    d = (data_lib.synthetic_atari(length=length) if data_lib.is_atari(cfg.dataset or cfg.env)
-         else data_lib.synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length))
-    steps = min(length, cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context   # steps a sequence of the batch holds
-    tokens = (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
-    for mode_cfg, timer in ev.bench_modes(cfg, SCRIPT, ev.variant_name(cfg, PRESETS), tokens):
-        with timer:
-            train(mode_cfg, timer, d)
+    for (g, r0), (_, r1) in zip(before, after):
+        print(f"s6 ablation {cfg.s6_ablation} of layers {','.join(map(str, layers))}, target {g}: "
+              f"normalized_score={r1['normalized'].mean():.2f} (original "
+              f"{r0['normalized'].mean():.2f}) return={r1['returns'].mean():.2f} (original "
+              f"{r0['returns'].mean():.2f}) episodes={len(r1['returns'])}")
+
 
 def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
-    """Best-of-reps wall time (ms) of forward + backward of one selective scan, fp32."""
+    """Best-of-reps wall time (ms) of a selective scan's forward + backward, fp32."""
     g = torch.Generator().manual_seed(seed)
-    u, delta = torch.randn(b, d_inner, L, generator=g), torch.randn(b, d_inner, L, generator=g) - 2.0
-    A = -torch.exp(torch.log(torch.arange(1, N + 1.0)).repeat(d_inner, 1))        # the S4D-real init
+    u = torch.randn(b, d_inner, L, generator=g)
+    delta = torch.randn(b, d_inner, L, generator=g) - 2.0
+    A = -torch.exp(torch.log(torch.arange(1, N + 1.0)).repeat(d_inner, 1))  # the S4D-real init
     B, C = torch.randn(b, N, L, generator=g), torch.randn(b, N, L, generator=g)
-    leaves = [t.requires_grad_() for t in (u, delta, A, B, C)]
-    times = timeit.repeat(lambda: fn(*leaves, delta_softplus=True).sum().backward(), number=1, repeat=reps + 1)
-    return 1e3 * min(times[1:])                                                     # the first run warms up
 
-def bench_scan(cfg):
-    """--bench-scan: one scan's forward + backward at the paper's training size (batch 64, L=60, d_inner 128, N 64),
-    longer L, small states; each parallel round streams the whole (b, d_inner, L, N) tensor (alxndrTL/mamba.py#57)."""
+    leaves = [t.requires_grad_() for t in (u, delta, A, B, C)]
+    times = timeit.repeat(lambda: fn(*leaves, delta_softplus=True).sum().backward(), number=1,
+                          repeat=reps + 1)
+    return 1e3 * min(times[1:])  # the first run warms up
+
+
+def bench_scan(cfg, given):
+    """--bench-scan: a scan's forward + backward at the paper's size (batch 64, L=60, d_inner 128,
+    N 64), at longer L, with small states."""
     torch.set_flush_denormal(True)
     di, N = cfg.expand * cfg.d_model, cfg.d_state
     print(f"selective scan, forward + backward, fp32, {torch.get_num_threads()} thread(s), cpu")
-    print(f"{'batch':>5} {'d_inner':>7} {'N':>3} {'L':>5} {'sequential ms':>14} {'parallel ms':>12}  faster")
-    cases = [(64, di, N, L) for L in (60, 120)] + [(1, di, N, L) for L in (60, 300, 1000, 3000)] + \
-            [(b, 64, 16, L) for b in (1, 4, 64) for L in (15, 60, 300)] + [(1, 16, 4, L) for L in (60, 1000)]
+    print(f"{'batch':>5} {'d_inner':>7} {'N':>3} {'L':>5} {'sequential ms':>14} {'parallel ms':>12}"
+          f"  faster")
+
+    cases = ([(64, di, N, L) for L in (60, 120)] + [(1, di, N, L) for L in (60, 300, 1000, 3000)]
+             + [(b, 64, 16, L) for b in (1, 4, 64) for L in (15, 60, 300)]
+             + [(1, 16, 4, L) for L in (60, 1000)])
+
     for b, d_inner, n, L in cases:
         ts = time_scan(selective_scan_sequential, b, d_inner, L, n)
         tp = time_scan(selective_scan_parallel, b, d_inner, L, n)
-        print(f"{b:5d} {d_inner:7d} {n:3d} {L:5d} {ts:14.1f} {tp:12.1f}  {'sequential' if ts <= tp else 'parallel'}",
-              flush=True)
+        faster = "sequential" if ts <= tp else "parallel"
+        print(f"{b:5d} {d_inner:7d} {n:3d} {L:5d} {ts:14.1f} {tp:12.1f}  {faster}", flush=True)
 
-# dt.py's sizes for --params (this file imports no other model file; tests/test_dema.py checks them against dt.py)
-DT_ROWS = [("dt paper (H=128)", dict(n_embd=128, n_layer=3)),
-           ("dt --preset cpu", dict(n_embd=64, n_layer=2)),
-           ("dt Atari (6 x 128, 8 heads, K=30; 1000 timesteps)", dict(n_embd=128, n_layer=6, context=30, act_dim=4,
-                                                                        atari=True)),
-           ("dt Atari --preset cpu", dict(n_embd=64, n_layer=2, context=8, act_dim=4, atari=True))]
 
-def dt_parameters(n_embd, n_layer, obs_dim=11, act_dim=3, max_ep_len=1000, context=0, atari=False):
-    """dt.py's DecisionTransformer's (atari: AtariDecisionTransformer's) parameter count, for any head count."""
-    C = n_embd
-    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)  # LN x2, attn, MLP
-    if atari:   # DQN's torso and Linear(3136, C); R_t Linear(1, C); the action table; token and timestep tables
-        torso = (32 * 4 * 8 * 8 + 32) + (64 * 32 * 4 * 4 + 64) + (64 * 64 * 3 * 3 + 64) + (64 * 7 * 7 * C + C)
-        embed = torso + 2 * C + act_dim * C + 3 * context * C + max_ep_len * C
-        head = C * act_dim                                                   # Linear(C, |A|), no bias
-    else:       # the timestep table; Linear R_t, s_t, a_t -> C; the embeddings' LayerNorm
-        embed = max_ep_len * C + (C + C) + (obs_dim * C + C) + (act_dim * C + C) + 2 * C
-        head = C * act_dim + act_dim                                         # Linear(C, act_dim), then tanh
-    return embed + n_layer * block + 2 * C + head                            # + the final LayerNorm
-
-def param_table():
-    """--params: DeMa's parameters with the pre (the method) and post blocks, and dt.py's. Hopper: Table 7's 175.5K /
-    500.0K and Table 17's 431.5K, less the unused heads (departure 6); Atari (4 actions): Table 7's 1.7M."""
+def param_table(cfg, given):
+    """--params: DeMa's (pre and post blocks) and dt.py's. Hopper: Table 7's 175.5K / 500.0K,
+    Table 17's 431.5K, less departure 6's heads; Atari: Table 7's 1.7M."""
     hopper, atari = (11, 3, 1000, False), (4 * 84 * 84, 4, 1000, True)
-    paper = dict(n_embd=256, d_model=64)                                       # hopper-medium's (D.1)
+    paper = dict(n_embd=256, d_model=64)  # hopper-medium's (D.1)
     sizes = {k: ATARI[k] for k in ("n_embd", "d_model", "d_state", "n_layer")}
-    rows = [("dema E=256 D=64 N=64 (hopper-medium, Table 7)", paper, hopper),
-            ("dema E=256 D=64 + timestep embedding (Table 17)", dict(paper, timestep_embedding=True), hopper),
-            ("dema E=256 D=128 (Table 7)", dict(n_embd=256, d_model=128), hopper),
-            ("dema E=128 D=64", dict(n_embd=128, d_model=64), hopper),
-            ("dema E=256 D=64 --token-layout bl3d (Table 2)", dict(paper, token_layout="bl3d"), hopper),
-            ("dema --preset cpu", ev.preset_values(PRESETS, "cpu", "hopper-medium"), hopper),
-            ("dema Atari E=128 D=128 N=128, 6 layers (code; Table 7)", sizes, atari),
-            ("dema Atari E=256 D=128 N=64 (Table 9 as printed)", dict(sizes, n_embd=256, d_state=64), atari),
-            ("dema Atari --preset cpu", ev.preset_values(PRESETS, "cpu", "breakout-expert"), atari)]
+    rows = [("E=256 D=64 N=64 (hopper-medium, Table 7)", paper, hopper),
+            ("E=256 D=64 + timestep embedding (Table 17)", dict(paper, timestep_embedding=True),
+             hopper),
+            ("E=256 D=128 (Table 7)", dict(n_embd=256, d_model=128), hopper),
+            ("E=128 D=64", dict(n_embd=128, d_model=64), hopper),
+            ("E=256 D=64 --token-layout bl3d (Table 2)", dict(paper, token_layout="bl3d"), hopper),
+            ("--preset cpu", ev.preset_values(PRESETS, "cpu", "hopper-medium"), hopper),
+            ("Atari E=128 D=128 N=128, 6 layers (code; Table 7)", sizes, atari),
+            ("Atari E=256 D=128 N=64 (Table 9 as printed)", dict(sizes, n_embd=256, d_state=64),
+             atari),
+            ("Atari --preset cpu", ev.preset_values(PRESETS, "cpu", "breakout-expert"), atari)]
+
     print(f"{'parameters':58s} {'pre (DeMa)':>12s} {'post (DeMa with post.)':>23s}")
     for label, kw, (obs, act, max_ep_len, discrete) in rows:
-        n = [sum(p.numel() for p in DeMa(Config(**kw, residual=r), obs, act, max_ep_len, discrete).parameters())
-             for r in ("pre", "post")]
-        print(f"{label:58s} {n[0]:>12,} {n[1]:>23,}")
-    for label, kw in DT_ROWS:
-        print(f"{label:58s} {dt_parameters(**kw):>12,}")
+        n = [sum(p.numel() for p in DeMa(Config(**kw, residual=r), obs, act, max_ep_len,
+                                         discrete).parameters()) for r in ("pre", "post")]
+        print(f"{'dema ' + label:58s} {n[0]:>12,} {n[1]:>23,}")
+
+    # dt.py's models at its paper's and cpu preset's settings (the model above imports no dt.py)
+    import dt
+    for atari, env in ((False, "hopper-medium"), (True, "breakout-expert")):
+        for preset in ("", "cpu"):
+            c = dt.Config(**ev.preset_values(dt.PRESETS, preset, env))
+            model = (dt.AtariDecisionTransformer(c, 4, 1000) if atari else
+                     dt.DecisionTransformer(c, 11, 3, 1000))
+            label = f"dt{' Atari' * atari} {'--preset cpu' if preset else 'paper'}"
+            print(f"{label:58s} {sum(p.numel() for p in model.parameters()):>12,}")
+
+
+ANALYSES = {"bench_scan": bench_scan, "params": param_table, "attention": attention_episode,
+            "s6_ablation": s6_ablation}
+
+# --------------------------------------------------------------------------------------------------
+# the run's plumbing, the same text in every model file: --gif, --target-sweep, --bench, main()
+
+
+def load_model(cfg, given):
+    """An analysis's run, from its checkpoint -> (its settings, its model in eval mode, its data,
+    its folder)."""
+    cfg, ck = ev.load_run(SCRIPT, cfg, given, PRESETS)
+    model = build_model(cfg, ck["info"])
+    model.load_state_dict(ck["model"])
+    model = model.to(ev.pick_device(cfg.device)).eval()
+    return cfg, model, load_dataset(cfg), ev.run_folder(SCRIPT, cfg, PRESETS)
+
+
+def gif(cfg, given):
+    """--gif: one evaluation episode of the run's checkpoint at its first target -> episode.gif."""
+    cfg, model, d, out = load_model(cfg, given)
+    device, title = next(model.parameters()).device, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}"
+    ev.episode_gif(policy(model, cfg), d, targets(cfg, d)[0], cfg.seed + 10_000, device=device,
+                   out=out, title=title, **rollout(cfg))
+
+
+def target_sweep(cfg, given):
+    """--target-sweep (DT's Fig. 4): the run's checkpoint at 8 targets from the data's lowest return
+    to above its best, --eval-episodes each -> target_sweep.png and .csv."""
+    cfg, model, d, out = load_model(cfg, given)
+    if targets(cfg, d) == [None]:
+        raise data_lib.DataError("this run's model reads no return-to-go (it was trained without "
+                                 "one), so there is no target to sweep")
+    device, title = next(model.parameters()).device, f"{SCRIPT} {ev.variant_name(cfg, PRESETS)}"
+    ev.target_sweep(policy(model, cfg), d, cfg.eval_episodes, cfg.seed + 10_000, device=device,
+                    out=out, title=title, **rollout(cfg))
+
+
+def bench(cfg, given):
+    """--bench: train() run briefly on synthetic data of the dataset's shapes, in each mode; the
+    run's own record times its steps (evaluate.bench_runs prints them)."""
+    d = data_lib.synthetic_like(cfg.dataset or cfg.env, length=max(200, 2 * cfg.context))
+    for mode_cfg, run in ev.bench_runs(SCRIPT, cfg, given, PRESETS, batch_tokens(cfg)):
+        train(mode_cfg, run, d)
+
 
 def parse_flags(argv=None):
-    """-> (cfg, given): `given` holds what the command line and a named --preset set, not the paper's Atari setting
-    (the preset "") laid under them, so that paper_settings can put a game's own row in its place."""
-    prog, about = f"{SCRIPT}.py", __doc__.split("\n\n")[1]
-    cfg, _ = ev.parse_flags(Config, PRESETS, argv, prog, about)
-    _, typed = ev.parse_flags(Config, dict.fromkeys(PRESETS, {}), argv, prog, about)   # the command line alone
-    named = ev.preset_values({k: v for k, v in PRESETS.items() if k}, cfg.preset, cfg.dataset or cfg.env)
-    if cfg.preset == "cpu" and cfg.mode == "rnn" and data_lib.is_atari(cfg.dataset or cfg.env):
-        rnn = {k: v for k, v in ATARI_CPU_RNN.items() if k not in typed}
-        cfg, named = dataclasses.replace(cfg, **rnn), named | rnn
-        if rnn:
-            flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in rnn.items())
-            print(f"--preset cpu --mode rnn on Atari: {flags}")
-    return cfg, typed | set(named)
+    return ev.parse_flags(Config, PRESETS, argv, f"{SCRIPT}.py", __doc__.split("\n\n")[1])
+
 
 def main(argv=None):
     with ev.one_sentence_errors():
+        # every flag checked before any work: the paper's settings for the data, then shared checks
         cfg, given = parse_flags(argv)
-        cfg = paper_settings(cfg, given)                            # the dataset's E, D, lr, ... under the flags
-        ev.check_flags(cfg, "bench_scan", "params", "bench", "attention", "s6_ablation", "gif", "target_sweep")
-        check_model(cfg)
-        if cfg.bench_scan or cfg.params:
-            return bench_scan(cfg) if cfg.bench_scan else param_table()
+        cfg = paper_settings(cfg, given)
+        ev.check_flags(cfg, "bench", "gif", "target_sweep", *ANALYSES)
+
+        # an analysis of a run's checkpoint, or --bench
         if cfg.bench:
-            return bench(cfg)
-        if cfg.attention or cfg.s6_ablation or cfg.gif or cfg.target_sweep:
-            return (attention_episode if cfg.attention else s6_ablation if cfg.s6_ablation else gif if cfg.gif else
-                    target_sweep)(cfg, given)
-        with ev.Run(SCRIPT, cfg, given, PRESETS) as run:            # --resume: the run's own settings, in run.cfg
+            return bench(cfg, given)
+        if cfg.gif or cfg.target_sweep:
+            return (gif if cfg.gif else target_sweep)(cfg, given)
+        if name := next((name for name in ANALYSES if getattr(cfg, name)), None):
+            return ANALYSES[name](cfg, given)
+
+        # train (--resume: the run's own settings, from its checkpoint, in run.cfg)
+        with ev.Run(SCRIPT, cfg, given, PRESETS, columns=LOG_COLUMNS) as run:
             return train(run.cfg, run)
+
 
 if __name__ == "__main__":
     main()

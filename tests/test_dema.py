@@ -7,7 +7,6 @@ states, discrete actions): causality with frames, the recurrent step against the
 counted by hand, cross-entropy by hand, the paper's settings, the schedule, and CLI runs and exact resume on the tiny
 Breakout set."""
 import csv
-import itertools
 import json
 import math
 import os
@@ -357,26 +356,20 @@ def test_parameter_counts_match_the_official_model():
     assert n_params(dema.DeMa(dema.Config(token_layout="bl3d"), 11, 3, 1000)) - base == 2 * 256 * 64
 
 
-def test_dt_parameter_formula_matches_dt_py():
-    """--params prints dt.py's counts without importing dt.py: dema.dt_parameters against the parameters of dt.py's
-    own models, at DT_ROWS (which must be dt.py's paper and cpu sizes) and at other shapes."""
+def test_params_prints_dt_py_counts(capsys):
+    """--params prints the parameters of dt.py's own models (imported by the analysis, not by
+    DeMa's model block) at dt.py's paper and cpu settings, hopper and Atari, in that order."""
     import dt
-    settings = [("", "hopper-medium"), ("cpu", "hopper-medium"), ("", "breakout-expert"), ("cpu", "breakout-expert")]
-    assert len(dema.DT_ROWS) == len(settings)
-    for (label, kw), (preset, env) in zip(dema.DT_ROWS, settings):
-        cfg = dt.Config(**ev.preset_values(dt.PRESETS, preset, env))
-        assert (kw["n_embd"], kw["n_layer"]) == (cfg.n_embd, cfg.n_layer), label
-        if kw.get("atari"):
-            assert kw["context"] == cfg.context, label
-            model = dt.AtariDecisionTransformer(cfg, kw["act_dim"], 1000)
-        else:
-            model = dt.DecisionTransformer(cfg, 11, 3, 1000)
-        assert dema.dt_parameters(**kw) == n_params(model), label
-    for C, n_layer, obs, act, T, K in ((32, 1, 17, 6, 50, 4), (48, 4, 5, 2, 200, 7), (64, 2, 1, 18, 1, 1)):
-        cfg = dt.Config(n_embd=C, n_layer=n_layer, n_head=4, context=K)
-        assert dema.dt_parameters(C, n_layer, obs, act, T) == n_params(dt.DecisionTransformer(cfg, obs, act, T))
-        atari = n_params(dt.AtariDecisionTransformer(cfg, act, T))
-        assert dema.dt_parameters(C, n_layer, act_dim=act, max_ep_len=T, context=K, atari=True) == atari
+    dema.main(["--params"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("dt")]
+    expected = []
+    for atari, env in ((False, "hopper-medium"), (True, "breakout-expert")):
+        for preset in ("", "cpu"):
+            cfg = dt.Config(**ev.preset_values(dt.PRESETS, preset, env))
+            model = dt.AtariDecisionTransformer(cfg, 4, 1000) if atari else dt.DecisionTransformer(cfg, 11, 3, 1000)
+            expected.append(n_params(model))
+    assert [int(r[-1].replace(",", "")) for r in rows] == expected
+    assert expected[0] == 726_019                                  # Table 7's 726.2K
 
 
 def test_init_follows_the_official_code():
@@ -874,8 +867,7 @@ def test_rnn_resume_between_two_draws_is_exact(tiny_breakout, tmp_path, capsys):
 def test_bench_on_atari_frames(tmp_path, capsys, monkeypatch):
     """--bench with an Atari name times train() on synthetic 84x84 frames (eager only here: compiling takes a
     minute) and writes nothing."""
-    real = ev.bench_modes
-    monkeypatch.setattr(ev, "bench_modes", lambda *a: itertools.islice(real(*a), 1))
+    monkeypatch.setattr(ev, "BENCH_MODES", ev.BENCH_MODES[:1])
     monkeypatch.chdir(tmp_path)
     dema.main(["--bench", "--env", "breakout-expert", *TINY[:12], "--steps", "2"])
     lines = capsys.readouterr().out.strip().splitlines()

@@ -175,12 +175,11 @@ ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_
 ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
                  warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
                  eval_episodes=10)
-ATARI_CPU_RNN = dict(rnn_max_len=100, batch_size=4)
 PRESETS = {"": dict(atari=ATARI),
            "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64,
                        lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
                        mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50),
-                       atari=ATARI_CPU)}
+                       atari={**ATARI_CPU, "mode=rnn": dict(rnn_max_len=100, batch_size=4)})}
 
 # >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
 
@@ -642,17 +641,6 @@ def paper_settings(cfg, given):
     """Config's defaults < PRESETS[""] (Atari) < paper_values' row < --preset < the flags; this
     file's flags checked -> cfg."""
     name = cfg.dataset or cfg.env
-    # --preset cpu --mode rnn on Atari: ATARI_CPU_RNN under the flags (a value equal to the
-    # preset's, which `given` holds too, is the preset's)
-    if cfg.preset == "cpu" and cfg.mode == "rnn" and data_lib.is_atari(name):
-        preset = ev.preset_values(PRESETS, "cpu", name)
-        rnn = {k: v for k, v in ATARI_CPU_RNN.items()
-               if k not in given or getattr(cfg, k) == preset.get(k)}
-        cfg, given = dataclasses.replace(cfg, **rnn), given | set(rnn)
-        if rnn:
-            flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in rnn.items())
-            print(f"--preset cpu --mode rnn on Atari: {flags}")
-
     row = paper_values(name, cfg.mode)
     cfg = dataclasses.replace(cfg, **{k: v for k, v in row.items() if k not in given})
 

@@ -504,9 +504,10 @@ def parse_flags(Config, presets, argv, prog, description):
 
     # the flags over the preset over the paper's rows; the preset's family settings, printed
     name, preset = given.get("dataset") or given.get("env") or Config.env, given.get("preset", "")
-    values = {**preset_values(presets, preset, name), **given}
-    family = {k.replace("_", "-"): v for k, v in family_setting(presets, preset, name).items()
-              if k not in given}
+    chosen = {f.name: f.default for f in dataclasses.fields(Config)} | given
+    values = {**preset_values(presets, preset, name, chosen), **given}
+    family = family_setting(presets, preset, name, chosen)
+    family = {k.replace("_", "-"): v for k, v in family.items() if k not in given}
     if family and preset:
         print(f"--preset {preset} on {'a maze' if is_maze(name) else 'Atari'}: " + ", ".join(
             f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
@@ -514,24 +515,31 @@ def parse_flags(Config, presets, argv, prog, description):
     if values.get("dataset"):
         values["env"] = ""  # --dataset names the data; config.json must not record --env beside it
 
-    named = preset_values({k: v for k, v in presets.items() if k}, preset, name)
+    named = preset_values({k: v for k, v in presets.items() if k}, preset, name, chosen)
     return Config(**values), set(given) | set(named) | ({"env"} if values.get("dataset") else set())
 
 
-def family_setting(presets, preset, dataset):
-    """A preset's entry for the dataset's family ("mazes", "atari"), else {}, with its game's own
-    row ("pong") over it; preset "" is the paper's."""
+def family_setting(presets, preset, dataset, chosen=None):
+    """A preset's entry for the dataset's family ("mazes", "atari"), else {}, with the rows over it
+    that apply: a game's own ("pong"), or one for a flag's value ("mode=rnn") where `chosen`, the
+    settings the flags chose, holds that value. Preset "" is the paper's."""
     family = "mazes" if is_maze(dataset) else "atari" if data_lib.is_atari(dataset) else None
     entry = presets.get(preset, {}).get(family, {}) if family else {}
-    rows = [v for k, v in entry.items() if isinstance(v, dict) and k in resolve(dataset).lower()]
-    return {k: v for k, v in entry.items() if not isinstance(v, dict)} | (rows[0] if rows else {})
+
+    def applies(key):
+        field, _, value = key.partition("=")
+        return str((chosen or {}).get(field)) == value if value else key in resolve(dataset).lower()
+    rows = [v for k, v in entry.items() if isinstance(v, dict) and applies(k)]
+    return {k: v for k, v in entry.items() if not isinstance(v, dict)} | dict(
+        kv for row in rows for kv in row.items())
 
 
-def preset_values(presets, preset, dataset):
+def preset_values(presets, preset, dataset, chosen=None):
     """The settings under the flags: the paper's for the family, the preset's own, the preset's for
     the family; Config's defaults under them."""
     own = {k: v for k, v in presets.get(preset, {}).items() if k not in FAMILIES}
-    return family_setting(presets, "", dataset) | own | family_setting(presets, preset, dataset)
+    return (family_setting(presets, "", dataset, chosen) | own
+            | family_setting(presets, preset, dataset, chosen))
 
 
 def check_flags(cfg, *one_of):
@@ -657,7 +665,7 @@ def variant_name(cfg, presets):
     """The run folder's variant: the preset, then each flag that changes what is trained and
     differs from its default or preset: 'default', 'cpu_context5', ..."""
     base = ({f.name: f.default for f in dataclasses.fields(cfg)}
-            | preset_values(presets, cfg.preset, cfg.dataset or cfg.env))
+            | preset_values(presets, cfg.preset, cfg.dataset or cfg.env, dataclasses.asdict(cfg)))
 
     parts = [cfg.preset] if cfg.preset else []
     for f in dataclasses.fields(cfg):

@@ -836,7 +836,8 @@ def test_cpu_preset_rnn_on_atari_is_laptop_sized(tiny_breakout, tmp_path, capsys
     dema.main(["--dataset", tiny_breakout, "--preset", "cpu", "--mode", "rnn", "--steps", "2", "--eval-every", "1000",
                "--eval-episodes", "1", "--out", str(tmp_path / "rnn")])
     out = capsys.readouterr().out
-    assert "--preset cpu --mode rnn on Atari: --rnn-max-len 100, --batch-size 4" in out
+    said = next(line for line in out.splitlines() if line.startswith("--preset cpu on Atari: "))
+    assert "--batch-size 4," in said and said.endswith("--rnn-max-len 100"), said
     need = re.search(r"a training step needs about ([\d.]+) (MB|GB)", out)
     assert need and need[2] == "MB" and float(need[1]) < 500, out
     assert out.index("needs about") < out.index("first step") and float(re.search(r"first step ([\d.]+) s", out)[1]) < 10
@@ -892,3 +893,14 @@ def test_atari_model_block_runs_alone():
             z, _ = model.step(b["states"][:, 0], b["prev_action"], b["rtg"][:, 0], b["timesteps"][:, 0],
                               model.init_cache(2))
         assert y.shape == (2, 3, 4) and torch.allclose(z, y[:, 0], atol=1e-5)
+
+
+def test_cpu_preset_rnn_row_on_atari_yields_to_the_flags():
+    """--preset cpu --mode rnn on Atari lays its row (4 trajectories of 100 steps) under the flags: a flag given,
+    even at the preset's own value, wins; without --mode rnn the row is not laid."""
+    cfg, _ = dema.parse_flags(["--env", "breakout-expert", "--preset", "cpu", "--mode", "rnn"])
+    assert (cfg.batch_size, cfg.rnn_max_len) == (4, 100)
+    cfg, _ = dema.parse_flags(["--env", "breakout-expert", "--preset", "cpu", "--mode", "rnn", "--batch-size", "32"])
+    assert (cfg.batch_size, cfg.rnn_max_len) == (32, 100)
+    cfg, _ = dema.parse_flags(["--env", "breakout-expert", "--preset", "cpu"])
+    assert (cfg.batch_size, cfg.rnn_max_len) == (32, dema.Config.rnn_max_len)

@@ -17,13 +17,13 @@ fine-tuning can turn the Markov heads down.
     python gpt2_dtma.py --out <run folder> --importance   # an analysis of a run
 
 Glossary (paper symbol -> code name):
-    R^_t, s_t, a_t  return-to-go (scaled), state (normalised), action: rtg, states, actions (B,K,.)
-    a'_t        the predicted action (Eq. 2): DecisionTransformer()[0]
-    K, 3K       the context in timesteps (Tabs. 5-6's k), in tokens: Config.context, T
-    C, N, d_k   width, heads a layer, head width: n_embd, n_head, D = C // N
-    W_g, G_i    the MoA gate (Eq. 7): gate_weight (N, C), gate_bias (N,); G (B, T, N)
-    A_i         W_i^q (W_i^k)^T (Def. 4.2): head_qk_matrix()
-    G_Markov    the Markov heads' layer-0 gate weight (Tabs. 5-6): markov_gate_mass()
+    R^_t, s_t, a_t  return-to-go (scaled), state (normalised), action: rtg, states, actions
+    a'_t            the predicted action (Eq. 2): DecisionTransformer()[0]
+    K, 3K           the context in timesteps (Tabs. 5-6's k), in tokens: Config.context, T
+    C, N, d_k       width, heads a layer, head width: n_embd, n_head, D = C // N
+    W_g, G_i        the MoA gate (Eq. 7): gate_weight (N, C), gate_bias (N,); G (B, T, N)
+    A_i             W_i^q (W_i^k)^T (Def. 4.2): head_qk_matrix()
+    G_Markov        the Markov heads' layer-0 gate weight (Tabs. 5-6): markov_gate_mass()
 
 Layout: Config, the model (torch alone: copy it), Markov-head quantities, the paper's pieces,
 train(), analyses, pretrained weights, the shared plumbing. The papers publish no code; GPT2-DT
@@ -281,7 +281,7 @@ class DecisionTransformer(nn.Module):
 
     @torch.no_grad()
     def load_gpt2_blocks(self, sd):
-        """Copy the first len(self.blocks) blocks and ln_f of load_checkpoint's state dict."""
+        """Copy len(self.blocks) blocks and ln_f of load_checkpoint's state dict."""
         for name, p in self.named_parameters():
             if name.startswith(("blocks.", "ln_f.")) and ".gate_" not in name:
                 p.copy_(sd[name.replace("blocks.", "h.", 1)])

@@ -726,10 +726,10 @@ def test_analyses_rebuild_the_runs_exact_starting_point(tiny_hopper, tmp_path, c
     cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--lr", 1e-12, "--steps", 1, "--eval-every", 1, "--seed", 3,
         "--out", out)
     cfg, given = G.parse_flags(["--out", str(out)])                  # the run's flags come from its checkpoint
-    tables = G.markov_analysis(*G.load_model(cfg, given))
+    tables = G.markov_analysis(cfg, given)
     ratios = {lab: [r["model_ratio"] for r in rows] for lab, rows in tables.items()}
     assert ratios["init"] == pytest.approx(ratios["fine-tuned"], rel=1e-6)
-    P = G.attention_maps(*G.load_model(cfg, given))
+    P = G.attention_maps(cfg, given)
     assert torch.allclose(P["before"], P["after"], atol=1e-6)
     capsys.readouterr()
 
@@ -906,7 +906,7 @@ def test_markov_analysis_on_clip_layer0_heads(tmp_path, capsys, n_head):
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \| ", line)]
     assert len(rows) == n_head and (tmp_path / "m" / "markov_heads.png").exists(), out
     assert ("[P-old] Tab. 8" in out) == (n_head == 8)
-    tables = G.markov_analysis(G.Config(init=str(tmp_path / "c"), out=str(tmp_path / "m")))
+    tables = G.markov_analysis(G.Config(init=str(tmp_path / "c"), out=str(tmp_path / "m")), set())
     attn = hf.encoder.layers[0].self_attn
     Wq, Wk = (w.detach().double().numpy() for w in (attn.q_proj.weight, attn.k_proj.weight))   # (C, C): rows = heads
     D = 64 // n_head

@@ -549,7 +549,8 @@ def bench(cfg, given):
     """--bench: train() run briefly on synthetic data of the dataset's shapes, in each mode; the
     run's own record times its steps (evaluate.bench_runs prints them)."""
     d = data_lib.synthetic_like(cfg.dataset or cfg.env, length=max(200, 2 * cfg.context))
-    for mode_cfg, run in ev.bench_runs(SCRIPT, cfg, given, PRESETS, batch_tokens(cfg)):
+    tokens = batch_tokens(cfg)
+    for mode_cfg, run in ev.bench_runs(SCRIPT, cfg, given, PRESETS, tokens, LOG_COLUMNS):
         train(mode_cfg, run, d)
 
 

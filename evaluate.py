@@ -1144,7 +1144,7 @@ def plot_curve(rows, path, hundred, title):
     plt.close(fig)
 
 
-def bench_runs(script, cfg, given, presets, tokens):
+def bench_runs(script, cfg, given, presets, tokens, columns=()):
     """--bench: a short real run per mode (eager, compiled, on CUDA compiled with bf16 autocast) in
     a temporary folder -> (its settings, its Run) to train(); the Run times PROBE_STEPS steps after
     the first, and a line per mode is printed here."""
@@ -1164,7 +1164,8 @@ def bench_runs(script, cfg, given, presets, tokens):
             # the peak memory counted from here; the run's own lines (data, length, eval) silenced
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            with Run(script, c, given, presets) as run, contextlib.redirect_stdout(io.StringIO()):
+            quiet = contextlib.redirect_stdout(io.StringIO())
+            with Run(script, c, given, presets, columns) as run, quiet:
                 yield c, run
 
             # its line: the run's step time; the peak memory (DeMa's Table 7 "GPU memory usage")

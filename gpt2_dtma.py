@@ -698,9 +698,9 @@ def train(cfg, run, d=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
 
     rng = np.random.default_rng(cfg.seed)  # draws the training windows
-    # G_Markov's windows (--bench's runs keep no column for it)
+    # G_Markov's windows
     probe = d.sample(cfg.batch_size, cfg.context, np.random.default_rng(cfg.seed + 20_000))
-    probe = {k: v.to(device) for k, v in probe.items()} if "g_markov" in run.fields else None
+    probe = {k: v.to(device) for k, v in probe.items()}
 
     # open the run, or with --resume restore all of the above as the run left it
     step = run.start(cfg, model, opt, sched, rng, d, info, need)
@@ -1433,7 +1433,8 @@ def bench(cfg, given):
     """--bench: train() run briefly on synthetic data of the dataset's shapes, in each mode; the
     run's own record times its steps (evaluate.bench_runs prints them)."""
     d = data_lib.synthetic_like(cfg.dataset or cfg.env, length=max(200, 2 * cfg.context))
-    for mode_cfg, run in ev.bench_runs(SCRIPT, cfg, given, PRESETS, batch_tokens(cfg)):
+    tokens = batch_tokens(cfg)
+    for mode_cfg, run in ev.bench_runs(SCRIPT, cfg, given, PRESETS, tokens, LOG_COLUMNS):
         train(mode_cfg, run, d)
 
 

@@ -1218,7 +1218,7 @@ def _make_breakout(seed=0, steps=None):
 # paper does for Hopper (modestyachts/ARS@4c8e24e code/ars.py#L399), until its noise-free eval
 # return reaches the level's share of the way from D4RL's random to expert return, or the budget
 # ends (then the best policy evaluated). Departures from the paper:
-# 1. Hopper-v5 (gymnasium's MuJoCo), not Hopper-v1: the v1 env no longer runs.
+# 1. gymnasium's Hopper-v5, not gym 0.9's Hopper-v1 (MuJoCo 1.31): the same robot and reward.
 # 2. Actions clipped to the env's [-1, 1]: the simulator clamps them alike, the control cost not.
 # 3. A run below medium after HOPPER_RESTART iterations restarts from M = 0 with new directions:
 #    Hopper's runs vary widely with the seed, and one can stall for long.
@@ -1248,7 +1248,7 @@ def ars(rollout, shape, rng, alpha, nu, directions, top):
         runs = [rollout(M + sign * nu * d, mu, std) for d in deltas for sign in (1, -1)]
         r = np.array([run[0] for run in runs]).reshape(directions, 2)      # (N, 2): r+, r-
 
-        # the top b directions by max(r+, r-) (line 6), a step over the std of their 2b returns (7)
+        # the top b directions by max(r+, r-), a step over the std of their 2b returns (lines 6-7)
         best = np.argsort(-r.max(1), kind="stable")[:top]
         step = alpha / (top * (r[best].std() or 1.0))
         M = M + step * np.tensordot(r[best, 0] - r[best, 1], deltas[best], axes=1)     # (p, n)

@@ -1243,6 +1243,8 @@ def make(name, dataset_id=None, seed=0, steps=None):
     t0 = time.time()
     if name == "breakout-mixed":
         buffers, write_kwargs, behaviour = _make_breakout(seed, steps)
+    elif name.startswith("hopper-"):
+        buffers, write_kwargs, behaviour = _make_hopper(name, seed, steps)
     else:
         buffers, write_kwargs, behaviour = _make_pointmaze(name, seed, steps)
     command = ["make", name, dataset_id, *(["--seed", seed] if seed else []),
@@ -1486,6 +1488,123 @@ def _make_breakout(seed=0, steps=None):
                         description=f"{len(buffers)} episodes, {total:,} steps of Breakout, "
                         f"mixed-quality play: eps {', '.join(map(str, BREAKOUT_EPS))} in turn, "
                         f"seed {seed}", jpeg_encoding=False)
+    return buffers, write_kwargs, behaviour
+
+
+# --------------------------------------------------------------------------------------------------
+# Hopper, made offline (python data.py make hopper-medium, hopper-medium-replay, hopper-expert)
+#
+# D4RL's recipe with Augmented Random Search (Mania, Guy and Recht 2018) in place of SAC: ARS V2-t
+# trains a linear policy in Hopper-v5, the alive bonus (1 a step) off its training returns as the
+# paper does for Hopper (modestyachts/ARS@4c8e24e code/ars.py#L399), until its noise-free eval
+# return reaches the level's share of the way from D4RL's random to expert return, or the budget
+# ends (then the best policy evaluated). Departures from the paper:
+# 1. gymnasium's Hopper-v5, not gym 0.9's Hopper-v1 (MuJoCo 1.31): the same robot and reward.
+# 2. Actions clipped to the env's [-1, 1]: the simulator clamps them alike, the control cost not.
+# 3. A run below medium after HOPPER_RESTART iterations restarts from M = 0 with new directions:
+#    Hopper's runs vary widely with the seed, and one can stall for long.
+
+MAKE_NAMES.update({"hopper-medium": "mujoco/hopper/medium-v0",
+                   "hopper-medium-replay": "D4RL's hopper-medium-replay-v2",
+                   "hopper-expert": "mujoco/hopper/expert-v0"})
+HOPPER_ARS = dict(alpha=0.01, nu=0.025, directions=8, top=4)  # the paper's Table 9, Hopper-v1
+HOPPER_LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
+HOPPER_ITERATIONS = {"medium": 1000, "expert": 300}  # at most; set from measured runs (README)
+HOPPER_RESTART, HOPPER_EVAL_EPISODES, HOPPER_NOISE, HOPPER_STEPS = 200, 5, 0.05, 300_000
+HOPPER_HELP = ("hopper-*: ARS trains a linear policy in Hopper-v5 to a third of D4RL's expert "
+               f"return\n(expert: all, or the best in {HOPPER_ITERATIONS['expert']} iterations); "
+               f"data: its rollouts, N(0, {HOPPER_NOISE}^2) on each action\n(medium-replay: "
+               "every rollout of training to medium).")
+
+
+def ars(rollout, shape, rng, alpha, nu, directions, top):
+    """ARS V2-t (Mania et al. 2018, Algorithm 2) of the policy a = M diag(Sigma)^(-1/2) (x - mu).
+    rollout(M, mu, std) -> (training return, the (T, n) states met, the episode). Yields after each
+    update: M, mu, std and the iteration's 2N episodes."""
+    M, mu, std = np.zeros(shape), np.zeros(shape[1]), np.ones(shape[1])
+    seen, total, squares = 0, np.zeros(shape[1]), np.zeros(shape[1])
+    while True:
+        # N directions delta_k ~ N(0, I), rollouts of M + nu delta_k and M - nu delta_k (lines 4-5)
+        deltas = rng.standard_normal((directions, *shape))                 # (N, p, n)
+        runs = [rollout(M + sign * nu * d, mu, std) for d in deltas for sign in (1, -1)]
+        r = np.array([run[0] for run in runs]).reshape(directions, 2)      # (N, 2): r+, r-
+
+        # the top b directions by max(r+, r-), a step over the std of their 2b returns (lines 6-7)
+        best = np.argsort(-r.max(1), kind="stable")[:top]
+        step = alpha / (top * (r[best].std() or 1.0))
+        M = M + step * np.tensordot(r[best, 0] - r[best, 1], deltas[best], axes=1)     # (p, n)
+
+        # mu, Sigma: the mean and diagonal covariance of every state met in training (line 8); an
+        # entry that never varied is ignored (modestyachts/ARS@4c8e24e code/filter.py#L223)
+        states = np.concatenate([run[1] for run in runs])                  # (steps, n)
+        seen, total = seen + len(states), total + states.sum(0)
+        squares = squares + (states**2).sum(0)
+        mu = total / seen
+        std = np.sqrt(np.maximum(squares / seen - mu**2, 0.0))
+        std[std < 1e-7] = np.inf
+        yield M, mu, std, [run[2] for run in runs]
+
+
+def _make_hopper(name, seed, steps):
+    """ARS to the level `name` names, then its noisy rollouts, or for medium-replay every rollout
+    ARS ran. -> (EpisodeBuffers, _write_dataset's keyword arguments, the behaviour line)."""
+    import gymnasium as gym
+    from minari.data_collector import EpisodeBuffer
+    level, (low, high), t0 = name.removeprefix("hopper-"), D4RL_REF_SCORES["Hopper"], time.time()
+    env, noise_rng = gym.make("Hopper-v5"), np.random.default_rng([seed, 0])
+    env.reset(seed=seed)
+
+    def rollout(M, mu, std, shift=1.0, noise=0.0, limit=None):
+        obs, _ = env.reset()
+        states, actions, rewards = [obs], [], []
+        while True:
+            a = M @ ((obs - mu) / std) + noise * noise_rng.standard_normal(len(M))
+            actions.append(np.clip(a, -1, 1).astype(np.float32))
+            obs, reward, term, trunc, _ = env.step(actions[-1])
+            states.append(obs)
+            rewards.append(float(reward))
+            if term or trunc or len(actions) == limit:
+                break
+        ends = [False] * (len(actions) - 1)
+        episode = EpisodeBuffer(observations=np.stack(states), actions=np.stack(actions),
+                                rewards=rewards, terminations=ends + [term],
+                                truncations=ends + [not term], infos={})        # (T + 1, 11) states
+        return sum(rewards) - shift * len(rewards), np.stack(states[:-1]), episode
+
+    # train; (re)start a run at first, and where it is below medium HOPPER_RESTART iterations on
+    stop = level.removesuffix("-replay")
+    medium, target = (low + HOPPER_LEVELS[k] * (high - low) for k in ("medium", stop))
+    replay, best, start, runs = [], (-np.inf,), 0, 0
+    for it in range(1, HOPPER_ITERATIONS[stop] + 1):
+        if it == start + 1 and best[0] < medium:
+            training = ars(rollout, (3, 11), np.random.default_rng([seed, it]), **HOPPER_ARS)
+            start, runs = it - 1 + HOPPER_RESTART, runs + 1
+        M, mu, std, episodes = next(training)
+        replay += episodes
+        score = np.mean([rollout(M, mu, std, 0.0)[0] for _ in range(HOPPER_EVAL_EPISODES)])
+        best = max(best, (score, it, M, mu, std), key=lambda b: b[0])
+        if score >= target:
+            break
+
+    # the data: noisy rollouts until `steps`, the last cut there, or the newest training rollouts
+    score, it, M, mu, std = best
+    lengths = np.cumsum([len(e.rewards) for e in replay[::-1]])          # steps of the newest k
+    buffers = replay[-max((lengths <= steps).sum(), 1):] if steps else replay
+    if level != "medium-replay":
+        buffers, total, steps = [], 0, steps or HOPPER_STEPS
+        while total < steps:
+            buffers.append(rollout(M, mu, std, noise=HOPPER_NOISE, limit=steps - total)[2])
+            total += len(buffers[-1].rewards)
+
+    norm = lambda r: f"{r:.1f} (normalised {100 * (r - low) / (high - low):.1f})"
+    behaviour = (f"mean return {norm(np.mean([sum(e.rewards) for e in buffers]))}; the policy's "
+                 f"eval return {norm(score)}, level {norm(target)}, at ARS iteration {it} of "
+                 f"{runs} run(s), {lengths[-1]:,} training steps, {time.time() - t0:.0f} s")
+    write_kwargs = dict(
+        env=env.spec, eval_env=env.spec, observation_space=env.observation_space,
+        action_space=env.action_space, ref_min_score=low, ref_max_score=high,
+        algorithm_name=f"ARS V2-t, N(0, {HOPPER_NOISE}^2) action noise (data.py make)",
+        description=f"stands in for {MAKE_NAMES[name]}: {behaviour}, seed {seed}")
     return buffers, write_kwargs, behaviour
 
 
@@ -1747,7 +1866,7 @@ def main(argv=None):
 
     p_make = sub.add_parser(
         "make", help="make a dataset offline: PointMaze by Minari's method, Breakout by a scripted "
-        "player", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "player, Hopper by ARS", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Make a local Minari dataset offline, seeded. NAME, and what it stands in "
         "for:\n" + "".join(f"  {n:24}{what}\n" for n, what in MAKE_NAMES.items())
         + "PointMaze, by Minari's method: a continuing task, a planner (value iteration over the "
@@ -1756,18 +1875,21 @@ def main(argv=None):
         "controller without noise).\nbreakout-mixed: a controller that reads the ball from the "
         "console's RAM and keeps the paddle\nunder it, each action random with an episode-wide "
         f"probability eps, eps from 0 to 1 across\n{BREAKOUT_EPISODES} episodes, in the env the "
-        "project evaluates in (no sticky actions, unlike DQN-replay's);\nframes lossless.")
+        "project evaluates in (no sticky actions, unlike DQN-replay's);\nframes lossless.\n"
+        + HOPPER_HELP)
 
     p_make.add_argument("name", metavar="NAME", help=", ".join(MAKE_NAMES))
     p_make.add_argument("dataset_id", nargs="?", default=None,
                         help="the new dataset's Minari id (default: "
-                             "made/pointmaze/<maze>[-dense]-v0, made/breakout/mixed-v0)")
+                             "made/pointmaze/<maze>[-dense]-v0, made/breakout/mixed-v0, "
+                             "made/hopper/<level>-v0)")
     p_make.add_argument("--seed", type=int, default=0,
                         help="the seed of everything random (default: %(default)s)")
     p_make.add_argument("--steps", type=_positive, default=None, metavar="N",
                         help="steps to collect (default: PointMaze umaze / medium / large "
                              + " / ".join(f"{n:,}" for n in MAZE_STEPS.values())
-                             + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes)")
+                             + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes; hopper: "
+                             f"{HOPPER_STEPS:,}, medium-replay: all)")
 
     # python data.py NAME: short for info NAME
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -2,48 +2,48 @@
 Decision Mamba (DeMa): Dai et al. 2024, "Is Mamba Compatible with Trajectory Optimization in
 Offline Reinforcement Learning?" (NeurIPS 2024, arXiv 2405.12094).
 
-Decision Transformer's GPT replaced by a stack of plain Mamba-1 blocks (pre-RMSNorm residual, no
-MLP, no timestep embedding). Each step t gives three tokens [R_t, a_{t-1}, s_t] (return-to-go,
-PREVIOUS action, state) and a_t is read from the s_t token. Transformer-like DeMa (the method,
---mode transformer) re-runs the last K steps from a zero state at every decision; RNN-like DeMa
-(--mode rnn) carries the conv and SSM states through an episode (Sec. 3.2, App. C).
+Decision Transformer's GPT replaced by plain Mamba-1 blocks (pre-RMSNorm residual, no MLP, no
+timestep embedding). Step t gives tokens [R_t, a_{t-1}, s_t] (return-to-go, PREVIOUS action,
+state); a_t is read from the s_t token. Transformer-like DeMa (the method, --mode transformer)
+re-runs the last K steps from a zero state at every decision; RNN-like DeMa (--mode rnn) carries
+the conv and SSM states through an episode (Sec. 3.2, App. C).
 
-    python dema.py --env hopper-medium                 # the paper's configuration (a GPU)
-    python dema.py --env hopper-medium --preset cpu    # a small one for a 2-core laptop
+    python dema.py --env hopper-medium                 # the paper's settings (a GPU)
+    python dema.py --env hopper-medium --preset cpu    # for a 2-core laptop
     python dema.py --env hopper-medium --mode rnn --batch-size 16 --scan-chunk 30    # RNN-like
     python data.py make breakout-mixed
     python dema.py --dataset made/breakout/mixed-v0 --preset cpu         # Atari, on a CPU
-    python dema.py --out <run folder> --attention      # Fig. 4: hidden attention along an episode
+    python dema.py --out <run folder> --attention      # Fig. 4: hidden attention
     python dema.py --out <run folder> --s6-ablation zero --s6-layers 0   # Fig. 5: S6 zeroed
     python dema.py --bench --env breakout-expert       # Table 7: a training step on frames
 
 Glossary (paper symbol -> code name, shape; Config: b batch_size, K context, E n_embd, D d_model,
 N d_state, W d_conv):
-    L        tokens in a sequence: 3K (B3LD), K (BL3D)      T in the code
-    d_inner  expand * D, the channels of the S6 layer       Mamba.d_inner, "di" in shapes
-    x_i      S6 input, after the conv and SiLU              x (b, di, L)
-    Delta_i  step size softplus(S_Delta(x_i)) (Eq. 5)       delta (b, di, L)
-    A        diagonal state matrix -exp(A_log) (Eq. 1)      A (di, N)
-    B_i, C_i input-dependent S_B(x_i), S_C(x_i) (Eq. 5)     B, C (b, N, L)
-    alpha    hidden attention: y_i = sum_j alpha_ij x_j     Mamba.hidden_attention (b, di, L, L)
-    R_t, s_t return-to-go (scaled), state (normalised)      rtg (b, K, 1), states (b, K, obs_dim)
-    a_{t-1}  the previous action                            previous_actions() (b, K, act_dim)
+    L        tokens in a sequence: 3K (B3LD), K (BL3D)   T in the code
+    d_inner  expand * D, the S6 layer's channels         Mamba.d_inner, "di" in shapes
+    x_i      S6 input, after the conv and SiLU           x (b, di, L)
+    Delta_i  step size (Eq. 5)                           delta (b, di, L)
+    A        diagonal state matrix -exp(A_log) (Eq. 1)   A (di, N)
+    B_i, C_i input-dependent S_B(x_i), S_C(x_i) (Eq. 5)  B, C (b, N, L)
+    alpha    hidden attention (Sec. 3.3)                 Mamba.hidden_attention (b, di, L, L)
+    R_t, s_t return-to-go (scaled), state (normalised)   rtg (b, K, 1), states (b, K, obs_dim)
+    a_{t-1}  the previous action                         previous_actions() (b, K, act_dim)
     Atari's s_t, a_t: the last 4 frames (b, K, 4, 84, 84) uint8; actions (b, K) int64, logits
 
 Official code ("the code"; paths cited bare are its, at e2aed7e): AndssY/dema, branch main (the
 hidden attention: branch attention, 05bd941), https://github.com/AndssY/dema/tree/e2aed7e1a3893bbf0ff651388659f0927c88d365
-It vendors state-spaces/mamba@12d8550 (v1.2.0.post1 and two later fixes) as mamba/,
+It vendors state-spaces/mamba@12d8550 as mamba/,
 https://github.com/state-spaces/mamba/tree/12d855003ba92c8a15d1739ce65a14c6fb16e254
 changing one line: MixerModel's embedding is nn.Linear(vocab_size, d_model) (DeMa's E -> D), not
 nn.Embedding (mamba/mamba_ssm/models/mixer_seq_simple.py#L105); the attention branch adds hooks
-that return the hidden attention.
+returning the hidden attention.
 
 Departures from the paper and the official code:
- 1. Plain PyTorch scan, causal conv and RMSNorm, not mamba's CUDA and Triton kernels (CPU too; the
-    same to float tolerance).
- 2. Left padding is inert (zero conv input, Delta = 0: a padded window's outputs equal the shorter
-    window's); the code's pads enter the state (--no-pad-mask, with data.py's zeros, not its
-    raw-zero states, actions -10 and start-anchored windows: gym/experiment.py#L217-L237).
+ 1. Plain PyTorch scan, causal conv and RMSNorm instead of mamba's CUDA and Triton kernels (CPU
+    too; equal to float tolerance).
+ 2. Left padding is inert (zero conv input, Delta = 0: a padded window's outputs are the shorter
+    window's); the code's pads enter the state (--no-pad-mask: data.py's zeros, not its raw-zero
+    states, actions -10 and start-anchored windows, gym/experiment.py#L217-L237).
  3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the code trains
     on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps
     (gym/decision_transformer/models/ssm.py#L109-L116) and evaluates on R_t (--rtg-shift: its way).
@@ -53,19 +53,19 @@ Departures from the paper and the official code:
     Table 9's batch 128, lr 6e-4, weight decay 0.1, clip 1 and 512 x 20 warmup tokens (DT's:
     kzl/decision-transformer@e2d82e6 atari/run_dt_atari.py#L86), where the code's Mamba path has
     8, 1e-4, 1e-4, 0.8 and 3000 x 32 (run_atari.py#L235-L252).
- 6. The code's unused predict_state / predict_return heads (780 parameters at hopper) are left out.
+ 6. The code's unused predict_state / predict_return heads (780 parameters at hopper) are dropped.
  7. "DeMa with post." (--residual post) swaps the block inside DeMa (its tokens, E -> D and final
     RMSNorm stay), as Fig. 1 draws it; the code's is DT's GPT with S6 for attention (DT's tokens,
     LayerNorm, no E -> D; gym/decision_transformer/models/trajectory_gpt2.py#L450-L451).
  8. RNN-like DeMa (Tables 10-12) trains on trajectories cut to --rnn-max-len 1000 steps, drawn in
-    proportion to length as the gym code (gym/experiment.py#L254), left-padded under the inert pad
-    mask (it right-pads: the same for a causal model). The Atari code packs whole trajectories by
-    cu_seqlens for an unreleased kernel (App. C), which the vendored MixerModel.forward does not
-    take (mixer_seq_simple.py#L151), and feeds a_t, not a_{t-1}, beside s_t
+    proportion to length (gym/experiment.py#L254), left-padded under the inert pad mask (the code
+    right-pads: the same for a causal model). Its Atari code packs whole trajectories by cu_seqlens
+    for an unreleased kernel (App. C) that the vendored MixerModel.forward does not take
+    (mixer_seq_simple.py#L151), and feeds a_t, not a_{t-1}, beside s_t
     (atari/models/mamba.py#L195-L198). Atari here: Table 10's batch 8, lr 1e-4, 200 updates a
-    batch, on the transformer's 39,060-step cosine (Frostbite's 50 epochs: --steps); evaluation from
-    a_{-1} = 0 and the full softmax, the code's from a random a_{-1}
-    (atari/mingpt/trainer_atari.py#L342) and top-3 sampling (#L364).
+    batch, on the transformer's 39,060-step cosine (Frostbite's 50 epochs: --steps); evaluation
+    from a_{-1} = 0 with the full softmax, the code's from a random a_{-1}
+    (atari/mingpt/trainer_atari.py#L342) with top-3 sampling (#L364).
  9. Hidden attention (Fig. 4): Eq. 5 exactly (softplus, fp32, vectorised), not Eq. 6's ReLU
     approximation; the attention branch computes the same sum in a triple loop in fp16.
 10. MuJoCo evaluation: DT's two targets, the last evaluation the result; the code conditions on
@@ -73,10 +73,10 @@ Departures from the paper and the official code:
     its 10 evaluations (#L489-L493). Atari: Table 9's one target per game; the code evaluates three
     (Breakout 90, 150, 180; Pong and Gopher one; atari/mingpt/trainer_atari.py#L266) and prints
     each; Asterix's 700 is not among its 900, 1000, 1100.
-11. Mazes: the paper's maze code is not released; Tables 14-15's settings here, and --preset cpu
-    drops a_{t-1} there (the data's actions are noisy: a_{t-1} is copied rather than used).
-12. Atari: the window sampler and the evaluation frames are data.py's and evaluate.py's, which say
-    how they differ from the official code (which DeMa's copies from DT's).
+11. Mazes: the paper's maze code is unreleased; Tables 14-15's settings here, and --preset cpu
+    drops a_{t-1} (the data's actions are noisy: a_{t-1} is copied rather than used).
+12. Atari: data.py's window sampler and evaluate.py's frames, which say how they differ from the
+    official code (DeMa's copies DT's).
 """
 import dataclasses
 import math
@@ -101,7 +101,7 @@ def arg(default, help, run=False):
 
 @dataclass
 class Config:
-    # ---- the paper's settings (Table 8, D.1 on hopper-medium; other data: paper_values) ----
+    # ---- the paper's settings (Table 8, D.1: hopper-medium; else paper_values) ----
     steps: int = arg(100_000, "gradient steps", run=True)  # the code: 10 iterations x 10k
     delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 13)")
     batch_size: int = arg(64, "windows (rnn mode: whole trajectories) per batch")
@@ -128,7 +128,7 @@ class Config:
     pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: it enters the state (dep. 2)")
     inner_it: int = arg(1, "updates on each drawn batch (Table 10, RNN-like on Atari: 200)")
     rnn_max_len: int = arg(1000, "rnn mode: trajectories cut to their first N steps")
-    # the evaluation: the code's MuJoCo one, every 10k steps, 100 episodes a target
+    # the evaluation: the code's MuJoCo one
     eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
                           run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
@@ -164,14 +164,13 @@ class Config:
 
 
 # Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
-# 512 x 20 warmup tokens are 3 steps of 128 x 30, and the code's cosine ends at 2 len(data) 3K
-# tokens, batch x K a step (atari/mingpt/trainer_atari.py#L216): step ~23.4k.
+# 512 x 20 warmup tokens are 3 steps of 128 x 30; the code's cosine ends at 2 len(data) 3K tokens
+# (atari/mingpt/trainer_atari.py#L216).
 ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4,
              beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3,
              lr_decay_steps=23_432, steps=39_060, eval_every=3906, eval_episodes=10)
-# --preset cpu: dt.py's budget, N=16, two layers; mazes: dt.py's setting, F.2's 50 episodes; Atari:
-# dt.py's windows, E = D = 64, a 4500-step cosine stopped where the return stops rising (README);
-# --mode rnn: 4 trajectories of 100 steps, for memory (RESULTS.md)
+# --preset cpu: dt.py's budget; mazes: dt.py's setting, F.2's 50 episodes; Atari: dt.py's windows,
+# a cosine stopped where the return stops rising (README); --mode rnn: less memory (RESULTS.md)
 ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
                  warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
                  eval_episodes=10)
@@ -185,18 +184,17 @@ PRESETS = {"": dict(atari=ATARI),
 
 
 def fp32(t):
-    """Upcast to float32 (float64 stays float64, for the tests)."""
+    """Upcast to float32 (float64 stays, for the tests)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 # The selective scan (S6, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), as mamba's selective_scan_ref
-# (state-spaces/mamba@12d8550 mamba_ssm/ops/selective_scan_interface.py#L91):
-#   u, delta, z: (b, di, L);  A: (di, N);  B, C: (b, N, L);  D, delta_bias: (di,)
-#   delta <- softplus(delta + delta_bias)                                    (if asked)
-#   A_bar_t = exp(delta_t A) (ZOH),  B_bar_t u_t = delta_t B_t u_t (Euler, as the official kernel)
-#   h_t = A_bar_t h_{t-1} + B_bar_t u_t,  h_0 = 0;   y_t = <C_t, h_t> + D u_t;   y <- y * silu(z)
-# In fp32 with autocast off (fp64 stays fp64), the output cast back to u's dtype: under --amp the
-# projections and the convolution run in bf16, the state update never does.
+# (state-spaces/mamba@12d8550 mamba_ssm/ops/selective_scan_interface.py#L91), on u, delta, z
+# (b, di, L), A (di, N), B, C (b, N, L), D, delta_bias (di,):
+#   h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t (A_bar by ZOH, B_bar by Euler as mamba's kernel)
+#   y_t = (<C_t, h_t> + D u_t) silu(z_t);  h_0 = 0
+# In fp32, the output cast back to u's dtype: under --amp only the projections and the convolution
+# run in bf16.
 
 def _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus):
     u, delta, A, B, C = (fp32(t) for t in (u, delta, A, B, C))
@@ -216,9 +214,9 @@ def _scan_finish(y, u, D, z, dtype_in):
 
 
 def _scan_loop(h, delta, du, A, B, C):
-    """Eq. (5) read left to right from the state h (b, di, N): -> (y (b, di, L), the last h)."""
+    """Eq. (5) from the state h (b, di, N) -> (y (b, di, L), the last h)."""
     ys = []
-    # unbind: indexing [..., t] would make autograd allocate a zero tensor per slice
+    # unbind: [..., t] would make autograd allocate a zero tensor per slice
     for delta_t, du_t, B_t, C_t in zip(delta.unbind(-1), du.unbind(-1), B.unbind(-1), C.unbind(-1)):
         A_bar = torch.exp(delta_t[:, :, None] * A)  # (b, di, N)  exp(Delta_t A)
         h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)  # h_t = A_bar h + B_bar u_t
@@ -228,8 +226,8 @@ def _scan_loop(h, delta, du, A, B, C):
 
 def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None,
                               delta_softplus=False, chunk=0):
-    """The reference: a loop over time; autograd keeps ~2 states a token. chunk > 0: chunks of
-    that many tokens recomputed in the backward (exact; L / chunk + ~2 chunk states kept)."""
+    """The reference loop; autograd keeps ~2 states a token, or with chunk > 0 L / chunk + ~2
+    chunk states, the chunks recomputed in the backward (exact)."""
     dtype_in = u.dtype
     u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
     batch, d_inner, L = u.shape
@@ -249,7 +247,7 @@ def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None
 
 def _hillis_steele(a, b):
     """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, in ceil(log2 L) rounds of
-    the official kernel's operator (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
+    the kernel's operator (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
     (state-spaces/mamba@12d8550 csrc/selective_scan/selective_scan_common.h#L111)."""
     a, b = a.clone(), b.clone()
     L, s = a.shape[2], 1
@@ -262,7 +260,7 @@ def _hillis_steele(a, b):
 
 
 class _LinearScan(torch.autograd.Function):
-    """h = scan(a, b) with a hand-written backward, a reverse scan with the same operator:
+    """h = scan(a, b); the backward is a reverse scan with the same operator:
     g_t = dLoss/dh_t = gh_t + a_{t+1} g_{t+1}; dLoss/db_t = g_t; dLoss/da_t = g_t h_{t-1}."""
 
     @staticmethod
@@ -298,12 +296,11 @@ def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                    scan='auto', chunk=0):
-    # auto: the loop on CPU, the faster there at DeMa's sizes (--bench-scan); the log-depth scan on
-    # CUDA, where the loop would launch ~18 kernels per token and layer
+    # auto: the loop on CPU, faster at DeMa's sizes (--bench-scan); the log-depth scan on CUDA
     if scan == 'auto':
         scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
 
-    # the state update in fp32 (the meta device, where train() sizes a step, has no autocast)
+    # autocast off (meta, where train() sizes a step, has none)
     with torch.autocast("cpu" if u.device.type == "meta" else u.device.type, enabled=False):
         if scan == 'parallel':
             return selective_scan_parallel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
@@ -312,8 +309,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (the code: mamba's fused RMSNorm, eps 1e-5, no
-    bias; state-spaces/mamba@12d8550 mamba_ssm/ops/triton/layernorm.py#L481)."""
+    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (the code: mamba's fused one, eps 1e-5, no bias;
+    state-spaces/mamba@12d8550 mamba_ssm/ops/triton/layernorm.py#L481)."""
 
     def __init__(self, d, eps=1e-5):
         super().__init__()
@@ -327,9 +324,8 @@ class RMSNorm(nn.Module):
 class Mamba(nn.Module):
     """Mamba-1 mixer (state-spaces/mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L31): in_proj ->
     causal depthwise conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan -> * SiLU(z) ->
-    out_proj. Its S6 layer (Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only: that layer alone, the post
-    block's, dt_rank ceil((d_model / expand) / 16) as the code's
-    (gym/decision_transformer/models/trajectory_gpt2.py#L288-L290)."""
+    out_proj. Its S6 layer (Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only: that layer alone (the post
+    block's), the code's dt_rank (gym/decision_transformer/models/trajectory_gpt2.py#L288-L290)."""
 
     def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3,
                  dt_max=1e-1, dt_init_floor=1e-4, s6_only=False):
@@ -344,14 +340,14 @@ class Mamba(nn.Module):
         # S_Delta (rank R), S_B and S_C of Eq. (5)
         self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
-        A = torch.arange(1, d_state + 1, dtype=torch.float32)
+        A = torch.arange(1, d_state + 1, dtype=torch.float32)  # S4D-real
         self.A_log = nn.Parameter(torch.log(A).repeat(d_inner, 1))
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = None if s6_only else nn.Linear(d_inner, d_model, bias=False)
 
-        # mamba's initialisation (the code's; mamba_simple.py#L82-L110): dt_proj's weight
-        # U(-R^-1/2, R^-1/2), its bias softplus^-1 of dt ~ logU(dt_min, dt_max); A_log = log(1..N)
-        # (S4D-real); out_proj / sqrt(n_layer) (mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
+        # mamba's initialisation (the code's; mamba_simple.py#L82-L110): dt_proj's bias
+        # softplus^-1(dt), dt ~ logU(dt_min, dt_max); out_proj / sqrt(n_layer)
+        # (mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
             dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min))
@@ -400,7 +396,7 @@ class Mamba(nn.Module):
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         delta = F.softplus(fp32(self.dt_proj(dt)))  # (b, di)
 
-        # Eq. (5), one step; the state update stays fp32
+        # Eq. (5), one step, in fp32
         with torch.autocast(h.device.type, enabled=False):
             x, B, C = fp32(x), fp32(B), fp32(C)
             A = -torch.exp(fp32(self.A_log))
@@ -465,15 +461,15 @@ class Block(nn.Module):
 
 
 def previous_actions(actions, prev_action):
-    """a_{t-1} at every position (b, K, act); prev_action: the a_{t-1} of the window's first."""
+    """a_{t-1} at every step (b, K, act); prev_action: the first step's."""
     return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
 
 
 class DeMa(nn.Module):
-    """Tokens [R_t, a_{t-1}, s_t] a step ("B3LD", Sec. 4.1) or the three concatenated ("BL3D"),
-    Linear E (3E) -> D, the blocks, RMSNorm, a_t = tanh(Linear(the s_t token's output)), no
-    LayerNorm on the embeddings (AndssY/dema@e2aed7e gym/decision_transformer/models/ssm.py#L30);
-    Atari (Sec. 5; atari/models/mamba.py#L76): logits."""
+    """Tokens [R_t, a_{t-1}, s_t] (B3LD or BL3D, Sec. 4.1), Linear E (3E) -> D, the blocks,
+    RMSNorm, a_t = tanh(Linear(the s_t token's output)), no LayerNorm on the embeddings
+    (gym/decision_transformer/models/ssm.py#L30); Atari (Sec. 5; atari/models/mamba.py#L76):
+    logits."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
@@ -484,11 +480,11 @@ class DeMa(nn.Module):
         self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
         self.prev_action = cfg.prev_action
 
-        # Table 17, "DeMa with pos. embed.": DT's timestep embedding added to every token
+        # Table 17's "DeMa with pos. embed."
         self.embed_timestep = nn.Embedding(max_ep_len, E) if cfg.timestep_embedding else None
 
-        # the token embeddings: Atari's DQN torso, 4 x 84 x 84 -> 64 x 7 x 7 -> E, tanh (Table 9's
-        # "ReLU (state encoder)"), and tanh after R_t's and a_{t-1}'s (the code's); MuJoCo: DT's
+        # token embeddings: Atari's DQN torso and tanh (Table 9's "ReLU (state encoder)"), tanh
+        # after R_t's and a_{t-1}'s too (the code's); MuJoCo: DT's
         if discrete:
             self.embed_state = nn.Sequential(
                 nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
@@ -502,17 +498,15 @@ class DeMa(nn.Module):
             self.embed_state = nn.Linear(obs_dim, E)
         self.drop = nn.Dropout(cfg.dropout)
 
-        # the code's MixerModel (mixer_seq_simple.py#L86): embedding (E -> D, or 3E -> D), blocks,
-        # norm_f, an RMSNorm (the paper names none)
+        # the code's MixerModel (mixer_seq_simple.py#L86; the paper names no norm_f)
         self.embedding = nn.Linear(3 * E if self.bl3d else E, D)
         self.blocks = nn.ModuleList([Block(cfg, gelu=discrete) for _ in range(cfg.n_layer)])
         self.ln_f = RMSNorm(D)
-        # MuJoCo: tanh(Linear); Atari: logits, the code's Linear(D, |A|, bias=False) (mamba.py#L132)
+        # Atari: the code's logits (mamba.py#L132)
         self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
                                nn.Sequential(nn.Linear(D, act_dim), nn.Tanh()))
 
-        # the code's apply(_init_weights) (ssm.py#L96): Linear biases zero but dt_proj's, tables
-        # N(0, 0.02), other weights PyTorch's
+        # the code's apply(_init_weights) (ssm.py#L96): biases zero but dt_proj's, tables N(0, 0.02)
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
                 nn.init.zeros_(m.bias)
@@ -523,7 +517,7 @@ class DeMa(nn.Module):
         """states (b, K, obs) (Atari: (b, K, 4, 84, 84) uint8), prev_actions (b, K, act) = a_{t-1}
         (Atari: (b, K) int64), rtg (b, K, 1), timesteps (b, K) -> (b, nK, D), fp32."""
         b, K = states.shape[:2]
-        if not self.prev_action:  # --no-prev-action: each step's a_{t-1} is the null a_{-1} = 0
+        if not self.prev_action:  # the null a_{-1} = 0 at every step
             prev_actions = torch.zeros_like(prev_actions)
 
         # Atari: the frames / 255 through the torso, the code's order a_{t-1}, R_t, s_t
@@ -531,7 +525,7 @@ class DeMa(nn.Module):
         if self.discrete:
             frames = states.reshape(b * K, *states.shape[2:])  # (bK, 4, 84, 84)
             frames = frames.to(self.embedding.weight.dtype) / 255.0
-            # channels-last: the same values, and faster convolutions on CPU
+            # channels-last: faster convolutions on CPU
             frames = frames.contiguous(memory_format=torch.channels_last)
             e = [self.embed_action(prev_actions), self.embed_return(rtg),
                  self.embed_state(frames).view(b, K, -1)]  # 3 x (b, K, E)
@@ -543,7 +537,7 @@ class DeMa(nn.Module):
 
         # BL3D: one token per step (b, K, 3E); B3LD: (b, 3K, E), step 0's three, step 1's, ...
         u = torch.cat(e, dim=-1) if self.bl3d else torch.stack(e, dim=2).reshape(b, 3 * K, -1)
-        # the residual stream stays fp32 under --amp (the code's too)
+        # an fp32 residual stream under --amp (the code's too)
         return fp32(self.embedding(self.drop(u)))
 
     def forward(self, states, actions, rtg, timesteps, mask, prev_action):
@@ -567,7 +561,7 @@ class DeMa(nn.Module):
                 for b in self.blocks]
 
     def step(self, states, prev_action, rtg, timesteps, cache):
-        """RNN-like DeMa (Sec. 3.2): the current triplet through the layers, carrying their states.
+        """RNN-like DeMa (Sec. 3.2): the current triplet through the layers' states.
         states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,) -> (actions, cache)."""
         toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None],
                            timesteps[:, None])  # (b, n, D)
@@ -579,7 +573,7 @@ class DeMa(nn.Module):
         return self.predict_action(self.ln_f(x)), cache  # x is the s_t token's output
 
     def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
-        """Per layer, its S6 layer's implicit attention (Mamba.hidden_attention) on this window."""
+        """Each layer's Mamba.hidden_attention on this window."""
         x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)
         tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
 
@@ -605,9 +599,9 @@ S6_PARAMETERS = ("conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weigh
 
 
 def paper_values(name, mode="transformer"):
-    """Per-dataset settings: D.1 (MuJoCo), Tables 14-15, F.2 (mazes), D.2, Table 10 (Atari)."""
+    """The paper's per-dataset settings."""
     atari, name = data_lib.is_atari(name), name.lower()
-    # Table 10, D.2: whole trajectories, batch 8 (Frostbite: 1), lr 1e-4, 200 updates each
+    # Table 10, D.2: RNN-like
     if atari and mode == "rnn":
         return dict(batch_size=1 if "frostbite" in name else 8, lr=1e-4, inner_it=200)
 
@@ -639,12 +633,12 @@ def paper_values(name, mode="transformer"):
 
 def paper_settings(cfg, given):
     """Config's defaults < PRESETS[""] (Atari) < paper_values' row < --preset < the flags; this
-    file's flags checked -> cfg."""
+    file's flags checked."""
     name = cfg.dataset or cfg.env
     row = paper_values(name, cfg.mode)
     cfg = dataclasses.replace(cfg, **{k: v for k, v in row.items() if k not in given})
 
-    # this file's flags (check_flags has the shared ones): one sentence, the first bad
+    # this file's flags (check_flags: the shared ones)
     for f, ok in CHOICES.items():
         if getattr(cfg, f) not in ok:
             *rest, last = [c for c in ok if c]
@@ -682,7 +676,7 @@ def load_dataset(cfg):
 
 
 def build_model(cfg, info):
-    """The model the data's spaces call for: Atari's for discrete actions, else the gym one."""
+    """DeMa for the data's spaces (discrete actions: Atari's)."""
     return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"],
                 discrete=info.get("discrete", False))
 
@@ -694,9 +688,9 @@ def batch_tokens(cfg):
 
 
 def param_groups(model, cfg):
-    """AdamW's groups: the code's MuJoCo decays every parameter, its Atari not biases, norms or its
-    *emb* names, R_t's and a_{t-1}'s embeddings and E -> D (atari/models/mamba.py#L159; here the
-    timestep table too)."""
+    """AdamW's groups: the code decays all on MuJoCo; on Atari not biases, norms or *emb* names
+    (R_t's and a_{t-1}'s embeddings, E -> D; atari/models/mamba.py#L159; here the timestep table
+    too)."""
     if not model.discrete:
         return [{"params": list(model.parameters())}]
 
@@ -708,9 +702,9 @@ def param_groups(model, cfg):
 
 
 def lr_factor(s, cfg):
-    """--lr's factor at step s: linear warmup, then constant (gym/experiment.py#L455-L458) or,
-    with --lr-decay-steps N, max(0.1, (1 + cos(pi p)) / 2), p = (s - warmup) / (N - warmup) not
-    clamped: 0.1 from p = 0.8, rising again past 1.2 (atari/mingpt/trainer_atari.py#L222-L223)."""
+    """--lr's factor at step s: linear warmup, then constant (gym/experiment.py#L455-L458) or the
+    code's cosine (--lr-decay-steps), floored at 0.1 and p unclamped: 0.1 from p = 0.8, rising past
+    1.2 (atari/mingpt/trainer_atari.py#L222-L223)."""
     if s < cfg.warmup_steps or not cfg.lr_decay_steps:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
 
@@ -719,8 +713,8 @@ def lr_factor(s, cfg):
 
 
 def get_batch(d, n, cfg, rng, longest=False):
-    """n windows of K steps (App. C); RNN-like: n whole trajectories drawn in proportion to length
-    (longest: the longest, sizing the worst step), left-padded (departure 8)."""
+    """n windows of K steps (App. C); RNN-like: n whole trajectories (departure 8; longest: the
+    longest, sizing the worst step)."""
     if cfg.mode != "rnn":
         return d.sample(n, cfg.context, rng)
 
@@ -738,7 +732,7 @@ def predict(model, b, cfg, training=False):
     """A data.py / evaluate.py window -> (predicted actions, targets, loss mask)."""
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in WINDOW)
     if training and cfg.rtg_shift:
-        # departure 3, the code's alignment (gym/decision_transformer/models/ssm.py#L109-L116)
+        # departure 3: the code's alignment (ssm.py#L109-L116)
         states, actions, prev = states[:, 1:], actions[:, 1:], actions[:, 0]
         timesteps, rtg, mask = timesteps[:, :-1], rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
@@ -747,18 +741,17 @@ def predict(model, b, cfg, training=False):
 def loss_fn(model, batch, cfg):
     pred, target, mask = predict(model, batch, cfg, training=True)  # (b, K, act) or logits
     if target.dtype == torch.int64:
-        # Sec. 3.1, App. C: cross-entropy for discrete actions (Atari)
+        # Sec. 3.1, App. C: cross-entropy (Atari)
         err = F.cross_entropy(pred.float().flatten(0, 1), target.flatten(), reduction="none")
         err = err.view_as(mask)  # (b, K)
     else:
-        # Sec. 3.1: MSE for continuous actions
+        # Sec. 3.1: MSE
         err = ((pred.float() - target) ** 2).mean(-1)  # (b, K)
     return (err * mask).sum() / mask.sum()  # App. C: the padding's loss is masked
 
 
 def policy(model, cfg):
-    """The actions (Atari: logits) for evaluate.py. Transformer-like: the window from a zero state;
-    RNN-like (Sec. 3.2): the current triplet, each env's states carried from its first step."""
+    """The actions (Atari: logits) for evaluate.py: transformer-like, or RNN-like (Sec. 3.2)."""
     if cfg.mode == "transformer":
         return lambda batch, live: predict(model, batch, cfg)[0][:, -1]
 
@@ -773,7 +766,7 @@ def policy(model, cfg):
         cache = [tuple(torch.cat([c[l][k] for c in per_env]) for k in range(2))
                  for l in range(len(zero))]
 
-        # a step of the live envs, then their caches kept
+        # a step of the live envs; keep their caches
         prev = previous_actions(batch["actions"], batch["prev_action"])[:, -1]
         a, cache = model.step(batch["states"][:, -1], prev, batch["rtg"][:, -1],
                               batch["timesteps"][:, -1], cache)
@@ -842,8 +835,7 @@ def train(cfg, run, d=None):
     results = batch = None
     with ev.StopSignal() as stop:  # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
-            # Table 10: --inner-it updates a batch; with more than one, each batch from its own
-            # generator (a run resumed between two draws draws it again)
+            # --inner-it > 1 (Table 10): each batch its own generator (a resumed run redraws it)
             if batch is None or step % cfg.inner_it == 0:
                 seed = (cfg.seed, step // cfg.inner_it)
                 own = rng if cfg.inner_it == 1 else np.random.default_rng(seed)
@@ -877,13 +869,12 @@ def train(cfg, run, d=None):
     return run.finish(results)
 
 # --------------------------------------------------------------------------------------------------
-# this file's analyses: --attention and --s6-ablation read a run's checkpoint and never train;
-# --bench-scan and --params need no run
+# this file's analyses: they never train
 
 
 def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
-    """App. J: each layer's last attention row (the s_t token's) on dataset windows, full ones
-    first, mean |alpha| over channels and windows against the key's distance."""
+    """App. J: each layer's last attention row (s_t's), mean |alpha| over channels and dataset
+    windows (full ones first), by the key's distance."""
     b = d.sample((2 if d.discrete else 8) * n_windows, cfg.context, np.random.default_rng(seed))
     full = torch.nonzero(b["mask"].all(dim=1)).squeeze(1)
     keep = full[:n_windows] if len(full) else torch.arange(n_windows)
@@ -980,8 +971,8 @@ def attention_episode(cfg, given):
 
 
 def ablate_s6(model, how, layers, donor=None, seed=0):
-    """Sec. 4.2, Fig. 5: the S6 parameters of `layers`, in place: 'zero' (the residual alone),
-    'random' (Mamba's initialisation, drawn with `seed`) or 'swap' (`donor`'s layer)."""
+    """Sec. 4.2, Fig. 5: `layers`' S6 parameters in place: 'zero' (the residual alone), 'random'
+    (Mamba's init from `seed`) or 'swap' (`donor`'s)."""
     with torch.no_grad():
         for l in layers:
             mixer = model.blocks[l].mixer
@@ -1006,7 +997,7 @@ def s6_ablation(cfg, given):
         raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers "
                                  f"(0..{n - 1})")
 
-    # swap: another DeMa run (folder or ckpt.pt) with this run's mixer shapes
+    # swap: a donor DeMa with this run's mixer shapes
     if cfg.s6_ablation == "swap":
         path = (os.path.join(cfg.s6_donor, "ckpt.pt") if os.path.isdir(cfg.s6_donor) else
                 cfg.s6_donor)
@@ -1039,7 +1030,7 @@ def s6_ablation(cfg, given):
 
 
 def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
-    """Best-of-reps wall time (ms) of a selective scan's forward + backward, fp32."""
+    """Best-of-reps ms of a scan's forward + backward, fp32."""
     g = torch.Generator().manual_seed(seed)
     u = torch.randn(b, d_inner, L, generator=g)
     delta = torch.randn(b, d_inner, L, generator=g) - 2.0
@@ -1053,8 +1044,8 @@ def time_scan(fn, b, d_inner, L, N, reps=3, seed=0):
 
 
 def bench_scan(cfg, given):
-    """--bench-scan: a scan's forward + backward at the paper's size (batch 64, L=60, d_inner 128,
-    N 64), at longer L, with small states."""
+    """--bench-scan: the scans' forward + backward at the paper's size (batch 64, L=60, d_inner
+    128, N 64), longer L and small states."""
     torch.set_flush_denormal(True)
     di, N = cfg.expand * cfg.d_model, cfg.d_state
     print(f"selective scan, forward + backward, fp32, {torch.get_num_threads()} thread(s), cpu")
@@ -1096,7 +1087,7 @@ def param_table(cfg, given):
                                          discrete).parameters()) for r in ("pre", "post")]
         print(f"{'dema ' + label:58s} {n[0]:>12,} {n[1]:>23,}")
 
-    # dt.py's models at its paper's and cpu preset's settings (the model above imports no dt.py)
+    # dt.py's models (the model above imports no dt.py)
     import dt
     for atari, env in ((False, "hopper-medium"), (True, "breakout-expert")):
         for preset in ("", "cpu"):

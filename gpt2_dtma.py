@@ -2,12 +2,11 @@
 GPT2-DT and GPT2-DTMA (Zhao et al., "Unveiling Markov Heads in Pretrained Language Models for
 Offline Reinforcement Learning"; [P-old]: its earlier version, "Enhancing Cross-domain Pre-Trained
 Decision Transformers with Adaptive Attention", arXiv 2409.06985): a Decision Transformer on
-pretrained GPT-2 small, a Mixture-of-Attention gate over each layer's heads, the Markov heads.
+pretrained GPT-2 small.
 
-GPT-2's first layer holds Markov heads (Def. 4.1-4.2, Thms 4.3-4.5): they attend to the current
-state s_t whatever the embeddings and the fine-tuning, which helps MuJoCo and hurts long-horizon
-mazes. GPT2-DTMA's per-token softmax gate weighs every layer's heads (Eqs. 6-8), so that
-fine-tuning can turn the Markov heads down.
+GPT-2's first layer holds Markov heads (Def. 4.1-4.2, Thms 4.3-4.5), which attend to the current
+state s_t whatever the embeddings and fine-tuning: good on MuJoCo, bad on long-horizon mazes.
+GPT2-DTMA's softmax gate over each layer's heads (Eqs. 6-8) lets fine-tuning turn them down.
 
     python gpt2_dtma.py --env hopper-medium               # GPT2-DTMA; fetches GPT-2 once
     python gpt2_dtma.py --env hopper-medium --preset cpu  # GPT-2's first block: a 2-core CPU
@@ -25,9 +24,9 @@ Glossary (paper symbol -> code name):
     A_i             W_i^q (W_i^k)^T (Def. 4.2): head_qk_matrix()
     G_Markov        the Markov heads' layer-0 gate weight (Tabs. 5-6): markov_gate_mass()
 
-Layout: Config, the model (torch alone: copy it), Markov-head quantities, the paper's pieces,
-train(), analyses, pretrained weights, the shared plumbing. The papers publish no code; GPT2-DT
-names LaMo (Shi et al. 2024) as its implementation: "LaMo" below is its experiment-d4rl/ folder,
+Layout: Config, the model, Markov-head quantities, the paper's pieces, train(), analyses,
+pretrained weights, plumbing. The papers publish no code; GPT2-DT names LaMo (Shi et al. 2024) as
+its implementation: "LaMo" below is its experiment-d4rl/ folder,
 https://github.com/srzer/LaMo-2023/tree/3e4fcc8a7e68916882033a0cef110370c0144022/experiment-d4rl
 and "kzl" is DT's code,
 https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
@@ -38,15 +37,15 @@ Departures from the paper and the official code:
     (run_cotrain.sh#L52-L53), none of it in the paper.
  2. App. C's lr 1e-4 and weight decay 1e-4 for all but the gate (decay would pull it to uniform).
     LaMo: lr 1e-4, weight decay 1e-5, warmup 2500 (run.sh#L5-L9), AdamW eps 1e-6 (utils.py#L61);
-    the lr 1e-5 without decay its utils.py#L24-L33 means for GPT-2 reaches no weight: the filter
-    seeks "transformers" in module types, and LaMo's GPT-2 class is its own
+    its lr 1e-5 without decay for GPT-2 (utils.py#L24-L33) reaches no weight: it seeks
+    "transformers" in module types, and LaMo's GPT-2 class is its own
     (decision_transformer/models/trajectory_gpt2.py#L1041).
  3. The timestep embedding is added before embed_ln, as in kzl's DT; LaMo adds it after
     (decision_transformer/models/decision_transformer.py#L174-L176).
- 4. The MoA gate's place, scale and init are open in the paper; as in MoH (Jin et al. 2024), it
-    reads the LN1 output and scales each head before the pretrained c_proj, times N, from zero, so
-    GPT2-DTMA equals GPT2-DT at step 0 (a literal Eq. 6 has no output projection: every head would
-    shrink to 1/N). Every layer is gated.
+ 4. The paper leaves the MoA gate's place, scale and init open; as in MoH (Jin et al. 2024), every
+    layer's gate reads the LN1 output and scales each head, times N, before the pretrained c_proj,
+    from zero: GPT2-DTMA equals GPT2-DT at step 0 (a literal Eq. 6 has no output projection and
+    shrinks every head to 1/N).
  5. Eq. 7's linear gate adds 0.13% parameters to GPT-2 small (12 x 9,228), not Sec. 5.2's 3%.
  6. Eq. 8's d_k is the head width, 64, as in GPT-2 (the paper's "dimension of the embedding layer"
     would change the pretrained function).
@@ -110,7 +109,7 @@ class Config:
     markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of other checkpoints")
     freeze_attention: bool = arg(False, "train only the embeddings and FFNs (GPT2-DT (part), "
                                         "Tab. 8)")
-    # App. C evaluates every 500 steps, 20 episodes
+    # App. C: every 500 steps, 20 episodes
     eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
                           run=True)
     eval_episodes: int = arg(20, "episodes per target return, run in parallel", run=True)
@@ -133,7 +132,7 @@ class Config:
     target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
 
     # ---- this file's analyses ----
-    # of a run's checkpoint: a table, and a PNG in its folder
+    # of a run's checkpoint: a table and a PNG
     keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", run=True)
     markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: "
                               "--init's", run=True)
@@ -147,8 +146,8 @@ class Config:
     sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded", run=True)
 
 
-# --preset cpu: a demonstration on 2 cores, GPT-2's first block (its Markov heads); mazes: dt.py's
-# K=1 without dropout (README)
+# --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: dt.py's K=1 without
+# dropout (README)
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300,
                        eval_every=300, eval_episodes=10, log_every=25,
                        mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
@@ -157,10 +156,10 @@ PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_ste
 
 
 class CausalSelfAttention(nn.Module):
-    """GPT-2 causal self-attention with GPT2-DTMA's optional Mixture-of-Attention gate (Sec. 4.2):
-        Head_i(e) = softmax((e W_i^q)(E W_i^k)^T / sqrt(d_k)) (E W_i^v)               (Eq. 8)
-        G_i(e)    = softmax_i(W_g e), a weight per head and token (e: the LN1 output)  (Eq. 7)
-        y(e)      = sum_i G_i(e) Head_i(e); here times N, before c_proj (departure 4)  (Eq. 6)"""
+    """GPT-2 causal self-attention, optionally with GPT2-DTMA's MoA gate (Sec. 4.2):
+        Eq. 8  Head_i(e) = softmax((e W_i^q)(E W_i^k)^T / sqrt(d_k)) (E W_i^v)
+        Eq. 7  G_i(e) = softmax_i(W_g e), a weight per head and token (e: the LN1 output)
+        Eq. 6  y(e) = sum_i G_i(e) Head_i(e); here times N, before c_proj (departure 4)"""
 
     def __init__(self, n_embd, n_head, dropout=0.0, moa=False):
         super().__init__()
@@ -172,14 +171,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.resid_drop = nn.Dropout(dropout)
         if moa:
-            # Eq. 7's W_g, b_g: zeros, which draw no random number (GPT2-DT and GPT2-DTMA of a
-            # seed share every other weight)
+            # Eq. 7's W_g, b_g: zeros, no random draw (GPT2-DT and -DTMA of a seed share the rest)
             self.gate_weight = nn.Parameter(torch.zeros(n_head, n_embd))
             self.gate_bias = nn.Parameter(torch.zeros(n_head))
 
     def forward(self, x, attn_mask=None, need_probs=False):
-        """x (B,T,C): the LN1 output; attn_mask (B,1,T,T) bool, True = may attend, or None for plain
-        causal -> y (B,T,C) and aux: 'gate' (B,T,N) with MoA, 'probs' (B,N,T,T) with need_probs."""
+        """x (B,T,C): the LN1 output; attn_mask (B,1,T,T) bool, True = may attend (None: causal)
+        -> y (B,T,C) and aux: 'gate' (B,T,N) with MoA, 'probs' (B,N,T,T) with need_probs."""
         B, T, C = x.shape
         N = self.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
@@ -188,14 +186,14 @@ class CausalSelfAttention(nn.Module):
         p_drop = self.dropout if self.training else 0.0
         aux = {}
         if need_probs:
-            # Eq. 8 written out: the analyses read the probabilities
+            # Eq. 8 written out, for the analyses
             att = (q @ k.transpose(-2, -1)) / math.sqrt(C // N)  # (B, N, T, T)
             allowed = (torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
                        if attn_mask is None else attn_mask)
             aux["probs"] = F.softmax(att.masked_fill(~allowed, float("-inf")), dim=-1)
             o = F.dropout(aux["probs"], p_drop, self.training) @ v  # (B, N, T, D)
         else:
-            # Eq. 8, d_k = the head width as in GPT-2 (departure 6)
+            # Eq. 8, d_k = the head width (departure 6)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop,
                                                is_causal=attn_mask is None)  # (B, N, T, D)
 
@@ -252,17 +250,16 @@ def _init_weights(m):
 
 
 class DecisionTransformer(nn.Module):
-    """GPT2-DT / GPT2-DTMA: DT's embeddings and action head around GPT-2 blocks (App. C: "GPT2-small
-    pretrained parameters to initialize DT transformer layer"), gated with cfg.moa (Eqs. 6-7).
-    cfg.n_embd, cfg.n_head: set them (build_model takes the checkpoint's)."""
+    """GPT2-DT(MA): DT's embeddings and action head around GPT-2 blocks (App. C), gated with
+    cfg.moa (Eqs. 6-7); cfg.n_embd, cfg.n_head: set (build_model: the checkpoint's)."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5, activation="gelu_new"):
         super().__init__()
         C = cfg.n_embd
         # LaMo's embeddings and head (decision_transformer/models/decision_transformer.py
-        # #L102-L135): a learned timestep embedding; GPT-2's wpe and wte unused
+        # #L102-L135); GPT-2's wpe and wte unused
         self.embed_timestep = nn.Embedding(max_ep_len, C)
-        self.embed_return = nn.Linear(1, C)  # a linear layer per modality
+        self.embed_return = nn.Linear(1, C)
         self.embed_state = nn.Linear(obs_dim, C)
         self.embed_action = nn.Linear(act_dim, C)
         self.embed_ln = nn.LayerNorm(C)
@@ -273,7 +270,7 @@ class DecisionTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(C, eps=eps)
         self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions in [-1, 1]
 
-        # GPT-2's init, the residual projections scaled by 1/sqrt(2 * n_layer)
+        # GPT-2's init
         self.apply(_init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -281,7 +278,7 @@ class DecisionTransformer(nn.Module):
 
     @torch.no_grad()
     def load_gpt2_blocks(self, sd):
-        """Copy len(self.blocks) blocks and ln_f of load_checkpoint's state dict."""
+        """Copy the blocks and ln_f from load_checkpoint's state dict."""
         for name, p in self.named_parameters():
             if name.startswith(("blocks.", "ln_f.")) and ".gate_" not in name:
                 p.copy_(sd[name.replace("blocks.", "h.", 1)])
@@ -291,7 +288,7 @@ class DecisionTransformer(nn.Module):
         (B,K,act) and aux: per layer 'gates' (B,3K,N) (MoA), 'probs' (B,N,3K,3K) (need_probs) or
         None. The prediction at t sees R_1..R_t, s_1..s_t, a_1..a_{t-1} (Eq. 2)."""
         B, K, _ = states.shape
-        # LaMo's decision_transformer.py#L159-L199, the timestep added before embed_ln as kzl's
+        # LaMo's decision_transformer.py#L159-L199, the timestep as in kzl's
         # gym/decision_transformer/models/decision_transformer.py#L68-L78 (departure 3)
         time = self.embed_timestep(timesteps)  # (B, K, C)
         tokens = [self.embed_return(rtg) + time,  # R_t
@@ -316,9 +313,8 @@ class DecisionTransformer(nn.Module):
 
 
 def causal_padding_mask(mask, n):
-    """(B, K) real-step mask, n tokens per step -> (B, 1, nK, nK) attention mask: causal, and no
-    attention to left padding; a padding query sees itself (its output is never used), so that no
-    row of the softmax is empty."""
+    """(B, K) real-step mask, n tokens per step -> (B, 1, nK, nK) attention mask: causal, blind to
+    left padding; a padding query sees itself (its output is unused), so no softmax row is empty."""
     real = mask.bool().repeat_interleave(n, dim=1)  # (B, nK)
     T = real.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
@@ -328,14 +324,14 @@ def causal_padding_mask(mask, n):
 
 @dataclass
 class GPT2Config:
-    """GPT-2 small's (CLIP_TEXT below: CLIP's text tower)."""
+    """GPT-2 small's (CLIP_TEXT below: CLIP's)."""
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768
     n_layer: int = 12
     n_head: int = 12
     layer_norm_epsilon: float = 1e-5
-    activation: str = "gelu_new"  # the MLP's (GPT-2: tanh GELU)
+    activation: str = "gelu_new"  # the MLP's
 
 
 class GPT2(nn.Module):
@@ -379,11 +375,10 @@ class GPT2(nn.Module):
 # <<< model: end
 
 # --------------------------------------------------------------------------------------------------
-# the paper's analysis quantities (torch alone): Markov heads (Def. 4.1-4.2), G_Markov (Eq. 9),
-# attention to itself (Thm 4.3) and by distance (Figs. 1/7), head importance (Sec. 4.1.2)
+# the paper's analysis quantities (torch alone)
 
 MARKOV_HEADS = (1, 5, 10)  # GPT-2 small's layer-0 Markov heads (Tab. 1), Eq. 9's
-# [P-old] Tab. 8: CLIP's layer-0 heads at init, condition (i) and the ratio of (ii)
+# [P-old] Tab. 8: CLIP's layer-0 heads at init, (i) and (ii)'s ratio
 CLIP_TAB8 = ((True, 2.26), (True, 1.67), (False, 5.89), (False, 6.49), (True, 2.49), (True, 2.25),
              (True, 2.99), (False, 7.49))
 
@@ -414,7 +409,7 @@ def markov_stats(A, r=20.0, eps=1e-8):
 
 
 def markov_table(c_attn_weight, n_head):
-    """Per head of a layer, in both layouts: condition (i) and the ratio of (ii)."""
+    """Per head of a layer, in both layouts: (i) and (ii)'s ratio."""
     rows = []
     for i in range(n_head):
         row = {"head": i}
@@ -426,7 +421,7 @@ def markov_table(c_attn_weight, n_head):
 
 
 def find_markov_heads(c_attn_weight, n_head, r=20.0):
-    """A layer's Markov heads by Def. 4.1 on the C x C reading, threshold r."""
+    """A layer's Markov heads: Def. 4.1 on the C x C reading."""
     return tuple(i for i in range(n_head)
                  if markov_stats(head_qk_matrix(c_attn_weight, n_head, i), r)["markov"])
 
@@ -457,8 +452,7 @@ def attention_by_distance(probs, query):
 @torch.no_grad()
 def head_importance(model, batch):
     """Sec. 4.1.2 / Fig. 2: head (l, i)'s importance ||a' - a'_{-(l,i)}||_2, the last action's
-    change when its output is zeroed, a batch mean -> (L, N) on the CPU. A layer's N ablations
-    ride in one batch, replica h's head h zeroed by a pre-hook on c_proj."""
+    change when its output is zeroed, a batch mean -> (L, N) on the CPU."""
     model.eval()
     s, a, R, t, m = (batch[k] for k in ("states", "actions", "rtg", "timesteps", "mask"))
     base = model(s, a, R, t, m)[0][:, -1]  # (B, act)
@@ -484,7 +478,7 @@ def head_importance(model, batch):
     return imp
 
 # --------------------------------------------------------------------------------------------------
-# the paper's pieces: data, the blocks and their Markov heads, schedule, loss, policy
+# the paper's pieces: data, blocks, schedule, loss, policy
 
 SCRIPT = "gpt2_dtma"
 LOG_COLUMNS = ("g_markov",)
@@ -492,13 +486,13 @@ GPTJ_NAMES = ("gptj", "gpt-j", "gpt-j-6b", "eleutherai/gpt-j-6b")  # GPTJ-DT's (
 
 
 def paper_settings(cfg, given):
-    """This file's flags checked against --init's config (no weight read) -> cfg; --bench takes
-    the MuJoCo K for its hopper-shaped data unless --context is given."""
+    """This file's flags checked against --init's config (no weight read) -> cfg; --bench:
+    MuJoCo's K (hopper-shaped data)."""
     if cfg.init.lower() in GPTJ_NAMES:
         raise data_lib.DataError(f"--init {cfg.init}: GPT-J (6B parameters, 24 GB in fp32) is out "
                                  f"of a laptop's reach; this file does not load it")
 
-    # the blocks' shape: --init random's, within a GPT-2's bounds, else the checkpoint's
+    # the blocks' shape: --init random's (a GPT-2's bounds), else the checkpoint's
     random = cfg.init == "random"
     g = GPT2Config() if random else config_of(cfg.init, allow_download=False)
     n_embd, n_head, keep = cfg.n_embd or g.n_embd, cfg.n_head or g.n_head, cfg.keep_ckpt_at
@@ -518,7 +512,7 @@ def paper_settings(cfg, given):
          f"--n-layer {cfg.n_layer}: the checkpoint has {g.n_layer} blocks"),
         (n_embd % n_head, f"--n-embd {n_embd} is not divisible by --n-head {n_head}"),
 
-        # the variants' flags (evaluate.check_flags checks the shared ones next)
+        # the variants' flags (ev.check_flags: the shared ones)
         (not cfg.markov_penalty >= 0, f"--markov-penalty must be >= 0, got {cfg.markov_penalty}"),
         (cfg.markov_penalty and not cfg.moa,
          "--markov-penalty penalises the MoA gate (Eq. 9): drop --no-moa"),
@@ -541,8 +535,8 @@ def load_dataset(cfg):
 
 
 def build_model(cfg, info):
-    """GPT2-DT(MA) on the first n_layer blocks of --init (random: their shape, new). A new build
-    records in info what a rebuild needs without the weights: the shape and the Markov heads."""
+    """GPT2-DT(MA) on --init's first n_layer blocks (random: new ones); a new build keeps in info
+    the shape and Markov heads, for a rebuild without weights."""
     sd = None
     if "shape" not in info:
         s = info["shape"] = shape_of(cfg)
@@ -574,8 +568,7 @@ def build_model(cfg, info):
         model.load_gpt2_blocks(sd)
     model.markov_heads = tuple(info["markov_heads"])
 
-    # --freeze-attention (App. F: GPT2-DT (part) "only fine-tune[s] the parameters in embedding
-    # layer and FFN layer"): the attention and the LayerNorms keep GPT-2's values
+    # --freeze-attention (App. F's GPT2-DT (part)): attention and LayerNorms keep GPT-2's values
     frozen = ("ln_f.", ".attn.c_attn.", ".attn.c_proj.", ".ln_1.", ".ln_2.")
     for name, p in model.named_parameters():
         p.requires_grad_(not (cfg.freeze_attention and any(part in name for part in frozen)))
@@ -604,21 +597,19 @@ def param_groups(model):
 
 
 def lr_factor(s, cfg):
-    """--lr's multiplier at step s: App. C's warmup, then constant (LaMo's
-    experiment.py#L397-L399)."""
+    """--lr's factor at step s: App. C's warmup, then constant (LaMo's experiment.py#L397-L399)."""
     return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
 
 
 def paper_context(cfg, d):
-    """The paper's K unless --context is given: 20 on MuJoCo, 50 on mazes (departure 9)."""
+    """The paper's K unless --context is given (departure 9)."""
     if cfg.context is not None:
         return cfg
     return dataclasses.replace(cfg, context=50 if d.goal_reaching else 20)
 
 
 def loss_fn(model, batch, cfg):
-    """Eq. 3's squared error over the real steps + GPT2-P's alpha * G_Markov (Eq. 9), both means
-    (departure 7); the error reduced in fp32."""
+    """Eq. 3's error + GPT2-P's alpha * G_Markov (Eq. 9), both means (departure 7)."""
     b = batch
     pred, aux = model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])
     # the real steps (LaMo's decision_transformer/training/seq_trainer.py#L32-L44), their mean
@@ -675,7 +666,7 @@ def g_markov(model, probe):
 
 
 def train(cfg, run, d=None):
-    """Fine-tune GPT2-DT(MA), evaluate it in the env -> the first target's final evaluation.
+    """Fine-tune GPT2-DT(MA) and evaluate it -> the first target's final evaluation.
     run: the evaluate.Run that keeps the folder, log and checkpoint (--resume: restores them)."""
     d = load_dataset(cfg) if d is None else d
     cfg = paper_context(cfg, d)
@@ -726,8 +717,8 @@ def train(cfg, run, d=None):
             sched.step()
             step += 1
 
-            # log every --log-every steps, with G_Markov; evaluate and checkpoint every
-            # --eval-every, with gates.png (Fig. 9) and the early checkpoint of Figs. 1/7
+            # log, with G_Markov; evaluate and checkpoint, with gates.png (Fig. 9) and the early
+            # checkpoint of Figs. 1/7
             logged = step % cfg.log_every == 0 or step == cfg.steps
             run.log(step, loss, sched.get_last_lr()[0], **g_markov(model, logged and probe))
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -749,8 +740,7 @@ def train(cfg, run, d=None):
     return run.finish(results or evaluate(model, d, cfg, device))
 
 # --------------------------------------------------------------------------------------------------
-# this file's analyses: they read a run's checkpoint and never train; --markov without a run,
-# --sample and --text-attention read only GPT-2
+# this file's analyses: they never train
 
 
 def save_figure(fig, path, say=True):
@@ -762,7 +752,7 @@ def save_figure(fig, path, say=True):
 
 
 def heatmap(fig, ax, A, cbar="attention probability", cmap="viridis", vmin=0, vmax=1, **labels):
-    """The matrix A (numpy) on ax with its colour bar; labels: ax.set's."""
+    """A (numpy) on ax, with a colour bar; labels: ax.set's."""
     fig.colorbar(ax.imshow(A, cmap=cmap, vmin=vmin, vmax=vmax), ax=ax, fraction=0.046, label=cbar)
     ax.set(**labels)
 
@@ -799,20 +789,20 @@ def plot_gates(rows, path, heads, n_head, title):
 
 
 def start_model(cfg, info, device="cpu"):
-    """The run's model before fine-tuning, rebuilt as train() builds it (its seed, its weights)."""
+    """The run's model before fine-tuning, as train() builds it."""
     torch.manual_seed(cfg.seed)
     fresh = {k: info[k] for k in ("obs_dim", "act_dim", "max_ep_len", "goal_dim")}
     return build_model(cfg, fresh).to(device).eval()
 
 
 def markov_analysis(cfg, given):
-    """--markov: Def. 4.1 on the layer-0 heads at the start and after fine-tuning (no run: --init
-    alone), A as C x C and D x D, r = 8 and 20 (Tab. 1, [P-old] Tabs. 2, 8); Fig. 3."""
+    """--markov: Def. 4.1 on the layer-0 heads at the start and after fine-tuning, A as C x C and
+    D x D, r = 8 and 20 (Tab. 1, [P-old] Tabs. 2, 8); Fig. 3."""
     ran = os.path.exists(os.path.join(ev.run_folder(SCRIPT, cfg, PRESETS), "ckpt.pt"))
     if ran:
         cfg, model, d, out = load_model(cfg, given)
 
-    # the start: the run's random one (no run: of the default shape), else --init's
+    # the start: the run's random init (no run: the default shape), else --init's
     clip = False
     if cfg.init == "random":
         start = start_model(cfg, d.info() if ran else dict(obs_dim=1, act_dim=1, max_ep_len=1,
@@ -856,7 +846,7 @@ def markov_analysis(cfg, given):
               + ", ".join(f"{h} {'✓' if i else '×'} {r}" for h, (i, r) in enumerate(CLIP_TAB8))
               + "; no Markov head")
 
-    # Fig. 3: the ratio per head, A of a non-Markov and a Markov head (at init, --markov-r)
+    # Fig. 3: the ratio per head; A of a non-Markov and a Markov head (at init)
     marked = find_markov_heads(W0, n_head, cfg.markov_r)
     shown = [next((h for h in range(n_head) if h not in marked), 0), *marked[:1]]
     cols = 1 + 2 * len(shown)
@@ -892,7 +882,7 @@ def markov_analysis(cfg, given):
 
 
 def windows_and_start(cfg, model, d, n=32):
-    """n windows of the run's data without padding (a fixed draw), and the run's start."""
+    """n windows of the run's data without padding, and the run's start."""
     rng, got = np.random.default_rng(cfg.seed + 30_000), []
     while sum(len(b["mask"]) for b in got) < n:
         b = d.sample(4 * n, cfg.context, rng)
@@ -905,7 +895,7 @@ def windows_and_start(cfg, model, d, n=32):
 
 @torch.no_grad()
 def attention_probs(model, b):
-    """Each layer's attention probabilities (B,N,3K,3K) of `model` on the windows b (CPU)."""
+    """Each layer's attention (B,N,3K,3K) of model on windows b, on the CPU."""
     dev = next(model.parameters()).device
     keys = ("states", "actions", "rtg", "timesteps", "mask")
     aux = model(*(b[k].to(dev) for k in keys), need_probs=True)[1]
@@ -913,8 +903,8 @@ def attention_probs(model, b):
 
 
 def attention_maps(cfg, given):
-    """--attention-maps, Fig. 4: layer-0 attention (the mean of 32 windows) before fine-tuning
-    (Thm 4.3's random embeddings) and after; a Markov head's diagonal is bright."""
+    """--attention-maps, Fig. 4: layer-0 attention before fine-tuning (Thm 4.3's random
+    embeddings) and after; a Markov head's diagonal is bright."""
     cfg, model, d, out = load_model(cfg, given)
     b, start = windows_and_start(cfg, model, d)
     P = {lab: attention_probs(m, b)[0].mean(0) for lab, m in (("before", start), ("after", model))}
@@ -943,12 +933,12 @@ def attention_maps(cfg, given):
 
 
 def attention_distance(cfg, given):
-    """--attention-distance, Figs. 1/7: s_K's attention by distance (the mean of heads, layers,
-    32 windows) at step 0, --keep-ckpt-at and the end."""
+    """--attention-distance, Figs. 1/7: s_K's attention by distance at step 0, --keep-ckpt-at
+    and the end."""
     cfg, model, d, out = load_model(cfg, given)
     b, start = windows_and_start(cfg, model, d)
 
-    # the models by step: the start, the kept checkpoints, the run's (its step: mmap)
+    # the models by step: the start, the kept checkpoints, the run's
     models = {0: start}
     for path in glob.glob(os.path.join(out, "ckpt_step*.pt")):
         ck = ev.read_checkpoint(path, SCRIPT)
@@ -990,7 +980,7 @@ def importance_analysis(cfg, given, n_contexts=64):
         seen.append({k: v.clone() for k, v in batch.items()})
         return decide(batch, live)
 
-    # n_contexts of a few rollouts' contexts
+    # n_contexts from a few rollouts
     with torch.no_grad():
         ev.evaluate(act, d, min(cfg.eval_episodes, 5), targets(cfg, d)[0], cfg.seed + 40_000,
                     device=next(model.parameters()).device, **rollout(cfg))
@@ -1034,8 +1024,7 @@ def sample_text(cfg, given, max_new_tokens=40):
 
 
 def text_attention(cfg, given):
-    """--text-attention TEXT: each layer-0 head's attention to the token itself (Thm 4.3's last
-    input token), to the previous one and to the first."""
+    """--text-attention TEXT: layer 0's attention on real text (Thm 4.3: the last input token)."""
     model, enc = load_gpt2_lm(cfg.init), tiktoken_gpt2()
 
     ids = enc.encode(cfg.text_attention)[:model.cfg.n_positions]
@@ -1045,7 +1034,7 @@ def text_attention(cfg, given):
     with torch.no_grad():
         probs = model(torch.tensor([ids]), need_probs=True)[1][0]  # (1, N, T, T): layer 0
 
-    # each head's attention to the token itself, to token t-1, to the first token
+    # each head's attention to itself, to t-1, to token 0
     P = probs[0]
     mass = torch.stack([diagonal_attention_mass(probs),
                         P.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1),
@@ -1057,7 +1046,7 @@ def text_attention(cfg, given):
     table(["head", "self", "previous", "first", "GPT-2 small's Markov head"],
           [[h, *mass[h], "yes" if h in markov else ""] for h in range(P.shape[0])])
 
-    # the maps of GPT-2 small's Markov heads and of head 0
+    # maps of GPT-2 small's Markov heads and head 0
     heads = [h for h in (*MARKOV_HEADS, 0) if h < P.shape[0]]
     toks = [enc.decode([i]) for i in ids]
     fig, axes = ev.pyplot().subplots(1, len(heads), figsize=(3.8 * len(heads), 3.8), squeeze=False)
@@ -1079,9 +1068,9 @@ ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps,
             "sample": sample_text, "text_attention": text_attention}
 
 # --------------------------------------------------------------------------------------------------
-# the pretrained weights: GPT-2's, or CLIP's text tower (CLIP-DT), read and checked by hand
+# the pretrained weights (GPT-2's, CLIP's text tower), read and checked by hand
 
-# CLIP ViT-B/32's text tower (HF's CLIPTextConfig defaults) under GPT2Config's names
+# CLIP ViT-B/32's text tower (HF CLIPTextConfig's defaults), GPT2Config's names
 CLIP_TEXT = GPT2Config(vocab_size=49408, n_positions=77, n_embd=512, n_layer=12, n_head=8,
                        activation="quick_gelu")
 # --init's hub names (a key or a repo): cached under each repo, fetched from the first
@@ -1101,8 +1090,7 @@ def hub(init):
 
 
 def find_weights(init="gpt2", allow_download=True):
-    """--init -> its model.safetensors: a path's, or a hub name's, cached or downloaded once with
-    its config.json (None if not allow_download)."""
+    """--init -> its model.safetensors: a path's, or a hub name's, cached or downloaded once."""
     if h := hub(init):
         for repo in h["repos"]:
             path = try_to_load_from_cache(repo, "model.safetensors")
@@ -1141,8 +1129,7 @@ def find_weights(init="gpt2", allow_download=True):
 
 
 def config_of(init, allow_download=True):
-    """--init's config: the config.json beside its weights, else the hub name's (else GPT-2
-    small's)."""
+    """--init's config: the config.json beside its weights, else the hub name's."""
     path = find_weights(init, allow_download)  # None: a hub name not on disk yet
     cfg_path = os.path.join(os.path.dirname(path), "config.json") if path else ""
     if os.path.isfile(cfg_path):
@@ -1152,7 +1139,7 @@ def config_of(init, allow_download=True):
 
 def load_checkpoint(init="gpt2"):
     """-> (config, the blocks' state dict: h.<i>.*, ln_f.*, nn.Linear layout), GPT-2's (and wte,
-    wpe) or CLIP's text tower's, checked name by name and shape by shape."""
+    wpe) or CLIP's text tower's, checked."""
     cfg, path = config_of(init), find_weights(init)
     if cfg.activation == "quick_gelu":  # CLIP's text tower
         return cfg, clip_state_from_hf(read_safetensors(path, keep=CLIP_TEXT_BLOCKS), cfg)
@@ -1193,9 +1180,9 @@ CLIP_KEYS = dict(vocab_size="vocab_size", n_positions="max_position_embeddings",
 
 
 def read_safetensors(path, keep=""):
-    """A .safetensors file read by hand -> {name: tensor} of the names that start with keep (all
-    checked): u64 header length n, n bytes of JSON {name: {dtype, shape, data_offsets}}, the data
-    (little-endian). Checked against the file's size first, a hostile file fails fast."""
+    """-> {name: tensor} of the names that start with keep, read by hand: u64 header length n,
+    n bytes of JSON {name: {dtype, shape, data_offsets}}, little-endian data; all checked
+    against the file's size first."""
     def bad(why):
         return CheckpointError(f"{path}: {why}")
 
@@ -1220,7 +1207,7 @@ def read_safetensors(path, keep=""):
             raise bad("the header is not a JSON object")
         header.pop("__metadata__", None)
 
-        # every entry's dtype, shape and offsets in the data (a bool is not an int here)
+        # every entry's dtype, shape and offsets (a bool is not an int here)
         data_len = size - 8 - n
         spans = []
         for name, info in header.items():
@@ -1306,17 +1293,16 @@ def gpt2_state_from_hf(sd, cfg):
           for k, v in sd.items()}
     shapes = {"wte.weight": (cfg.vocab_size, cfg.n_embd),
               "wpe.weight": (cfg.n_positions, cfg.n_embd)}
-    shapes.update(block_shapes(cfg))  # lm_head is tied to wte
+    shapes.update(block_shapes(cfg))
 
     check_tensors(sd, shapes, "GPT-2")
     return {k: sd[k].float().contiguous() for k in shapes}
 
 
-# what CLIP-DT reads of a CLIP file (CLIPModel's or CLIPTextModel's): the text tower's layers
-# and final LayerNorm
+# what CLIP-DT reads of a CLIP file (CLIPModel's or CLIPTextModel's)
 CLIP_TEXT_BLOCKS = ("text_model.encoder.layers.", "text_model.final_layer_norm.",
                     "encoder.layers.", "final_layer_norm.")
-# the blocks' names -> HF CLIPEncoderLayer's (nn.Linear's layout: nothing is transposed)
+# the blocks' names -> HF CLIPEncoderLayer's (nn.Linear's layout already)
 CLIP_TO_BLOCK = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.c_proj": "self_attn.out_proj",
                  "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
 
@@ -1333,7 +1319,7 @@ def clip_names(name):
 
 
 def clip_state_from_hf(sd, cfg):
-    """HF CLIP text-tower tensors -> the blocks' state dict, as gpt2_state_from_hf's, checked."""
+    """HF CLIP text-tower tensors -> the blocks' state dict, checked."""
     sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
 
     shapes = {}
@@ -1348,8 +1334,8 @@ def clip_state_from_hf(sd, cfg):
 
 
 def config_from_json(path):
-    """HF config.json -> GPT2Config (GPT-2's, or CLIP's text tower's where model_type says so;
-    GPT-2 small's or CLIP_TEXT's values where silent), checked before anything is allocated."""
+    """HF config.json -> GPT2Config (omitted fields: GPT-2 small's or CLIP_TEXT's), checked before
+    anything is allocated."""
     def bad(why):
         return CheckpointError(f"{path}: {why}")
 

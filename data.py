@@ -1492,20 +1492,22 @@ def _make_breakout(seed=0, steps=None):
 # --------------------------------------------------------------------------------------------------
 # writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix, make)
 #
-# A dataset is written into a hidden folder of the datasets folder (Minari lists none) and renamed
-# into place when whole: an interrupt (Ctrl-C, SIGTERM, kill -9) leaves no partial dataset where
-# Minari looks. The writer holds a lock on the hidden folder; the next dataset command removes any
-# such folder no live process holds. A stop signal (main's _stop) waits while the folder is made
-# and from the write's end to the cleanup's end: before the rename it undoes the write, after it
-# it is only said.
+# A dataset is written into a hidden folder of the datasets folder (Minari lists none), renamed into
+# place when whole: an interrupt (Ctrl-C, SIGTERM, kill -9) or a failed write leaves no partial
+# dataset where Minari looks. The writer locks the hidden folder; the next dataset command removes
+# any such folder no live process holds. A stop signal (main's _stop) waits while the folder is
+# made and from the write's end to the cleanup's end: before the rename it undoes the write, after
+# it it is only said.
 
 PARTIAL_PREFIX = ".data.py-partial-"
-STOP = dict(signals=[], in_place=False, hold=False)  # signals caught; dataset in place; held
+# signals caught; the dataset in place; signals held; HDF5 failed (it would crash at the exit)
+STOP = dict(signals=[], in_place=False, hold=False, hdf5=False)
 
 
 def _new_dataset_folder(dataset_id):
     """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or
-    taken or the folder unwritable. Each command calls it first, before any work."""
+    taken or a folder unwritable or on another filesystem. Each command calls it first, before any
+    work."""
     from minari.dataset.minari_dataset import parse_dataset_id
     from minari.storage.datasets_root_dir import get_dataset_path
     namespace = None
@@ -1530,8 +1532,13 @@ def _new_dataset_folder(dataset_id):
             raise DataError(f"{parent} is a file, so the dataset '{dataset_id}' cannot be written "
                             f"in it; choose another id or move that file")
         parent = os.path.dirname(parent)
-    if not os.access(root, os.W_OK):
-        raise _unwritable(root, PermissionError("not writable"))
+
+    # the folders it goes in: writable, on one filesystem
+    for where in dict.fromkeys([root, parent]):
+        if not os.access(where, os.W_OK):
+            raise _unwritable(where, PermissionError("not writable"))
+    if os.stat(parent).st_dev != os.stat(root).st_dev:  # (a rename cannot cross filesystems)
+        raise _unwritable(parent, OSError(f"on another filesystem than {root}"))
     return folder, root
 
 
@@ -1611,7 +1618,9 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
         # the dataset, written into the hidden folder
         with lock:
             _hold(False)  # a stop signal ends the write at once
-            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):
+            # (HDF5 prints a traceback per object it fails to write: said once, below)
+            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")), \
+                    contextlib.redirect_stderr(io.StringIO()):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice: author, code permalink, ...
                     ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
@@ -1620,12 +1629,10 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 written = dataset_folder(dataset_id)
                 _gzip_hdf5(os.path.join(written, "data", "main_data.hdf5"))
 
-            # renamed into place, unless a stop signal came
+            # renamed into place, unless a stop signal came; then its namespace recorded
             _hold(True)
             if STOP["signals"]:  # (one a finaliser swallowed: acted on here)
                 _act(STOP["signals"][-1])
-            with contextlib.suppress(ValueError):  # (there already)
-                create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             try:
                 os.rename(written, folder)  # atomic
@@ -1633,7 +1640,19 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 _new_dataset_folder(dataset_id)  # "already exists" if another command wrote it
                 raise
             STOP["in_place"] = True
+            with contextlib.suppress(ValueError):  # (there already)
+                create_namespace(parse_dataset_id(dataset_id)[0])
 
+    # a full disk, a quota, a permission: one sentence; the empty folders made for it removed
+    except (OSError, RuntimeError) as e:  # (HDF5's failed writes: RuntimeErrors naming the errno)
+        code = getattr(e, "errno", None) or int((re.findall(r"errno = (\d+)", str(e)) or [0])[0])
+        if not code or STOP["in_place"]:
+            raise
+        STOP["hdf5"] = isinstance(e, RuntimeError)
+        with contextlib.suppress(OSError):
+            os.removedirs(os.path.dirname(folder))
+        raise DataError(f"could not write the dataset '{dataset_id}' in {os.path.dirname(folder)} "
+                        f"({os.strerror(code)}); nothing of it is left") from None
     finally:
         _hold(True)  # (where the write raised)
         if tmp:
@@ -1787,7 +1806,7 @@ def main(argv=None):
     stops = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, _stop) for s in stops} if here else {}
     hook, sys.unraisablehook = sys.unraisablehook, _unraisable
-    STOP.update(signals=[], in_place=False, hold=False)
+    STOP.update(signals=[], in_place=False, hold=False, hdf5=False)
     try:
         # (blocked while the command line loaded: acted on now)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
@@ -1812,6 +1831,8 @@ def main(argv=None):
             if not isinstance(e, DataError):
                 raise
             print(f"error: {e}", file=sys.stderr)
+            if STOP["hdf5"] and __name__ == "__main__":
+                os._exit(1)
             raise SystemExit(1)
 
         ctrl_c = not STOP["signals"] or STOP["signals"][0] == signal.SIGINT  # none: a Ctrl-C

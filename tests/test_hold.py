@@ -1,0 +1,107 @@
+"""Issue 39, the new features hold as the old ones do: a dataset write that fails (a full disk, another filesystem,
+a read-only namespace folder) is one sentence and leaves nothing; a stopped analysis keeps its previous files and says
+so, SIGTERM as Ctrl-C; sizes that cannot fit are refused before any work; the maze sweep is in one unit; the messages
+say what is true; report keeps greedy evaluations apart."""
+import csv
+import errno
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import evaluate
+from test_convert import minari_tmp, write_d4rl  # noqa: F401 (minari_tmp: a fixture)
+from test_evaluate import TINY_DT, files
+
+
+def one_sentence(capsys, fn, argv, code=1):
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == code and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def no_work(*args):
+    pytest.fail("the command did work before refusing")
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. a dataset write that fails: one sentence naming the folder and the cause, nothing left
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("Can't decrement id ref count (file write failed: time = ..., "
+                                                "errno = 28, error message = 'No space left on device')")])
+def test_a_full_disk_during_a_write_is_one_sentence_and_leaves_nothing(error, tmp_path, minari_tmp, monkeypatch,
+                                                                        capsys):
+    """The OS's words, or HDF5's (a RuntimeError naming the errno, as h5py raises it on a full disk)."""
+    import minari
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    real = minari.create_dataset_from_buffers
+
+    def full(*args, **kwargs):  # the file written, then the disk is full
+        real(*args, **kwargs)
+        raise error
+    monkeypatch.setattr(minari, "create_dataset_from_buffers", full)
+    err = one_sentence(capsys, data.main, ["convert-d4rl", path, "d4rl/hopper/full-v0"])
+    assert err == f"error: could not write the dataset 'd4rl/hopper/full-v0' in {minari_tmp / 'd4rl' / 'hopper'} " \
+                  f"(No space left on device); nothing of it is left"
+    assert os.listdir(minari_tmp) == []
+
+
+def test_a_rename_across_filesystems_leaves_no_namespace_metadata(tmp_path, minari_tmp, monkeypatch, capsys):
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    real = os.rename
+
+    def cross_device(src, dst):
+        if dst.endswith("xdev-v0"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        return real(src, dst)
+    monkeypatch.setattr(os, "rename", cross_device)
+    err = one_sentence(capsys, data.main, ["convert-d4rl", path, "d4rl/hopper/xdev-v0"])
+    assert err == f"error: could not write the dataset 'd4rl/hopper/xdev-v0' in {minari_tmp / 'd4rl' / 'hopper'} " \
+                  f"(Invalid cross-device link); nothing of it is left"
+    assert os.listdir(minari_tmp) == []
+
+
+def test_a_namespace_folder_that_cannot_take_the_dataset_is_refused_before_any_work(minari_tmp, monkeypatch, capsys):
+    """Read-only inside a writable datasets folder, or on another filesystem (a rename cannot cross it)."""
+    monkeypatch.setattr(data, "_make_pointmaze", no_work)
+    made = minari_tmp / "made"
+    os.makedirs(made)
+    real_access, real_stat = os.access, os.stat
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(made) and real_access(p, mode))
+    err = one_sentence(capsys, data.main, ["make", "pointmaze-umaze"])
+    assert err == f"error: cannot write a dataset in {made} (not writable); set MINARI_DATASETS_PATH to a folder " \
+                  f"you can write"
+    monkeypatch.setattr(os, "access", real_access)
+
+    def elsewhere(p, *args, **kwargs):  # the namespace folder on another device
+        st = real_stat(p, *args, **kwargs)
+        return os.stat_result((*st[:2], st.st_dev + 1, *st[3:])) if str(p) == str(made) else st
+    monkeypatch.setattr(os, "stat", elsewhere)
+    err = one_sentence(capsys, data.main, ["make", "pointmaze-umaze"])
+    assert err == f"error: cannot write a dataset in {made} (on another filesystem than {minari_tmp}); set " \
+                  f"MINARI_DATASETS_PATH to a folder you can write"
+    assert os.listdir(minari_tmp) == ["made"] and os.listdir(made) == []
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. a stopped analysis keeps the previous files (written whole, renamed together) and says what it wrote
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. sizes that cannot fit: one sentence with the number to lower, before any work
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. the maze sweep in one unit: returns to the goal, as the data's episodes end there
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. the messages, and report
+
+

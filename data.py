@@ -670,6 +670,20 @@ def available_memory():
     return None
 
 
+def gb(n):
+    """Bytes in MB, GB or TB."""
+    e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
+    return f"{n / 2 ** e:.3g} {unit}"
+
+
+def duration(seconds):
+    """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
+    return f"{seconds:.0f} s"
+
+
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0, env_id=None):
     """Random MuJoCo-like episodes evaluated in env_id (or none), returns scaled by 1e-3, the best
     as target; the last goal_dim state entries are fixed in an episode, as a goal."""
@@ -1261,6 +1275,25 @@ def make(name, dataset_id=None, seed=0, steps=None):
     return folder
 
 
+def _check_make(env, steps):
+    """make's cost, before any work: a step's memory (its observation, action and 128 bytes of list
+    entries) and time (a random step of `env`) times `steps`; one sentence if it cannot fit."""
+    import gymnasium as gym
+    t0 = time.time()
+    env.reset()
+    for _ in range(100):
+        env.step(env.action_space.sample())
+    seconds = (time.time() - t0) / 100 * steps
+
+    spaces = env.observation_space, env.action_space
+    need = steps * (sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces) + 128)
+    cost = f"about {gb(need)} of memory and {duration(seconds)} of env steps"
+    if need > (free := available_memory() or need):
+        raise DataError(f"--steps {steps:,} would take {cost}, more than the {gb(free)} free; use "
+                        f"--steps {int(steps * free / need):,} or fewer")
+    print(f"{steps:,} steps: {cost}", flush=True)
+
+
 def _made_id(name):
     """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
     return "made/" + name.replace("-", "/", 1) + "-v0"
@@ -1343,6 +1376,7 @@ def _make_pointmaze(name, seed, steps):
 
     env = gym.make(env_id, continuing_task=True, reset_target=True, max_episode_steps=steps)
     maze, plans, rng = env.unwrapped.maze, {}, np.random.default_rng(seed)
+    _check_make(env, steps)
 
     def noisy(obs):  # the behaviour policy: the expert plus N(0, 0.5^2) on each action, clipped
         action = _waypoint_action(obs, maze, plans) + 0.5 * rng.standard_normal(2)
@@ -1400,13 +1434,11 @@ def _make_pointmaze(name, seed, steps):
 # Breakout, made offline (python data.py make breakout-mixed)
 #
 # Mixed-quality play, as a DQN agent's replay is, in the env the project evaluates in
-# (atari_env_spec: gymnasium's AtariPreprocessing without sticky actions): unlike the DQN-replay
-# data it stands in for (Dopamine's, with sticky actions, p = 0.25), no sticky actions. The
-# controller reads the ball and the paddle from the RAM (AtariARI's annotation, Anand et al. 2019;
-# y grows downward, 0 while no ball is in play). Episode k plays at eps BREAKOUT_EPS[k % 10], so
-# any number of episodes spreads eps from 0 (the controller alone) to 1 (random play). It follows
-# where the ball is, not where it will land: a model imitates best a player whose choice the
-# frames show (RESULTS.md).
+# (atari_env_spec: no sticky actions, unlike Dopamine's DQN-replay, p = 0.25). The controller reads
+# the ball and the paddle from the RAM (AtariARI's annotation, Anand et al. 2019; y grows downward,
+# 0 while no ball is in play) and follows where the ball is, not where it will land: a model
+# imitates best a player whose choice the frames show (RESULTS.md). Episode k plays at eps
+# BREAKOUT_EPS[k % 10]: any number of episodes spreads eps from 0 (the controller) to 1 (random).
 
 BREAKOUT_RAM = dict(ball_x=99, ball_y=101, paddle_x=72)
 BREAKOUT_PADDLE_MIDDLE = 10  # ball x - paddle x at its middle (the paddle returns it at -1..21)
@@ -1434,6 +1466,8 @@ def _make_breakout(seed=0, steps=None):
     env = make_atari_env(spec)
     ale = env.unwrapped.ale
     rng = np.random.default_rng(seed)
+    if steps:
+        _check_make(env, steps)
 
     # episodes at each eps in turn
     buffers, returns, total, t0 = [], {eps: [] for eps in BREAKOUT_EPS}, 0, time.time()

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 import data as data_lib
-from data import DataError, FlagParser, is_maze, resolve
+from data import DataError, FlagParser, duration, gb, is_maze, resolve
 
 # --------------------------------------------------------------------------------------------------
 # rollouts: evaluate() (train() calls it every --eval-every steps), the contexts it keeps, and
@@ -620,12 +620,6 @@ def free_memory(device):
     return data_lib.available_memory()
 
 
-def gb(n):
-    """Bytes in MB, GB or TB."""
-    e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
-    return f"{n / 2 ** e:.3g} {unit}"
-
-
 def check_memory(model, loss, template, batch_size, device):
     """A training step's bytes, counted on the meta device before anything is allocated (`loss` on
     `batch_size` rows shaped like `template`): the parameters 4 times (gradients, AdamW), what
@@ -1072,14 +1066,6 @@ class Run:
         print(f"final: normalized_score={score(res['normalized'].mean()) or 'none'} "
               f"return={res['returns'].mean():.2f} {best}episodes={len(res['returns'])}")
         return res
-
-
-def duration(seconds):
-    """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
-    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 2 * size:
-            return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
-    return f"{seconds:.0f} s"
 
 
 def score(x):

@@ -97,6 +97,26 @@ def test_a_namespace_folder_that_cannot_take_the_dataset_is_refused_before_any_w
 # 3. sizes that cannot fit: one sentence with the number to lower, before any work
 
 
+@pytest.mark.parametrize("name, player", [("pointmaze-umaze", "_waypoint_action"),
+                                          ("breakout-mixed", "_breakout_action")])
+def test_a_make_too_large_for_memory_is_refused_before_it_collects(name, player, minari_tmp, monkeypatch, capsys):
+    monkeypatch.setattr(data, player, no_work)
+    monkeypatch.setattr(data, "available_memory", lambda: 2 ** 30)
+    err = one_sentence(capsys, data.main, ["make", name, "--steps", "1000000000"])
+    fit = re.fullmatch(r"error: --steps 1,000,000,000 would take about [\d.]+ [GT]B of memory and [\d.]+ [a-z]+ of "
+                       r"env steps, more than the 1 GB free; use --steps ([\d,]+) or fewer", err)
+    assert fit and 0 < int(fit[1].replace(",", "")) < 10 ** 9, err
+    assert not os.path.exists(minari_tmp / "made")
+
+
+def test_make_counts_a_steps_memory_from_the_spaces(capsys):
+    """PointMaze: 8 float64 observation entries, 2 float32 action entries and 128 bytes of list entries a step."""
+    env = data._robotics().make("PointMaze_UMaze-v3")
+    data._check_make(env, 2 ** 20)
+    assert capsys.readouterr().out.startswith(f"{2 ** 20:,} steps: about {(8 * 8 + 2 * 4 + 128):.3g} MB of memory "
+                                              f"and ")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 4. the maze sweep in one unit: returns to the goal, as the data's episodes end there
 

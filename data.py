@@ -455,12 +455,15 @@ def _open_minari(dataset_id, download):
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
 
-    # not here (minari's test): download it, or say how to
+    # not here (minari's test): download it, or say how to get it (made/...: data.py make's)
     if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):
-        if not download:
-            raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari "
-                            f"download {dataset_id}` or set MINARI_DATASETS_PATH to a folder that "
-                            f"holds it")
+        made = dataset_id.startswith("made/")
+        if made or not download:
+            name = "-".join(dataset_id[5:].rsplit("-v", 1)[0].split("/"))
+            how = (f"make it with `python data.py make {name} {dataset_id}`" if made else
+                   f"download it with `minari download {dataset_id}`")
+            raise DataError(f"dataset '{dataset_id}' is not in {where}; {how} or set "
+                            f"MINARI_DATASETS_PATH to a folder that holds it")
 
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:
@@ -505,10 +508,11 @@ def damaged(dataset_id, detail):
 def dataset_folder(dataset_id):
     """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<id>."""
     from minari.storage.datasets_root_dir import get_dataset_path
-    root = os.environ.get("MINARI_DATASETS_PATH", "")
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point "
-                        f"it at a folder")
+    root = os.environ.get("MINARI_DATASETS_PATH")
+    if root == "" or root and os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(f"MINARI_DATASETS_PATH{'=' + root if root else ''} is "
+                        f"{'a file' if root else 'empty'}, not a folder of datasets; point it at a "
+                        f"folder")
     return str(get_dataset_path(dataset_id))
 
 
@@ -1175,6 +1179,10 @@ def mix(sources, dataset_id):
     episodes."""
     from minari.data_collector import EpisodeBuffer
 
+    if files := [s for s in sources if os.path.isfile(s)]:
+        raise DataError(f"{files[0]} is a file, not a dataset name or id (a D4RL file: "
+                        f"convert-d4rl it first)")
+
     ids = [resolve(s) for s in sources]
     if len(ids) < 2:
         raise DataError("mix needs at least two source datasets, then the new id")
@@ -1548,7 +1556,8 @@ def _new_dataset_folder(dataset_id):
     with contextlib.suppress(ValueError, TypeError):  # (TypeError: minari's, on an id without -vN)
         namespace = parse_dataset_id(dataset_id)[0]
     if namespace is None:  # load_data reads an id without a namespace as a short name
-        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. "
+        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, of letters, "
+                        f"digits, _ and - (the namespace 2 or more, / allowed inside), e.g. "
                         f"d4rl/hopper/medium-v2")
 
     # a free folder in a datasets folder that can be written (made by get_dataset_path if missing)

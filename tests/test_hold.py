@@ -125,3 +125,24 @@ def test_make_counts_a_steps_memory_from_the_spaces(capsys):
 # 5. the messages, and report
 
 
+def test_the_messages_say_what_is_true(tmp_path, minari_tmp, monkeypatch, capsys):
+    """A made/... id is made, not downloaded; a file is not a dataset; minari's rule for an id (letters, digits, _
+    and -; a namespace of two or more); an empty MINARI_DATASETS_PATH is named empty."""
+    for download in (True, False):
+        with pytest.raises(data.DataError) as e:
+            data.load_data("made/pointmaze/medium-dense-v0", download=download)
+        assert "make it with `python data.py make pointmaze-medium-dense made/pointmaze/medium-dense-v0`" in \
+            str(e.value) and "download" not in str(e.value)
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    err = one_sentence(capsys, data.main, ["mix", path, "hopper-medium", "local/hopper/mixed-v0"])
+    assert err == f"error: {path} is a file, not a dataset name or id (a D4RL file: convert-d4rl it first)"
+    for bad in ("made/pointmaze/u1.5-v0", "x/u-v0"):
+        err = one_sentence(capsys, data.main, ["make", "pointmaze-umaze", bad])
+        assert err == f"error: dataset id '{bad}' must look like namespace/name-vN, of letters, digits, _ and - (the " \
+                      f"namespace 2 or more, / allowed inside), e.g. d4rl/hopper/medium-v2"
+    monkeypatch.setenv("MINARI_DATASETS_PATH", "")
+    for argv in (["make", "pointmaze-umaze"], ["info", "made/pointmaze/umaze-v0"]):
+        assert one_sentence(capsys, data.main, argv) == "error: MINARI_DATASETS_PATH is empty, not a folder of " \
+                                                        "datasets; point it at a folder"
+
+

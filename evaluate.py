@@ -25,6 +25,8 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import functools
+import inspect
 import io
 import json
 import math
@@ -306,6 +308,30 @@ def compare_with_sequential(act, d, episodes, target_return, seed, context):
 GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would otherwise fill memory)
 
 
+def analysis(*names):
+    """Decorates an analysis writing `names` into its `out` (together: write_atomic): SIGTERM stops
+    it as Ctrl-C does, and a stop says if they were written (else any previous copies are kept)."""
+    return lambda fn: functools.wraps(fn)(lambda *args, **kwargs: _analyse(fn, names, args, kwargs))
+
+
+def _analyse(fn, names, args, kwargs):
+    out = inspect.signature(fn).bind(*args, **kwargs).arguments["out"]
+    paths = [os.path.join(out, name) for name in names]
+    before = [os.path.exists(p) and os.stat(p).st_ino for p in paths]  # (renamed in: new ones)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    try:
+        return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        done = [os.path.exists(p) and os.stat(p).st_ino for p in paths] != before
+        print(f"\nstopped: {' and '.join(names)} in {out} "
+              + ("written" if done else "not written (any previous copy kept)"), file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@analysis("episode.gif")
 def episode_gif(act, d, target_return, seed, context, device, out, title, greedy=False):
     """--gif: one evaluation episode -> <out>/episode.gif, the title, step and return on each frame:
     MuJoCo at most 152 frames of 240 x 240, Atari the colour screen every second step, at most
@@ -351,8 +377,9 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
         dt = getattr(env.unwrapped, "dt", 0.01)
         env.close()
 
-    images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
-                   duration=max(20, int(round(every * dt * 100)) * 10))
+    write_atomic(path, lambda tmp: images[0].save(
+        tmp, format="GIF", save_all=True, append_images=images[1:], loop=0, optimize=True,
+        duration=max(20, int(round(every * dt * 100)) * 10)))
     cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
     print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, "
           f"{os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
@@ -394,6 +421,7 @@ def pick_gl():
 SWEEP_TARGETS = 8  # --target-sweep's targets
 
 
+@analysis("target_sweep.png", "target_sweep.csv")
 def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
     """--target-sweep, the DT paper's Fig. 4: the policy at SWEEP_TARGETS targets from the data's
     lowest episode return to a quarter above its best, `episodes` episodes each (the same env seeds)
@@ -424,12 +452,9 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
                          eval_return=f"{res['returns'].mean():.2f}",
                          eval_return_std=f"{res['returns'].std():.2f}",
                          normalized_score=score(res["normalized"].mean()),
-                         normalized_score_std=score(res["normalized"].std()), episodes=episodes))
-
-    with open(os.path.join(out, "target_sweep.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+                         normalized_score_std=score(res["normalized"].std()),
+                         success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
+                         episodes=episodes))
 
     # the figure: the return got against the target, in the data's units
     plt = pyplot()
@@ -458,7 +483,10 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
                  f"checkpoint at step {step}", fontsize=9)
     # the legend under the axes, off the lines; bbox_inches: kept whole
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
-    fig.savefig(os.path.join(out, "target_sweep.png"), dpi=120, bbox_inches="tight")
+
+    path = os.path.join(out, "target_sweep")  # .csv and .png, renamed into place together
+    write_atomic(path + ".csv", lambda tmp: write_csv(tmp, list(rows[0]), rows), path + ".png",
+                 lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close(fig)
 
     print(f"target_sweep.png and target_sweep.csv -> {out}")
@@ -766,17 +794,33 @@ def refuse_occupied(out, script):
             f"--out")
 
 
-def write_atomic(path, write):
-    """write(tmp), then rename it over `path`: a crash or a full disk leaves the old file whole
-    and no .tmp."""
-    tmp, folder = path + ".tmp", os.path.dirname(path) or "."
+def write_atomic(path, write, *more):
+    """write(tmp), then rename it over `path` (more: path, write, ..., renamed with it): a crash, a
+    stop or a full disk leaves the old files whole and no .tmp."""
+    pairs, folder = [(path, write), *zip(more[::2], more[1::2])], os.path.dirname(path) or "."
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        for path, write in pairs:
+            write(path + ".tmp")
+
+        # renamed together, Ctrl-C and SIGTERM held meanwhile, then passed on
+        caught = []
+        held = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for p, _ in pairs:
+                os.replace(p + ".tmp", p)
+        finally:
+            for s, handler in held.items():
+                signal.signal(s, handler or signal.SIG_DFL)
+            for s in caught:
+                signal.raise_signal(s)
+
     except BaseException as e:
+        tmp = path + ".tmp"
         partial = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        for p, _ in pairs:
+            with contextlib.suppress(OSError):
+                os.remove(p + ".tmp")
         if not isinstance(e, (OSError, RuntimeError)):  # torch.save's failed write: a RuntimeError
             raise
 
@@ -789,6 +833,18 @@ def write_atomic(path, write):
             reason = (getattr(e, "strerror", None)
                       or str(e).strip().splitlines()[-1].split("] ")[-1][:100])
         raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
+
+
+def write_csv(path, fields, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fields, restval="")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def save_figure(fig, path, **savefig):
+    """fig.savefig(path, **savefig) through write_atomic (the analyses' figures)."""
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format=path.rsplit(".", 1)[-1], **savefig))
 
 
 class StopSignal:
@@ -987,12 +1043,6 @@ class Run:
 
     def write_log(self):
         """log.csv (the first time, config.json too), always before the ckpt.pt it covers."""
-        def write(tmp):
-            with open(tmp, "w", newline="") as f:
-                w = csv.DictWriter(f, self.fields, restval="")
-                w.writeheader()
-                w.writerows(self.rows)
-
         if not self.logged:
             config = dataclasses.asdict(self.cfg) | dict(
                 script=self.script, variant=self.variant, info=self.info,
@@ -1000,7 +1050,8 @@ class Run:
             write_atomic(os.path.join(self.out, "config.json"),
                          lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config, indent=2)))
             self.logged = True
-        write_atomic(os.path.join(self.out, "log.csv"), write)
+        write_atomic(os.path.join(self.out, "log.csv"),
+                     lambda tmp: write_csv(tmp, self.fields, self.rows))
 
     def save(self, step, model, opt, sched, rng, results=()):
         """After an evaluation (results: [(target, evaluate()'s dict)], a row each) or a stop:

@@ -93,6 +93,95 @@ def test_a_namespace_folder_that_cannot_take_the_dataset_is_refused_before_any_w
 # 2. a stopped analysis keeps the previous files (written whole, renamed together) and says what it wrote
 
 
+def test_an_interrupted_gif_keeps_the_previous_one(tiny_breakout, tmp_path, monkeypatch, capsys):
+    """Atari's frames need no OpenGL; Ctrl-C halfway through the GIF's write."""
+    from PIL import Image
+    d = data.load_data(tiny_breakout)
+    d.horizon = 20
+    (tmp_path / "episode.gif").write_bytes(b"the previous gif")
+
+    def cut(self, fp, *args, **kwargs):
+        with open(fp, "wb") as f:
+            f.write(b"GIF89a, half of it")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Image.Image, "save", cut)
+    with pytest.raises(SystemExit) as e, evaluate.one_sentence_errors():
+        evaluate.episode_gif(lambda batch, live: np.zeros((len(live), d.act_dim)), d, 90.0, 0, 4, "cpu",
+                             str(tmp_path), "a title")
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == \
+        f"stopped: episode.gif in {tmp_path} not written (any previous copy kept)"
+    assert os.listdir(tmp_path) == ["episode.gif"] and (tmp_path / "episode.gif").read_bytes() == b"the previous gif"
+
+
+def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(tiny_hopper, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Ctrl-C in the figure's write, SIGTERM in an evaluation: the previous csv and png kept, no .tmp; a Ctrl-C that
+    comes while they are renamed waits until both are in place."""
+    import dt
+    from matplotlib.figure import Figure
+    out = tmp_path / "run"
+    dt.main(["--dataset", tiny_hopper, *TINY_DT, "--out", str(out)])
+    (out / "target_sweep.csv").write_text("the previous table")
+    (out / "target_sweep.png").write_bytes(b"the previous figure")
+    before = files(out)
+    pair, sweep = "target_sweep.png and target_sweep.csv", ["--out", str(out), "--target-sweep"]
+    capsys.readouterr()
+
+    def interrupted(self, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"half a png")
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(Figure, "savefig", interrupted)
+        err = one_sentence(capsys, dt.main, sweep, code=130)
+    assert err == f"stopped: {pair} in {out} not written (any previous copy kept)" and files(out) == before
+
+    real = evaluate.evaluate
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("SIGTERM reached the caller's handler"))
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(evaluate, "evaluate", terminated)
+            err = one_sentence(capsys, dt.main, sweep, code=130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert err == f"stopped: {pair} in {out} not written (any previous copy kept)" and files(out) == before
+
+    real_replace = os.replace
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if dst.endswith("target_sweep.csv"):
+            os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(os, "replace", replace)
+    err = one_sentence(capsys, dt.main, sweep, code=130)
+    after = files(out)
+    assert err == f"stopped: {pair} in {out} written" and set(after) == set(before)
+    assert after["target_sweep.csv"].startswith(b"target,") and after["target_sweep.png"].startswith(b"\x89PNG")
+
+
+def test_save_figure_renames_a_whole_figure_into_place(tmp_path, monkeypatch):
+    """The other analyses' figures: a stop in the write keeps the previous file, and no .tmp."""
+    fig, ax = evaluate.pyplot().subplots()
+    ax.plot([0, 1])
+    path = tmp_path / "figure.png"
+    path.write_bytes(b"the previous figure")
+    evaluate.save_figure(fig, str(path), dpi=50)
+    whole = path.read_bytes()
+    assert whole.startswith(b"\x89PNG") and os.listdir(tmp_path) == ["figure.png"]
+
+    def cut(self, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"half a png")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(type(fig), "savefig", cut)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.save_figure(fig, str(path), dpi=50)
+    assert path.read_bytes() == whole and os.listdir(tmp_path) == ["figure.png"]
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. sizes that cannot fit: one sentence with the number to lower, before any work
 

@@ -22,6 +22,7 @@ then max-pools (#L271-L283), after 0-29 no-ops (#L259-L263).
 """
 import argparse
 import contextlib
+import copy
 import csv
 import dataclasses
 import errno
@@ -55,13 +56,14 @@ from data import DataError, FlagParser, duration, gb, is_maze, resolve
 
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True,
-             render_every=0, greedy=False):
+             render_every=0, greedy=False, until_goal=False):
     """`episodes` episodes in parallel (env i reset with seed + i), each to its end, prompted with
     `target_return` (raw; None: rtg 0) -> per-episode arrays: returns, lengths, normalized; goal
     tasks add success, steps_to_goal (the first info['success'], else the horizon), positions
     ((length + 1, 2): x, y); seconds; render_every > 0 adds frames (step, return, RGB) of episode 0
-    at reset, every render_every steps and at its end (at most GIF_FRAMES). Atari: act() gives
-    logits, choose() the action (env i's draws seeded seed + i).
+    at reset, every render_every steps and at its end (at most GIF_FRAMES); until_goal: an episode
+    also ends at its first success. Atari: act() gives logits, choose() the action (env i's draws
+    seeded seed + i).
 
     The DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps from 0):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False
@@ -118,7 +120,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         for j, i in enumerate(live):
             obs, r, terminated, truncated, info = envs[i].step(actions[j])
             returns[i] += r  # the env's own return, as reported
-            done[i] = terminated or truncated
+            done[i] = terminated or truncated or until_goal and info.get("success", False)
             if d.delayed_reward:  # the model sees the rewards as its data had them: all at the end
                 r = returns[i] if done[i] else 0.0
             # R_{t+1} = R_t - r_t (DT Sec. 3) with the game's raw reward, as kzl's does
@@ -425,12 +427,22 @@ SWEEP_TARGETS = 8  # --target-sweep's targets
 def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
     """--target-sweep, the DT paper's Fig. 4: the policy at SWEEP_TARGETS targets from the data's
     lowest episode return to a quarter above its best, `episodes` episodes each (the same env seeds)
-    -> target_sweep.csv and .png in `out`: the return got (mean +-1 std) against the target,
-    normalised where the data has reference returns. DQN-replay's returns count rewards clipped to
-    +-1, the env's do not. -> [(target, evaluate()'s result)]"""
+    -> target_sweep.csv and .png in `out`: the return got (mean +-1 std, mazes' success rate)
+    against the target, normalised where the data has reference returns. Where the data's episodes
+    end at a goal (PointMaze's) so do these: raw returns to the goal. DQN-replay's returns count
+    rewards clipped to +-1, the env's do not. -> [(target, evaluate()'s result)]"""
+    check_envs(d, episodes)
+
     # the targets, raw returns, and the units of the figure
     worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
     targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
+    # data whose episodes end at a goal (most end before the horizon): so do these, raw (the
+    # reference returns are the horizon's)
+    to_goal = d.goal_reaching and np.median([len(e["actions"]) for e in d.episodes]) < d.horizon
+    if to_goal:
+        d = copy.copy(d)
+        d.ref_min = d.ref_max = math.nan
+
     scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
     norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
 
@@ -444,7 +456,8 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     # each target: a line and a csv row
     results, rows = [], []
     for g in targets:
-        res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy)
+        res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy,
+                       until_goal=to_goal)
         results.append((float(g), res))
         print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "")
               + f": {summarize(res)}", flush=True)
@@ -462,7 +475,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
     sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
     unit = (f"normalised: 0 = random, 100 = {'a human gamer' if d.family == 'atari' else 'expert'}"
-            if scored else "raw: the data has no reference returns")
+            if scored else "raw, until the goal" if to_goal else "raw: no reference returns")
 
     # both axes alike: the diagonal at 45 degrees
     lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
@@ -472,7 +485,12 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     fig, ax = plt.subplots(figsize=(5.6, 5.6))
     ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
     ax.plot(x, y, "o-", color="tab:blue", ms=4,
-            label=f"achieved: mean of {episodes} episodes, band ±1 std")
+            label=f"achieved: mean of {episodes} episodes, band ±1 std"
+                  + ("; under each, the % that reached the goal" if d.goal_reaching else ""))
+    if d.goal_reaching:
+        for xi, yi, (_, res) in zip(x, y, results):
+            ax.annotate(f"{100 * res['success'].mean():.0f}%", (xi, yi), xytext=(0, -12),
+                        textcoords="offset points", ha="center", fontsize=7, color="tab:blue")
     ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
     ax.axhline(norm(best), ls=":", color="tab:red",
                label=f"best episode in the data (return {best:.4g})")
@@ -608,6 +626,32 @@ def check_flags(cfg, *one_of):
         raise DataError(f"--out {cfg.out} is a file, not a folder")
 
 
+def rss():
+    """Bytes this process holds in memory, malloc's free pages given back first (Linux; else 0)."""
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError), open("/proc/self/statm") as f:
+        ctypes.CDLL(None).malloc_trim(0)
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+def check_envs(d, episodes):
+    """evaluate()'s `episodes` envs at once, before any work: one sentence if they cannot fit in the
+    memory free (an env's: the third's, the first two load what all share)."""
+    if d.env_spec is None:  # (synthetic data)
+        return
+    envs, before = [d.make_env(), d.make_env()], rss()
+    envs.append(d.make_env())
+    each = rss() - before
+    for env in envs:
+        env.close()
+
+    if (free := data_lib.available_memory()) and episodes * each > free:
+        raise DataError(f"--eval-episodes {episodes} would need about {gb(episodes * each)} for "
+                        f"its environments ({gb(each)} each), more than the {gb(free)} free; use "
+                        f"--eval-episodes {max(1, free // each)} or fewer")
+
+
 def pick_device(name):
     if name == "auto":
         name = ("cuda" if torch.cuda.is_available() else
@@ -616,14 +660,12 @@ def pick_device(name):
 
 
 def check_data(cfg, d, atari=False):
-    """Settings that mean nothing for this data, before the run folder is touched. atari: the model
-    file reads Atari data."""
+    """Settings that mean nothing for this data or cannot fit, before the run folder is touched.
+    atari: the model file reads Atari data."""
     if d.family == "atari" and not atari:
         raise DataError(
             f"{d.dataset_id} is Atari data (image states, discrete actions), which this model file "
             f"does not read (its paper has no Atari rows); dt.py, starformer.py and dema.py do")
-    if d.family == "atari":
-        d.make_env().close()  # ale-py and OpenCV are there: one sentence now, not at the first eval
 
     # a window never leaves its episode
     longest = max(len(e["actions"]) for e in d.episodes)
@@ -639,6 +681,9 @@ def check_data(cfg, d, atari=False):
             f"--target-return {target:g} is more than 100 times the largest episode return in "
             f"{d.dataset_id} ({top:.4g}), far outside what the model saw; give a target near the "
             f"data's")
+
+    # the evaluation's envs (Atari's too: ale-py and OpenCV there, said now, not at an evaluation)
+    check_envs(d, cfg.eval_episodes)
 
 
 def free_memory(device):

@@ -206,9 +206,47 @@ def test_make_counts_a_steps_memory_from_the_spaces(capsys):
                                               f"and ")
 
 
+def test_evaluations_too_large_for_memory_are_refused_before_any_work(tiny_hopper, tmp_path, monkeypatch, capsys):
+    """A training run's (before its folder is made) and --target-sweep's: the environments of --eval-episodes, an
+    env's memory measured."""
+    import dt
+    out = tmp_path / "run"
+    dt.main(["--dataset", tiny_hopper, *TINY_DT, "--out", str(out)])
+    before = files(out)
+    monkeypatch.setattr(data, "available_memory", lambda: 2 ** 28)
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **kw: pytest.fail("it evaluated"))
+    for argv in (["--dataset", tiny_hopper, *TINY_DT, "--eval-episodes", "5000", "--out", str(tmp_path / "new")],
+                 ["--out", str(out), "--target-sweep", "--eval-episodes", "5000"]):
+        err = one_sentence(capsys, dt.main, argv)
+        assert re.fullmatch(r"error: --eval-episodes 5000 would need about [\d.]+ GB for its environments \([\d.]+ "
+                            r"MB each\), more than the 256 MB free; use --eval-episodes \d+ or fewer", err), err
+    assert not (tmp_path / "new").exists() and files(out) == before
+
 # ---------------------------------------------------------------------------------------------------------------
 # 4. the maze sweep in one unit: returns to the goal, as the data's episodes end there
 
+
+def test_the_maze_sweep_compares_returns_to_the_goal(minari_tmp, tmp_path, monkeypatch):
+    """A made sparse PointMaze (each episode ends at its goal with return 1) swept with the planner's controller: each
+    episode ends at its first goal, its return 1 as the data's; the success rate per target in the csv."""
+    monkeypatch.setattr(data, "MAZE_REF_EPISODES", 2)
+    data.make("pointmaze-umaze", steps=600)
+    d = data.load_data("made/pointmaze/umaze-v0")
+    assert (d.episode_returns[:-1] == 1).all()
+    maze, plans = d.make_env().unwrapped.maze, {}
+
+    def expert(batch, live):  # the state (x, y, vx, vy, goal x, goal y), unnormalised
+        s = batch["states"][:, -1].numpy() * d.state_std + d.state_mean
+        return np.stack([data._waypoint_action(dict(achieved_goal=r[:2], observation=r[:4], desired_goal=r[4:]),
+                                               maze, plans) for r in s])
+    torch.save({"step": 7}, tmp_path / "ckpt.pt")
+    results = evaluate.target_sweep(expert, d, 2, 0, 1, "cpu", str(tmp_path), "the expert")
+    for _, res in results:
+        assert res["success"].all() and (res["returns"] == 1).all() and (res["lengths"] < d.horizon).all()
+        assert (res["lengths"] == res["steps_to_goal"]).all()
+    with open(tmp_path / "target_sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["eval_return"], r["success_rate"], r["target_normalized"]) for r in rows] == [("1.00", "1.000", "")] * 8
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. the messages, and report

@@ -1344,7 +1344,7 @@ def read_run(folder):
             except ValueError:
                 return run | dict(status=f"unreadable (log.csv line {line}: {k} '{row[k]}' is not "
                                          f"a finite number)")
-        parsed.append(cells | dict(target=row["target"]))
+        parsed.append(cells | dict(target=row["target"], greedy=row.get("greedy", "")))
 
     # the evaluations (rows with a return; the score is empty without reference returns)
     evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
@@ -1356,6 +1356,8 @@ def read_run(folder):
     scores = [e["normalized_score"] for e in run["evals"]]
     run.update(last=max(run["evals"], key=lambda e: e["step"]),
                best=None if None in scores else max(scores))
+    if run["last"]["greedy"] == "1":  # Atari's argmax (--greedy): apart from sampling's
+        run["key"] = (*run["key"][:2], run["key"][2] + " (greedy)")
 
     # a run short of its --steps: in progress
     if run["last"]["step"] < run["steps"]:

@@ -273,3 +273,19 @@ def test_the_messages_say_what_is_true(tmp_path, minari_tmp, monkeypatch, capsys
                                                         "datasets; point it at a folder"
 
 
+def test_report_keeps_greedy_evaluations_apart(tmp_path):
+    """Atari seeds evaluated by argmax (--greedy, log.csv's greedy column) and by sampling are two rows."""
+    from test_report import table_row, write_run
+    breakout = "replica/breakout/mixed-v0"
+    for seed, greedy, score in ((0, "0", 80.0), (1, "1", 120.0), (2, "1", 100.0)):
+        log = os.path.join(write_run(str(tmp_path), "dt", breakout, "cpu", seed, 200, [(200, 90.0, score)]),
+                           "log.csv")
+        with open(log, newline="") as f:
+            rows = list(csv.DictReader(f))
+        with open(log, "w", newline="") as f:
+            w = csv.DictWriter(f, [*rows[0], "greedy"])
+            w.writeheader()
+            w.writerows(r | dict(greedy=greedy) for r in rows)
+    text = evaluate.report(str(tmp_path))
+    assert table_row(text, breakout, "dt", "cpu")[:4] == ["1", "200", "90.0", "80.0 ± 0.0"]
+    assert table_row(text, breakout, "dt", "cpu (greedy)")[:4] == ["2", "200", "90.0", "110.0 ± 10.0"]

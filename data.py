@@ -455,12 +455,15 @@ def _open_minari(dataset_id, download):
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
 
-    # not here (minari's test): download it, or say how to
+    # not here (minari's test): download it, or say how to get it (made/...: data.py make's)
     if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):
-        if not download:
-            raise DataError(f"dataset '{dataset_id}' is not in {where}; download it with `minari "
-                            f"download {dataset_id}` or set MINARI_DATASETS_PATH to a folder that "
-                            f"holds it")
+        made = dataset_id.startswith("made/")
+        if made or not download:
+            name = "-".join(dataset_id[5:].rsplit("-v", 1)[0].split("/"))
+            how = (f"make it with `python data.py make {name} {dataset_id}`" if made else
+                   f"download it with `minari download {dataset_id}`")
+            raise DataError(f"dataset '{dataset_id}' is not in {where}; {how} or set "
+                            f"MINARI_DATASETS_PATH to a folder that holds it")
 
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:
@@ -505,10 +508,11 @@ def damaged(dataset_id, detail):
 def dataset_folder(dataset_id):
     """Where Minari keeps a dataset: <MINARI_DATASETS_PATH, else ~/.minari/datasets>/<id>."""
     from minari.storage.datasets_root_dir import get_dataset_path
-    root = os.environ.get("MINARI_DATASETS_PATH", "")
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise DataError(f"MINARI_DATASETS_PATH={root} is a file, not a folder of datasets; point "
-                        f"it at a folder")
+    root = os.environ.get("MINARI_DATASETS_PATH")
+    if root == "" or root and os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(f"MINARI_DATASETS_PATH{'=' + root if root else ''} is "
+                        f"{'a file' if root else 'empty'}, not a folder of datasets; point it at a "
+                        f"folder")
     return str(get_dataset_path(dataset_id))
 
 
@@ -668,6 +672,20 @@ def available_memory():
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
+
+
+def gb(n):
+    """Bytes in MB, GB or TB."""
+    e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
+    return f"{n / 2 ** e:.3g} {unit}"
+
+
+def duration(seconds):
+    """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
+    return f"{seconds:.0f} s"
 
 
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0, env_id=None):
@@ -1161,6 +1179,10 @@ def mix(sources, dataset_id):
     episodes."""
     from minari.data_collector import EpisodeBuffer
 
+    if files := [s for s in sources if os.path.isfile(s)]:
+        raise DataError(f"{files[0]} is a file, not a dataset name or id (a D4RL file: "
+                        f"convert-d4rl it first)")
+
     ids = [resolve(s) for s in sources]
     if len(ids) < 2:
         raise DataError("mix needs at least two source datasets, then the new id")
@@ -1263,6 +1285,25 @@ def make(name, dataset_id=None, seed=0, steps=None):
     return folder
 
 
+def _check_make(env, steps):
+    """make's cost, before any work: a step's memory (its observation, action and 128 bytes of list
+    entries) and time (a random step of `env`) times `steps`; one sentence if it cannot fit."""
+    import gymnasium as gym
+    t0 = time.time()
+    env.reset()
+    for _ in range(100):
+        env.step(env.action_space.sample())
+    seconds = (time.time() - t0) / 100 * steps
+
+    spaces = env.observation_space, env.action_space
+    need = steps * (sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces) + 128)
+    cost = f"about {gb(need)} of memory and {duration(seconds)} of env steps"
+    if need > (free := available_memory() or need):
+        raise DataError(f"--steps {steps:,} would take {cost}, more than the {gb(free)} free; use "
+                        f"--steps {int(steps * free / need):,} or fewer")
+    print(f"{steps:,} steps: {cost}", flush=True)
+
+
 def _made_id(name):
     """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
     return "made/" + name.replace("-", "/", 1) + "-v0"
@@ -1345,6 +1386,7 @@ def _make_pointmaze(name, seed, steps):
 
     env = gym.make(env_id, continuing_task=True, reset_target=True, max_episode_steps=steps)
     maze, plans, rng = env.unwrapped.maze, {}, np.random.default_rng(seed)
+    _check_make(env, steps)
 
     def noisy(obs):  # the behaviour policy: the expert plus N(0, 0.5^2) on each action, clipped
         action = _waypoint_action(obs, maze, plans) + 0.5 * rng.standard_normal(2)
@@ -1402,13 +1444,11 @@ def _make_pointmaze(name, seed, steps):
 # Breakout, made offline (python data.py make breakout-mixed)
 #
 # Mixed-quality play, as a DQN agent's replay is, in the env the project evaluates in
-# (atari_env_spec: gymnasium's AtariPreprocessing without sticky actions): unlike the DQN-replay
-# data it stands in for (Dopamine's, with sticky actions, p = 0.25), no sticky actions. The
-# controller reads the ball and the paddle from the RAM (AtariARI's annotation, Anand et al. 2019;
-# y grows downward, 0 while no ball is in play). Episode k plays at eps BREAKOUT_EPS[k % 10], so
-# any number of episodes spreads eps from 0 (the controller alone) to 1 (random play). It follows
-# where the ball is, not where it will land: a model imitates best a player whose choice the
-# frames show (RESULTS.md).
+# (atari_env_spec: no sticky actions, unlike Dopamine's DQN-replay, p = 0.25). The controller reads
+# the ball and the paddle from the RAM (AtariARI's annotation, Anand et al. 2019; y grows downward,
+# 0 while no ball is in play) and follows where the ball is, not where it will land: a model
+# imitates best a player whose choice the frames show (RESULTS.md). Episode k plays at eps
+# BREAKOUT_EPS[k % 10]: any number of episodes spreads eps from 0 (the controller) to 1 (random).
 
 BREAKOUT_RAM = dict(ball_x=99, ball_y=101, paddle_x=72)
 BREAKOUT_PADDLE_MIDDLE = 10  # ball x - paddle x at its middle (the paddle returns it at -1..21)
@@ -1436,6 +1476,8 @@ def _make_breakout(seed=0, steps=None):
     env = make_atari_env(spec)
     ale = env.unwrapped.ale
     rng = np.random.default_rng(seed)
+    if steps:
+        _check_make(env, steps)
 
     # episodes at each eps in turn
     buffers, returns, total, t0 = [], {eps: [] for eps in BREAKOUT_EPS}, 0, time.time()
@@ -1611,27 +1653,30 @@ def _make_hopper(name, seed, steps):
 # --------------------------------------------------------------------------------------------------
 # writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix, make)
 #
-# A dataset is written into a hidden folder of the datasets folder (Minari lists none) and renamed
-# into place when whole: an interrupt (Ctrl-C, SIGTERM, kill -9) leaves no partial dataset where
-# Minari looks. The writer holds a lock on the hidden folder; the next dataset command removes any
-# such folder no live process holds. A stop signal (main's _stop) waits while the folder is made
-# and from the write's end to the cleanup's end: before the rename it undoes the write, after it
-# it is only said.
+# A dataset is written into a hidden folder of the datasets folder (Minari lists none), renamed into
+# place when whole: an interrupt (Ctrl-C, SIGTERM, kill -9) or a failed write leaves no partial
+# dataset where Minari looks. The writer locks the hidden folder; the next dataset command removes
+# any such folder no live process holds. A stop signal (main's _stop) waits while the folder is
+# made and from the write's end to the cleanup's end: before the rename it undoes the write, after
+# it it is only said.
 
 PARTIAL_PREFIX = ".data.py-partial-"
-STOP = dict(signals=[], in_place=False, hold=False)  # signals caught; dataset in place; held
+# signals caught; the dataset in place; signals held; HDF5 failed (it would crash at the exit)
+STOP = dict(signals=[], in_place=False, hold=False, hdf5=False)
 
 
 def _new_dataset_folder(dataset_id):
     """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or
-    taken or the folder unwritable. Each command calls it first, before any work."""
+    taken or a folder unwritable or on another filesystem. Each command calls it first, before any
+    work."""
     from minari.dataset.minari_dataset import parse_dataset_id
     from minari.storage.datasets_root_dir import get_dataset_path
     namespace = None
     with contextlib.suppress(ValueError, TypeError):  # (TypeError: minari's, on an id without -vN)
         namespace = parse_dataset_id(dataset_id)[0]
     if namespace is None:  # load_data reads an id without a namespace as a short name
-        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, e.g. "
+        raise DataError(f"dataset id '{dataset_id}' must look like namespace/name-vN, of letters, "
+                        f"digits, _ and - (the namespace 2 or more, / allowed inside), e.g. "
                         f"d4rl/hopper/medium-v2")
 
     # a free folder in a datasets folder that can be written (made by get_dataset_path if missing)
@@ -1649,8 +1694,13 @@ def _new_dataset_folder(dataset_id):
             raise DataError(f"{parent} is a file, so the dataset '{dataset_id}' cannot be written "
                             f"in it; choose another id or move that file")
         parent = os.path.dirname(parent)
-    if not os.access(root, os.W_OK):
-        raise _unwritable(root, PermissionError("not writable"))
+
+    # the folders it goes in: writable, on one filesystem
+    for where in dict.fromkeys([root, parent]):
+        if not os.access(where, os.W_OK):
+            raise _unwritable(where, PermissionError("not writable"))
+    if os.stat(parent).st_dev != os.stat(root).st_dev:  # (a rename cannot cross filesystems)
+        raise _unwritable(parent, OSError(f"on another filesystem than {root}"))
     return folder, root
 
 
@@ -1730,7 +1780,9 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
         # the dataset, written into the hidden folder
         with lock:
             _hold(False)  # a stop signal ends the write at once
-            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")):
+            # (HDF5 prints a traceback per object it fails to write: said once, below)
+            with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")), \
+                    contextlib.redirect_stderr(io.StringIO()):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice: author, code permalink, ...
                     ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
@@ -1739,12 +1791,10 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 written = dataset_folder(dataset_id)
                 _gzip_hdf5(os.path.join(written, "data", "main_data.hdf5"))
 
-            # renamed into place, unless a stop signal came
+            # renamed into place, unless a stop signal came; then its namespace recorded
             _hold(True)
             if STOP["signals"]:  # (one a finaliser swallowed: acted on here)
                 _act(STOP["signals"][-1])
-            with contextlib.suppress(ValueError):  # (there already)
-                create_namespace(parse_dataset_id(dataset_id)[0])
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             try:
                 os.rename(written, folder)  # atomic
@@ -1752,7 +1802,19 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 _new_dataset_folder(dataset_id)  # "already exists" if another command wrote it
                 raise
             STOP["in_place"] = True
+            with contextlib.suppress(ValueError):  # (there already)
+                create_namespace(parse_dataset_id(dataset_id)[0])
 
+    # a full disk, a quota, a permission: one sentence; the empty folders made for it removed
+    except (OSError, RuntimeError) as e:  # (HDF5's failed writes: RuntimeErrors naming the errno)
+        code = getattr(e, "errno", None) or int((re.findall(r"errno = (\d+)", str(e)) or [0])[0])
+        if not code or STOP["in_place"]:
+            raise
+        STOP["hdf5"] = isinstance(e, RuntimeError)
+        with contextlib.suppress(OSError):
+            os.removedirs(os.path.dirname(folder))
+        raise DataError(f"could not write the dataset '{dataset_id}' in {os.path.dirname(folder)} "
+                        f"({os.strerror(code)}); nothing of it is left") from None
     finally:
         _hold(True)  # (where the write raised)
         if tmp:
@@ -1909,7 +1971,7 @@ def main(argv=None):
     stops = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, _stop) for s in stops} if here else {}
     hook, sys.unraisablehook = sys.unraisablehook, _unraisable
-    STOP.update(signals=[], in_place=False, hold=False)
+    STOP.update(signals=[], in_place=False, hold=False, hdf5=False)
     try:
         # (blocked while the command line loaded: acted on now)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
@@ -1934,6 +1996,8 @@ def main(argv=None):
             if not isinstance(e, DataError):
                 raise
             print(f"error: {e}", file=sys.stderr)
+            if STOP["hdf5"] and __name__ == "__main__":
+                os._exit(1)
             raise SystemExit(1)
 
         ctrl_c = not STOP["signals"] or STOP["signals"][0] == signal.SIGINT  # none: a Ctrl-C

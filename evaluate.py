@@ -22,9 +22,12 @@ then max-pools (#L271-L283), after 0-29 no-ops (#L259-L263).
 """
 import argparse
 import contextlib
+import copy
 import csv
 import dataclasses
 import errno
+import functools
+import inspect
 import io
 import json
 import math
@@ -45,7 +48,7 @@ import torch
 import torch.nn as nn
 
 import data as data_lib
-from data import DataError, FlagParser, is_maze, resolve
+from data import DataError, FlagParser, duration, gb, is_maze, resolve
 
 # --------------------------------------------------------------------------------------------------
 # rollouts: evaluate() (train() calls it every --eval-every steps), the contexts it keeps, and
@@ -53,13 +56,14 @@ from data import DataError, FlagParser, is_maze, resolve
 
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True,
-             render_every=0, greedy=False):
+             render_every=0, greedy=False, until_goal=False):
     """`episodes` episodes in parallel (env i reset with seed + i), each to its end, prompted with
     `target_return` (raw; None: rtg 0) -> per-episode arrays: returns, lengths, normalized; goal
     tasks add success, steps_to_goal (the first info['success'], else the horizon), positions
     ((length + 1, 2): x, y); seconds; render_every > 0 adds frames (step, return, RGB) of episode 0
-    at reset, every render_every steps and at its end (at most GIF_FRAMES). Atari: act() gives
-    logits, choose() the action (env i's draws seeded seed + i).
+    at reset, every render_every steps and at its end (at most GIF_FRAMES); until_goal: an episode
+    also ends at its first success. Atari: act() gives logits, choose() the action (env i's draws
+    seeded seed + i).
 
     The DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps from 0):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False
@@ -116,7 +120,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         for j, i in enumerate(live):
             obs, r, terminated, truncated, info = envs[i].step(actions[j])
             returns[i] += r  # the env's own return, as reported
-            done[i] = terminated or truncated
+            done[i] = terminated or truncated or until_goal and info.get("success", False)
             if d.delayed_reward:  # the model sees the rewards as its data had them: all at the end
                 r = returns[i] if done[i] else 0.0
             # R_{t+1} = R_t - r_t (DT Sec. 3) with the game's raw reward, as kzl's does
@@ -306,6 +310,30 @@ def compare_with_sequential(act, d, episodes, target_return, seed, context):
 GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would otherwise fill memory)
 
 
+def analysis(*names):
+    """Decorates an analysis writing `names` into its `out` (together: write_atomic): SIGTERM stops
+    it as Ctrl-C does, and a stop says if they were written (else any previous copies are kept)."""
+    return lambda fn: functools.wraps(fn)(lambda *args, **kwargs: _analyse(fn, names, args, kwargs))
+
+
+def _analyse(fn, names, args, kwargs):
+    out = inspect.signature(fn).bind(*args, **kwargs).arguments["out"]
+    paths = [os.path.join(out, name) for name in names]
+    before = [os.path.exists(p) and os.stat(p).st_ino for p in paths]  # (renamed in: new ones)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    try:
+        return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        done = [os.path.exists(p) and os.stat(p).st_ino for p in paths] != before
+        print(f"\nstopped: {' and '.join(names)} in {out} "
+              + ("written" if done else "not written (any previous copy kept)"), file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@analysis("episode.gif")
 def episode_gif(act, d, target_return, seed, context, device, out, title, greedy=False):
     """--gif: one evaluation episode -> <out>/episode.gif, the title, step and return on each frame:
     MuJoCo at most 152 frames of 240 x 240, Atari the colour screen every second step, at most
@@ -351,8 +379,9 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
         dt = getattr(env.unwrapped, "dt", 0.01)
         env.close()
 
-    images[0].save(path, save_all=True, append_images=images[1:], loop=0, optimize=True,
-                   duration=max(20, int(round(every * dt * 100)) * 10))
+    write_atomic(path, lambda tmp: images[0].save(
+        tmp, format="GIF", save_all=True, append_images=images[1:], loop=0, optimize=True,
+        duration=max(20, int(round(every * dt * 100)) * 10)))
     cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
     print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, "
           f"{os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
@@ -394,15 +423,26 @@ def pick_gl():
 SWEEP_TARGETS = 8  # --target-sweep's targets
 
 
+@analysis("target_sweep.png", "target_sweep.csv")
 def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
     """--target-sweep, the DT paper's Fig. 4: the policy at SWEEP_TARGETS targets from the data's
     lowest episode return to a quarter above its best, `episodes` episodes each (the same env seeds)
-    -> target_sweep.csv and .png in `out`: the return got (mean +-1 std) against the target,
-    normalised where the data has reference returns. DQN-replay's returns count rewards clipped to
-    +-1, the env's do not. -> [(target, evaluate()'s result)]"""
+    -> target_sweep.csv and .png in `out`: the return got (mean +-1 std, mazes' success rate)
+    against the target, normalised where the data has reference returns. Where the data's episodes
+    end at a goal (PointMaze's) so do these: raw returns to the goal. DQN-replay's returns count
+    rewards clipped to +-1, the env's do not. -> [(target, evaluate()'s result)]"""
+    check_envs(d, episodes)
+
     # the targets, raw returns, and the units of the figure
     worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
     targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
+    # data whose episodes end at a goal (most end before the horizon): so do these, raw (the
+    # reference returns are the horizon's)
+    to_goal = d.goal_reaching and np.median([len(e["actions"]) for e in d.episodes]) < d.horizon
+    if to_goal:
+        d = copy.copy(d)
+        d.ref_min = d.ref_max = math.nan
+
     scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
     norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
 
@@ -416,7 +456,8 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     # each target: a line and a csv row
     results, rows = [], []
     for g in targets:
-        res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy)
+        res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy,
+                       until_goal=to_goal)
         results.append((float(g), res))
         print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "")
               + f": {summarize(res)}", flush=True)
@@ -424,12 +465,9 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
                          eval_return=f"{res['returns'].mean():.2f}",
                          eval_return_std=f"{res['returns'].std():.2f}",
                          normalized_score=score(res["normalized"].mean()),
-                         normalized_score_std=score(res["normalized"].std()), episodes=episodes))
-
-    with open(os.path.join(out, "target_sweep.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+                         normalized_score_std=score(res["normalized"].std()),
+                         success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
+                         episodes=episodes))
 
     # the figure: the return got against the target, in the data's units
     plt = pyplot()
@@ -437,7 +475,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
     sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
     unit = (f"normalised: 0 = random, 100 = {'a human gamer' if d.family == 'atari' else 'expert'}"
-            if scored else "raw: the data has no reference returns")
+            if scored else "raw, until the goal" if to_goal else "raw: no reference returns")
 
     # both axes alike: the diagonal at 45 degrees
     lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
@@ -447,7 +485,12 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     fig, ax = plt.subplots(figsize=(5.6, 5.6))
     ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
     ax.plot(x, y, "o-", color="tab:blue", ms=4,
-            label=f"achieved: mean of {episodes} episodes, band ±1 std")
+            label=f"achieved: mean of {episodes} episodes, band ±1 std"
+                  + ("; under each, the % that reached the goal" if d.goal_reaching else ""))
+    if d.goal_reaching:
+        for xi, yi, (_, res) in zip(x, y, results):
+            ax.annotate(f"{100 * res['success'].mean():.0f}%", (xi, yi), xytext=(0, -12),
+                        textcoords="offset points", ha="center", fontsize=7, color="tab:blue")
     ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
     ax.axhline(norm(best), ls=":", color="tab:red",
                label=f"best episode in the data (return {best:.4g})")
@@ -458,7 +501,10 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
                  f"checkpoint at step {step}", fontsize=9)
     # the legend under the axes, off the lines; bbox_inches: kept whole
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
-    fig.savefig(os.path.join(out, "target_sweep.png"), dpi=120, bbox_inches="tight")
+
+    path = os.path.join(out, "target_sweep")  # .csv and .png, renamed into place together
+    write_atomic(path + ".csv", lambda tmp: write_csv(tmp, list(rows[0]), rows), path + ".png",
+                 lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close(fig)
 
     print(f"target_sweep.png and target_sweep.csv -> {out}")
@@ -588,6 +634,32 @@ def check_flags(cfg, *one_of):
         raise DataError(f"--out {cfg.out} is a file, not a folder")
 
 
+def rss():
+    """Bytes this process holds in memory, malloc's free pages given back first (Linux; else 0)."""
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError), open("/proc/self/statm") as f:
+        ctypes.CDLL(None).malloc_trim(0)
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+def check_envs(d, episodes):
+    """evaluate()'s `episodes` envs at once, before any work: one sentence if they cannot fit in the
+    memory free (an env's: the third's, the first two load what all share)."""
+    if d.env_spec is None:  # (synthetic data)
+        return
+    envs, before = [d.make_env(), d.make_env()], rss()
+    envs.append(d.make_env())
+    each = rss() - before
+    for env in envs:
+        env.close()
+
+    if (free := data_lib.available_memory()) and episodes * each > free:
+        raise DataError(f"--eval-episodes {episodes} would need about {gb(episodes * each)} for "
+                        f"its environments ({gb(each)} each), more than the {gb(free)} free; use "
+                        f"--eval-episodes {max(1, free // each)} or fewer")
+
+
 def pick_device(name):
     if name == "auto":
         name = ("cuda" if torch.cuda.is_available() else
@@ -596,14 +668,12 @@ def pick_device(name):
 
 
 def check_data(cfg, d, atari=False):
-    """Settings that mean nothing for this data, before the run folder is touched. atari: the model
-    file reads Atari data."""
+    """Settings that mean nothing for this data or cannot fit, before the run folder is touched.
+    atari: the model file reads Atari data."""
     if d.family == "atari" and not atari:
         raise DataError(
             f"{d.dataset_id} is Atari data (image states, discrete actions), which this model file "
             f"does not read (its paper has no Atari rows); dt.py, starformer.py and dema.py do")
-    if d.family == "atari":
-        d.make_env().close()  # ale-py and OpenCV are there: one sentence now, not at the first eval
 
     # a window never leaves its episode
     longest = max(len(e["actions"]) for e in d.episodes)
@@ -620,18 +690,15 @@ def check_data(cfg, d, atari=False):
             f"{d.dataset_id} ({top:.4g}), far outside what the model saw; give a target near the "
             f"data's")
 
+    # the evaluation's envs (Atari's too: ale-py and OpenCV there, said now, not at an evaluation)
+    check_envs(d, cfg.eval_episodes)
+
 
 def free_memory(device):
     """Bytes free on `device` (CPU: the OS's available memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return data_lib.available_memory()
-
-
-def gb(n):
-    """Bytes in MB, GB or TB."""
-    e, unit = next(((e, u) for e, u in ((40, "TB"), (30, "GB")) if n >= 2 ** e), (20, "MB"))
-    return f"{n / 2 ** e:.3g} {unit}"
 
 
 def check_memory(model, loss, template, batch_size, device):
@@ -780,17 +847,33 @@ def refuse_occupied(out, script):
             f"--out")
 
 
-def write_atomic(path, write):
-    """write(tmp), then rename it over `path`: a crash or a full disk leaves the old file whole
-    and no .tmp."""
-    tmp, folder = path + ".tmp", os.path.dirname(path) or "."
+def write_atomic(path, write, *more):
+    """write(tmp), then rename it over `path` (more: path, write, ..., renamed with it): a crash, a
+    stop or a full disk leaves the old files whole and no .tmp."""
+    pairs, folder = [(path, write), *zip(more[::2], more[1::2])], os.path.dirname(path) or "."
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        for path, write in pairs:
+            write(path + ".tmp")
+
+        # renamed together, Ctrl-C and SIGTERM held meanwhile, then passed on
+        caught = []
+        held = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for p, _ in pairs:
+                os.replace(p + ".tmp", p)
+        finally:
+            for s, handler in held.items():
+                signal.signal(s, handler or signal.SIG_DFL)
+            for s in caught:
+                signal.raise_signal(s)
+
     except BaseException as e:
+        tmp = path + ".tmp"
         partial = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        for p, _ in pairs:
+            with contextlib.suppress(OSError):
+                os.remove(p + ".tmp")
         if not isinstance(e, (OSError, RuntimeError)):  # torch.save's failed write: a RuntimeError
             raise
 
@@ -803,6 +886,18 @@ def write_atomic(path, write):
             reason = (getattr(e, "strerror", None)
                       or str(e).strip().splitlines()[-1].split("] ")[-1][:100])
         raise DataError(f"could not write {path} ({reason}); the previous copy is kept") from None
+
+
+def write_csv(path, fields, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fields, restval="")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def save_figure(fig, path, **savefig):
+    """fig.savefig(path, **savefig) through write_atomic (the analyses' figures)."""
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format=path.rsplit(".", 1)[-1], **savefig))
 
 
 class StopSignal:
@@ -1001,12 +1096,6 @@ class Run:
 
     def write_log(self):
         """log.csv (the first time, config.json too), always before the ckpt.pt it covers."""
-        def write(tmp):
-            with open(tmp, "w", newline="") as f:
-                w = csv.DictWriter(f, self.fields, restval="")
-                w.writeheader()
-                w.writerows(self.rows)
-
         if not self.logged:
             config = dataclasses.asdict(self.cfg) | dict(
                 script=self.script, variant=self.variant, info=self.info,
@@ -1014,7 +1103,8 @@ class Run:
             write_atomic(os.path.join(self.out, "config.json"),
                          lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config, indent=2)))
             self.logged = True
-        write_atomic(os.path.join(self.out, "log.csv"), write)
+        write_atomic(os.path.join(self.out, "log.csv"),
+                     lambda tmp: write_csv(tmp, self.fields, self.rows))
 
     def save(self, step, model, opt, sched, rng, results=()):
         """After an evaluation (results: [(target, evaluate()'s dict)], a row each) or a stop:
@@ -1080,14 +1170,6 @@ class Run:
         print(f"final: normalized_score={score(res['normalized'].mean()) or 'none'} "
               f"return={res['returns'].mean():.2f} {best}episodes={len(res['returns'])}")
         return res
-
-
-def duration(seconds):
-    """Seconds in words: '40 s', '12 min', '3.5 h', '6.2 days'."""
-    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 2 * size:
-            return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
-    return f"{seconds:.0f} s"
 
 
 def score(x):
@@ -1271,7 +1353,7 @@ def read_run(folder):
             except ValueError:
                 return run | dict(status=f"unreadable (log.csv line {line}: {k} '{row[k]}' is not "
                                          f"a finite number)")
-        parsed.append(cells | dict(target=row["target"]))
+        parsed.append(cells | dict(target=row["target"], greedy=row.get("greedy", "")))
 
     # the evaluations (rows with a return; the score is empty without reference returns)
     evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
@@ -1283,6 +1365,8 @@ def read_run(folder):
     scores = [e["normalized_score"] for e in run["evals"]]
     run.update(last=max(run["evals"], key=lambda e: e["step"]),
                best=None if None in scores else max(scores))
+    if run["last"]["greedy"] == "1":  # Atari's argmax (--greedy): apart from sampling's
+        run["key"] = (*run["key"][:2], run["key"][2] + " (greedy)")
 
     # a run short of its --steps: in progress
     if run["last"]["step"] < run["steps"]:

@@ -1594,6 +1594,7 @@ def _make_hopper(name, seed, steps):
     from minari.data_collector import EpisodeBuffer
     level, (low, high), t0 = name.removeprefix("hopper-"), D4RL_REF_SCORES["Hopper"], time.time()
     env, noise_rng = gym.make("Hopper-v5"), np.random.default_rng([seed, 0])
+    _check_make(env, steps or HOPPER_STEPS)
     env.reset(seed=seed)
 
     def rollout(M, mu, std, shift=1.0, noise=0.0, limit=None):

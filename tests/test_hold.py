@@ -187,7 +187,7 @@ def test_save_figure_renames_a_whole_figure_into_place(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, player", [("pointmaze-umaze", "_waypoint_action"),
-                                          ("breakout-mixed", "_breakout_action")])
+                                          ("breakout-mixed", "_breakout_action"), ("hopper-medium", "ars")])
 def test_a_make_too_large_for_memory_is_refused_before_it_collects(name, player, minari_tmp, monkeypatch, capsys):
     monkeypatch.setattr(data, player, no_work)
     monkeypatch.setattr(data, "available_memory", lambda: 2 ** 30)

@@ -905,7 +905,7 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
            title=f"DeMa hidden attention, {d.dataset_id}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    ev.save_figure(fig, path, dpi=100)
     plt.close(fig)
 
     shown = sorted({i for i in (0, 1, 2, 3, 6, T - 1) if i < T})
@@ -931,7 +931,10 @@ def attention_episode(cfg, given):
     res = ev.evaluate(act, d, 1, targets(cfg, d)[0], cfg.seed + 10_000,
                       device=next(model.parameters()).device, progress=False, **rollout(cfg))
     attn = torch.stack(steps).numpy()  # (steps, n_layer, T)
-    np.savez(os.path.join(out, "attention_episode.npz"), attention=attn, returns=res["returns"])
+    def write(tmp):
+        with open(tmp, "wb") as f:  # (np.savez appends .npz to a name, not to a file)
+            np.savez(f, attention=attn, returns=res["returns"])
+    ev.write_atomic(os.path.join(out, "attention_episode.npz"), write)
 
     # a heat map per layer and of their mean, on one log scale
     plt = ev.pyplot()
@@ -954,7 +957,7 @@ def attention_episode(cfg, given):
                  f"(return {res['returns'][0]:.0f})")
 
     path = os.path.join(out, "attention_episode.png")
-    fig.savefig(path, dpi=100)
+    ev.save_figure(fig, path, dpi=100)
     plt.close(fig)
 
     # s_t's attention to the previous step, and its period

@@ -745,7 +745,7 @@ def train(cfg, run, d=None):
 
 def save_figure(fig, path, say=True):
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    ev.save_figure(fig, path, dpi=100)
     ev.pyplot().close(fig)
     if say:
         print(f"wrote {path}")

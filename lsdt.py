@@ -809,7 +809,7 @@ def plot_mixing(cfg, given):
 
     fig.tight_layout()
     path = os.path.join(out, "mixing.png")
-    fig.savefig(path, dpi=100)
+    ev.save_figure(fig, path, dpi=100)
     plt.close(fig)
     print(f"mixing maps: {path}")
 
@@ -851,7 +851,7 @@ def plot_paths(cfg, given):
 
     fig.tight_layout()
     path = os.path.join(out, "paths.png")
-    fig.savefig(path, dpi=100)
+    ev.save_figure(fig, path, dpi=100)
     plt.close(fig)
     print(f"paths: {path} ({ev.summarize(res)})")
 

@@ -4,25 +4,25 @@ Minari datasets -> episodes -> training windows: the only data code the model fi
     d = load_data("hopper-medium")    # a short name or any Minari id ("D4RL/pen/human-v2")
     batch = d.sample(64, 20, rng)     # dict of torch tensors, shapes below
 
-Above the "Dataset tools" fence: what the model files and evaluate.py use, in the order a training
-step meets it. "kzl PATH#Lnn" is DT's official code, https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/PATH#Lnn
+Above the "Dataset tools" fence: what the model files and evaluate.py use. "kzl PATH#Lnn" is DT's
+official code, https://github.com/kzl/decision-transformer/blob/e2d82e68f330c00f763507b3b01d774740bee53f/PATH#Lnn
 
-What a window holds (B windows of K steps, left-padded; the last position is always a real step):
-    states      (B, K, obs_dim)  float32, normalised (s - mean) / std, 0 where padded
-    actions     (B, K, act_dim)  float32, 0 where padded
-    rewards     (B, K, 1)        float32, raw r_t, 0 where padded
+A batch: B windows of K steps, left-padded with 0 in every entry (the last step is always real):
+    states      (B, K, obs_dim)  float32, normalised (s - mean) / std
+    actions     (B, K, act_dim)  float32
+    rewards     (B, K, 1)        float32, raw r_t
     rtg         (B, K, 1)        float32, R_t = sum_{t' >= t} r_t' (undiscounted) x return_scale
-    timesteps   (B, K)           int64, the step's index in its episode, 0 where padded
+    timesteps   (B, K)           int64, the step's index in its episode
     mask        (B, K)           float32, 1 = real step, 0 = padding
     prev_action (B, act_dim)     a_{t0-1} for the window's first real step t0; zeros when t0 = 0
     prev_reward (B, 1)           r_{t0-1}; 0 when t0 = 0
-The null action and reward equal the padding (0), so the per-step previous action inside a window
-is cat(prev_action, actions[:, :-1]) along time, padded windows included (as in evaluate.py).
+The null action and reward are the padding's 0, so a window's per-step previous action is
+cat(prev_action, actions[:, :-1]) along time, padded windows included (as in evaluate.py).
 
 Atari (family 'atari': image states, discrete actions) differs in two entries:
-    states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step, stacked when the batch
-                is drawn (memory holds one 84x84 frame per step), 0 before the episode's first
-    actions     (B, K) int64 action index (0 where padded); prev_action (B,) int64
+    states      (B, K, 4, 84, 84) uint8, the last 4 frames up to each step (0 before the episode's
+                first), stacked when the batch is drawn from one 84x84 frame per step
+    actions     (B, K) int64 action index; prev_action (B,) int64
 A state is divided by 255 inside the model. Atari data: Minari's atari/* RGB screens (made 84x84
 grayscale at load) or DQN-replay's frames (convert-dqn-replay).
 
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 # --------------------------------------------------------------------------------------------------
-# names and tables: short names -> Minari ids, reference returns, the papers' return-to-go targets
+# names and tables
 
 _LOCOMOTION = ["halfcheetah", "hopper", "walker2d", "ant"]
 SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION
@@ -59,8 +59,7 @@ SHORT_NAMES.update({f"pointmaze-{m}": f"D4RL/pointmaze/{m}-v2" for m in
                     ("umaze", "umaze-dense", "medium", "medium-dense", "large", "large-dense")})
 SHORT_NAMES.update({f"antmaze-{m}": f"D4RL/antmaze/{m}-v1" for m in ("umaze", "umaze-diverse",
                     "medium-play", "medium-diverse", "large-play", "large-diverse")})
-# Adroit (Shadow Hand, AdroitHand*-v1): D4RL's v1 data re-recorded by Minari (LSDT's Table 9 ran
-# D4RL's v0 human and cloned sets)
+# Adroit (AdroitHand*-v1): D4RL's v1 data re-recorded by Minari (LSDT's Table 9: v0 human, cloned)
 ADROIT_TASKS = ("pen", "hammer", "door", "relocate")
 SHORT_NAMES.update({f"{t}-{level}": f"D4RL/{t}/{level}-v2" for t in ADROIT_TASKS
                     for level in ("human", "cloned", "expert")})
@@ -83,8 +82,7 @@ ADROIT_REF_SCORES = {"AdroitHandPen": (-96.262264, 3076.8331),
 DT_TARGETS = {"Hopper": [3600.0, 1800.0], "HalfCheetah": [12000.0, 6000.0],
               "Walker2d": [5000.0, 2500.0]}
 # Atari's return-to-go prompts, raw return units: DT's (kzl atari/mingpt/trainer_atari.py#L161-L168)
-# and DeMa's Table 9 (dema.py): Breakout's and Pong's kept, Qbert's lowered to 12000, Seaquest's
-# raised to 1750, four games added
+# and DeMa's Table 9 (dema.py)
 DT_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 14000.0, "Pong": 20.0, "Seaquest": 1150.0}
 DEMA_ATARI_TARGETS = {"Breakout": 90.0, "Qbert": 12000.0, "Pong": 20.0, "Seaquest": 1750.0,
                       "Asterix": 700.0, "Frostbite": 1450.0, "Assault": 1200.0, "Gopher": 6500.0}
@@ -156,12 +154,11 @@ def flatten_obs(obs, keys=MAZE_KEYS):
     return np.asarray(obs)
 
 # --------------------------------------------------------------------------------------------------
-# a training step's data: load_data -> OfflineData.sample -> gather_windows -> stack_frames
+# a training step's data
 
 
 def load_data(name, download=True, delayed_reward=False):
-    """Short name or Minari id -> OfflineData (episodes, state stats, eval env, reference scores,
-    targets). delayed_reward: DT's Table 5 and DeMa's Table 13 (delay_rewards)."""
+    """Short name or Minari id -> OfflineData. delayed_reward: DT's Table 5, DeMa's Table 13."""
     dataset_id = resolve(name)
     ds, meta, raw_episodes = _open_minari(dataset_id, download)
     spec = getattr(ds, "_eval_env_spec", None) or ds.env_spec  # Minari's eval env spec
@@ -210,8 +207,8 @@ def load_data(name, download=True, delayed_reward=False):
                [DT_ATARI_TARGETS.get(env_key, target)] if family == "atari" else [target])
 
     # Atari: the time embedding covers the data's longest episode (kzl atari/run_dt_atari.py#L80),
-    # evaluation clamping to it; the horizon is the frame limit (kzl's 108k,
-    # atari/mingpt/trainer_atari.py#L317) over the frames a step takes
+    # evaluation clamping to it; the horizon: kzl's 108k-frame limit in steps
+    # (atari/mingpt/trainer_atari.py#L317)
     longest = max(len(e["actions"]) for e in episodes)
     max_len = longest if family == "atari" else max(int(spec.max_episode_steps or 0), longest)
     horizon = 0
@@ -275,7 +272,7 @@ class OfflineData:
             self.state_mean, self.state_std = np.zeros(1, np.float32), np.ones(1, np.float32)
             states = dict(frames=frames)
 
-        else:  # vectors, normalised by the dataset's mean and std (unless given)
+        else:  # vectors, normalised
             obs = np.concatenate([e["observations"] for e in eps]).astype(np.float64)
             self.obs_shape = obs.shape[1:]  # obs (N, obs_dim)
             actions = np.concatenate([e["actions"] for e in eps]).astype(np.float32)  # (N, act_dim)
@@ -302,8 +299,8 @@ class OfflineData:
         self.episode_returns = np.array([e["rewards"].sum() for e in eps])
 
     def info(self):
-        """What a model is built from, saved in its checkpoint for analyses without the data
-        (act_dim: the action count if discrete)."""
+        """What a model is built from, kept in its checkpoint (act_dim: the action count if
+        discrete)."""
         return dict(obs_dim=self.obs_dim, act_dim=self.act_dim, max_ep_len=self.max_ep_len,
                     goal_dim=self.goal_dim, discrete=self.discrete, obs_shape=list(self.obs_shape))
 
@@ -323,8 +320,8 @@ class OfflineData:
         return 100.0 * (returns - self.ref_min) / (self.ref_max - self.ref_min)
 
     def make_env(self, render=False):
-        """The dataset's own eval env (Minari's eval_env_spec, else env_spec); render=True: with
-        240 x 240 RGB frames offscreen (MuJoCo: evaluate.pick_gl), or Atari's 210 x 160 screen."""
+        """The dataset's own eval env (Minari's eval_env_spec, else env_spec); render=True: 240 x
+        240 RGB frames offscreen (MuJoCo: evaluate.pick_gl), or Atari's 210 x 160 screen."""
         import gymnasium as gym
         if self.env_spec is None:
             raise DataError(f"'{self.dataset_id}' is synthetic data and has no environment to "
@@ -355,14 +352,11 @@ class OfflineData:
 
     def sample(self, batch_size, K, rng):
         """B windows of K steps ending at steps drawn uniformly over the dataset, left-padded at
-        an episode's start: each step is a window's newest equally often, and padding looks as in
-        an evaluation's first K-1 steps (kzl's gym window starts at a uniform step,
-        gym/experiment.py#L129). DT's Atari sampler (kzl atari/run_dt_atari.py#L52-L66, copied by
-        StARformer's and transformer-like DeMa's) draws the first step and shifts a window that
-        would cross its episode's end back to end there, so that window comes K times as often as
-        any other. With one window per step, an episode's steps lie here in K windows each, the last
-        K-1 in K-1, ..., 1; there the first K-1 in 1, ..., K-1, the last K in 2K-1, ..., K, the
-        others in K."""
+        an episode's start as in an evaluation's first K-1 steps: each step is a window's newest
+        equally often. kzl's gym window starts at a uniform step (gym/experiment.py#L129); DT's
+        Atari sampler (kzl atari/run_dt_atari.py#L52-L66, copied by StARformer and transformer-like
+        DeMa) draws the first step and moves a window that would cross its episode's end back to
+        end there, so that window comes K times as often as any other."""
         end = rng.integers(0, len(self.step_ep_start), size=batch_size)  # (B,)
         return gather_windows(self.flat, self.step_ep_start[end], end, K)
 
@@ -399,8 +393,8 @@ def delay_rewards(rewards):
 def gather_windows(flat, start, end, K, ring=0):
     """Windows of K rows ending at row `end`, padded before row `start` (the episode's first).
     flat: dict of arrays, rows first (Atari: `frames`, not `states`); start, end: (B,) ints. Rows
-    are dataset steps, or an env's history in evaluate.py, which keeps the recent past only: with
-    ring > 0, an episode's row r is stored at start + (r - start) % ring."""
+    are dataset steps, or with ring > 0 evaluate.py's recent history: an episode's row r stored at
+    start + (r - start) % ring."""
     def at(rows):  # row numbers -> where they are stored
         s = start.reshape(-1, *[1] * (rows.ndim - 1))
         return s + (rows - s) % ring if ring else rows
@@ -439,15 +433,15 @@ def gather_windows(flat, start, end, K, ring=0):
 
 def stack_frames(frames, start, rows, at=lambda r: r):
     """Atari's state at each of `rows`: its frame and the 3 before, oldest first, 0 before the
-    episode's first row (`start`, one per window) as kzl's env fills its frame buffer at reset
-    (atari/mingpt/trainer_atari.py#L247-L249): one rule for training and evaluation.
+    episode's first row (`start`) as kzl's env fills its frame buffer at reset
+    (atari/mingpt/trainer_atari.py#L247-L249), in training and evaluation alike.
     frames (N, 84, 84) uint8; rows (B, K) -> (B, K, 4, 84, 84)."""
     r = rows[..., None] - (FRAME_STACK - 1) + np.arange(FRAME_STACK)  # (B, K, 4) rows stacked
     inside = r >= start.reshape(-1, 1, 1)  # (B, K, 4) False before the episode
     return frames[at(np.where(inside, r, start.reshape(-1, 1, 1)))] * inside[..., None, None]
 
 # --------------------------------------------------------------------------------------------------
-# reading a Minari dataset (what load_data calls)
+# reading a Minari dataset
 
 
 def _open_minari(dataset_id, download):
@@ -455,7 +449,7 @@ def _open_minari(dataset_id, download):
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
 
-    # not here (minari's test): download it, or say how to get it (made/...: data.py make's)
+    # not here: download it, or say how to get it (made/...: data.py make's)
     if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):
         made = dataset_id.startswith("made/")
         if made or not download:
@@ -487,12 +481,12 @@ def _open_minari(dataset_id, download):
 
 
 def damaged(dataset_id, detail):
-    """The one sentence for a dataset there but unreadable, with how to get it again."""
+    """The DataError for a dataset there but unreadable, with how to get it again."""
     folder = dataset_folder(dataset_id)
     again = (f"get it again (`minari download {dataset_id}` if it came from Minari's servers, "
              f"else the data.py command that made it)")
 
-    # unless the metadata is missing or not a JSON object
+    # from its metadata, where readable
     with contextlib.suppress(OSError, ValueError, AttributeError):
         with open(os.path.join(folder, "data", "metadata.json")) as f:
             meta = json.load(f)
@@ -517,8 +511,8 @@ def dataset_folder(dataset_id):
 
 
 def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
-    """One Minari episode (T+1 observations for T actions) -> dict of arrays without the final
-    observation s_T; frames: Atari's uint8 frame transform (_atari_spaces)."""
+    """One Minari episode (T+1 observations, T actions) -> dict of arrays without s_T; frames:
+    Atari's uint8 frame transform (_atari_spaces)."""
     T = len(ep.actions)
     if T == 0:
         raise damaged(dataset_id, f"episode {ep.id} has no steps")
@@ -536,8 +530,8 @@ def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
                     actions=np.asarray(ep.actions).reshape(T), rewards=rewards,
                     terminated=terminated)
 
-    # Minari's maze collection runs on across goals, so an episode's first observation shows the
-    # previous episode's goal; evaluation never does: step 1's goal replaces it
+    # Minari's maze collection runs on across goals: an episode's first observation shows the
+    # previous episode's goal, which evaluation never does; step 1's goal replaces it
     if isinstance(obs, dict):
         obs = {k: np.asarray(v) for k, v in obs.items()}
         if fix_first_goal and len(obs["desired_goal"]) > 2:
@@ -549,7 +543,7 @@ def _episode_arrays(ep, keys, fix_first_goal, dataset_id, frames=None):
 
 
 def _check_finite(source, arrays, ep_start):
-    """Refuse NaN/inf in arrays (name -> a row per step); ep_start: the episodes' first rows."""
+    """A DataError at NaN/inf in arrays (name -> a row per step); ep_start: episodes' first rows."""
     for name, a in arrays.items():
         bad = ~np.isfinite(np.asarray(a, dtype=np.float64).reshape(len(a), -1)).all(axis=1)  # (N,)
         if bad.any():
@@ -562,7 +556,7 @@ def _check_finite(source, arrays, ep_start):
 
 
 def _atari_spaces(dataset_id, obs_space, action_space, spec):
-    """-> (number of actions, raw RGB frames?, frame transform) of Atari data, or one sentence."""
+    """-> (number of actions, raw RGB frames?, frame transform) of Atari data."""
     if not hasattr(action_space, "n"):
         raise DataError(f"dataset '{dataset_id}' is Atari data with a "
                         f"{type(action_space).__name__} action space; the models read Discrete "
@@ -588,22 +582,20 @@ def _atari_spaces(dataset_id, obs_space, action_space, spec):
 
 
 def atari_frame_wrappers(env):
-    """Raw 210x160 RGB screens -> 84x84 grayscale by gymnasium's wrappers (INTER_AREA), on the
-    eval env and on each dataset frame at load alike."""
+    """210x160 RGB screens -> 84x84 grayscale (INTER_AREA), for the eval env and data alike."""
     from gymnasium.wrappers import GrayscaleObservation, ResizeObservation
     return ResizeObservation(GrayscaleObservation(env), (84, 84))
 
 
 def make_atari_env(spec, render_mode=None):
-    """An Atari dataset's eval env: gymnasium.make on its spec (AtariPreprocessing if it says)."""
+    """gymnasium.make(spec) with ale-py's envs registered."""
     return _ale().make(spec, render_mode=render_mode)
 
 
 def atari_env_spec(game):
     """The Atari eval env as an EnvSpec: ALE/<Game>-v5 without sticky actions or ALE's frame skip,
-    to 108k frames, in gymnasium's AtariPreprocessing: 1-30 no-ops at reset; 4 frames a step, the
-    last 2 max-pooled, then 84x84 grayscale (INTER_AREA), as Dopamine made DQN-replay's frames (it
-    played with sticky actions and no no-ops); game over ends an episode."""
+    to game over or 108k frames, in gymnasium's AtariPreprocessing (how it departs from Dopamine's
+    and kzl's: evaluate.py's docstring)."""
     import difflib
     from gymnasium.envs.registration import WrapperSpec
     gym = _ale()
@@ -647,7 +639,7 @@ def _robotics():
 
 
 def _ale():
-    """-> gymnasium with ale-py's envs, registered quietly; one sentence without ale-py or cv2."""
+    """-> gymnasium with ale-py's envs registered quietly; a DataError without ale-py or cv2."""
     import gymnasium as gym
     try:
         import ale_py
@@ -661,7 +653,7 @@ def _ale():
     return gym
 
 # --------------------------------------------------------------------------------------------------
-# synthetic data (the model files' --bench)
+# memory and time in words; synthetic data (--bench)
 
 
 def available_memory():
@@ -690,13 +682,13 @@ def duration(seconds):
 
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0, env_id=None):
     """Random MuJoCo-like episodes evaluated in env_id (or none), returns scaled by 1e-3, the best
-    as target; the last goal_dim state entries are fixed in an episode, as a goal."""
+    as target; the last goal_dim state entries are constant in an episode, as a goal."""
     assert 0 <= goal_dim <= obs_dim
     rng = np.random.default_rng(seed)
     eps = []
     for _ in range(episodes):
         obs = rng.standard_normal((length, obs_dim)).astype(np.float32)  # (T, obs_dim)
-        obs[:, obs_dim - goal_dim:] = obs[0, obs_dim - goal_dim:]  # the goal part is constant
+        obs[:, obs_dim - goal_dim:] = obs[0, obs_dim - goal_dim:]
         eps.append(dict(observations=obs,
                         actions=rng.uniform(-1, 1, (length, act_dim)).astype(np.float32),
                         rewards=rng.uniform(0, 2, length).astype(np.float32), terminated=False))
@@ -713,8 +705,8 @@ def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_di
 
 
 def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
-    """Random frames, actions and rewards in Atari's layout for --bench; Breakout's eval env is
-    recorded (train() checks that ale-py can make it), never run."""
+    """Random Atari-shaped episodes; Breakout's eval env recorded (train() checks that ale-py can
+    make it), never run."""
     rng = np.random.default_rng(seed)
     eps = [dict(observations=rng.integers(0, 256, (length, 84, 84), dtype=np.uint8),
                 actions=rng.integers(0, n_actions, length),
@@ -733,13 +725,10 @@ def synthetic_like(name, length=200):
     return synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length, env_id="Hopper-v5")
 
 # ==================================================================================================
-# Dataset tools: below this line nothing is used by the model files or evaluate.py. The converters
-# (D4RL HDF5, DQN-replay), mix, make (datasets made offline), the atomic dataset writes and the
-# command line (python data.py ...).
+# Dataset tools: below this line nothing is used by the model files or evaluate.py.
 # ==================================================================================================
 
-# --------------------------------------------------------------------------------------------------
-# D4RL HDF5 -> local Minari dataset (python data.py convert-d4rl)
+# D4RL HDF5 -> local Minari dataset (convert-d4rl)
 
 D4RL_ROBOTS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5",
                "ant": "Ant-v5"}
@@ -747,12 +736,12 @@ D4RL_KEYS = ("observations", "actions", "rewards", "terminals", "timeouts")  # +
 
 
 def _read_d4rl(path):
-    """A D4RL MuJoCo HDF5 file -> dict of arrays of N rows (rewards, terminals, timeouts: (N,))."""
+    """A D4RL MuJoCo HDF5 file -> dict of arrays of N rows."""
     import h5py
     if not os.path.isfile(path):
         raise DataError(f"{path} is not a file")
 
-    # the arrays, each checked to be one
+    # the arrays
     try:
         with h5py.File(path, "r") as f:
             layout = (f"convert-d4rl reads D4RL's MuJoCo layout ({', '.join(D4RL_KEYS)}, "
@@ -785,7 +774,7 @@ def _read_d4rl(path):
 
 
 def _d4rl_env(path, dataset_id, env_id):
-    """The v5 env of the file's robot (from the file name or the dataset id), or --env."""
+    """--env, else the v5 env of the robot the file name or dataset id names."""
     if env_id is not None:
         return env_id
     words = set(re.split(r"[^a-z0-9]+", f"{os.path.basename(path)} {dataset_id}".lower()))
@@ -798,9 +787,8 @@ def _d4rl_env(path, dataset_id, env_id):
 
 
 def convert_d4rl(path, dataset_id, env_id=None):
-    """A D4RL MuJoCo HDF5 file -> the local Minari dataset `dataset_id`, with the robot's v5 env
-    and D4RL's reference returns. Episodes end at terminals | timeouts; rows after the last end
-    are a truncated episode. -> the number of episodes."""
+    """A D4RL MuJoCo HDF5 file -> the local Minari dataset `dataset_id` with the robot's v5 env
+    and D4RL's reference returns. -> the number of episodes."""
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
 
@@ -823,7 +811,7 @@ def convert_d4rl(path, dataset_id, env_id=None):
                            "env, so D4RL ant files are not supported)"
                            if env_id.startswith("Ant") else ""))
 
-    # episodes: from the row after an end (terminal or timeout) to the next
+    # episodes: from the row after an end (terminal or timeout) to the next; the rest truncated
     n = len(a["rewards"])
     ends = np.flatnonzero(a["terminals"] | a["timeouts"]) + 1  # (E,) the row after each episode
     trailing = len(ends) == 0 or ends[-1] < n
@@ -869,7 +857,7 @@ def convert_d4rl(path, dataset_id, env_id=None):
 
 
 # --------------------------------------------------------------------------------------------------
-# DQN-replay (Dopamine's replay-buffer checkpoints) -> local Minari dataset (convert-dqn-replay)
+# DQN-replay (Dopamine's replay buffers) -> local Minari dataset (convert-dqn-replay)
 #
 # A run folder (gs://atari-replay-datasets/dqn/<Game>/<run>/replay_logs) holds buffers N = 0..49
 # of 1M transitions, a gzipped np.save array per field, a row per transition t:
@@ -880,11 +868,9 @@ def convert_d4rl(path, dataset_id, env_id=None):
 #   add_count_ckpt.N.gz           (): transitions added so far (optional: it places the oldest row)
 # A buffer is circular, a window of one stream cut anywhere (mid-episode too), its oldest row
 # add_count % n (n - 1 in DQN-replay). Dopamine adds 3 blank transitions before an episode (zero
-# frame, action 0, reward 0: frame stack 4, minus 1), dropped here, and played with sticky actions
-# (p = 0.25), which the papers evaluate without (kzl atari/mingpt/trainer_atari.py#L231).
-# google/dopamine@00a5b32: dopamine/discrete_domains/run_experiment.py#L291 clips, #L293-L305
-# ends episodes; dopamine/replay_memory/circular_replay_buffer.py#L251-L255 adds blank rows;
-# dopamine/discrete_domains/atari_lib.py#L75 sticky actions.
+# frame, action 0, reward 0: frame stack 4, minus 1), dropped here. google/dopamine@00a5b32:
+# dopamine/discrete_domains/run_experiment.py#L291 clips, #L293-L305 ends episodes;
+# dopamine/replay_memory/circular_replay_buffer.py#L251-L255 adds blank rows.
 
 DQN_REPLAY_FIELDS = ("observation", "action", "reward", "terminal")
 DQN_REPLAY_MAX_ROWS = 10_000_000  # a header declaring more rows is refused (Dopamine's hold 1M)
@@ -893,9 +879,9 @@ DQN_BLANK_ROWS = 3
 
 @contextlib.contextmanager
 def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
-    """The gzipped np.save array at `path` -> (the file at its data, dtype, rows). Its header must
-    declare rows of `row_shape` (uint8 frames) of a kind in `kinds`, or one number (scalar): else
-    one sentence, before anything is allocated or unpickled."""
+    """The gzipped np.save array at `path` -> (the file at its data, dtype, rows). A header not
+    declaring rows of `row_shape` (uint8 frames) of a kind in `kinds`, or one number (scalar), is
+    a DataError before anything is allocated or unpickled."""
     import gzip
     import zlib
 
@@ -937,8 +923,8 @@ def _npy_open(path, row_shape=(), kinds="biuf", scalar=False):
 
 
 def _npy_fill(f, out, path, last=True):
-    """Fill `out` from the open array file f -> out. last: nothing may follow (and reading to the
-    end makes gzip check its CRC)."""
+    """Fill `out` from the open array file f -> out. last: nothing may follow (reading to the end
+    makes gzip check its CRC)."""
     import zlib
     try:
         got = f.readinto(memoryview(out).cast("B"))
@@ -959,7 +945,7 @@ def _npy_fill(f, out, path, last=True):
 
 
 def _npy_read(path, kinds, scalar=False):
-    """A whole gzipped (n,) array (1M rows: a few MB), or one number (scalar)."""
+    """A whole gzipped (n,) array (a few MB), or one number (scalar)."""
     with _npy_open(path, (), kinds, scalar) as (f, dtype, n):
         if n * dtype.itemsize > 1032 * os.path.getsize(path):  # (deflate: 1 byte -> 1032 at most)
             raise DataError(
@@ -993,7 +979,7 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
         raise DataError(
             f"buffer {number} in {folder} holds no rows (DQN-replay's hold 1M); download it again")
 
-    # the stream, oldest row first: add_count % n
+    # the stream, oldest row first
     count = os.path.join(folder, f"add_count_ckpt.{number}.gz")
     cursor = int(_npy_read(count, "iu", scalar=True)[0]) % n if os.path.isfile(count) else 0
     order = (np.arange(n) + cursor) % n  # (n,) stream position -> file row
@@ -1062,7 +1048,7 @@ def _dqn_replay_episodes(folder, number, n_actions, budget, counts):
 def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     """A DQN-replay run folder -> the local Minari dataset `dataset_id`: whole episodes of its last
     `buffers` buffers (default all), each in turn giving an equal share of the `steps` still
-    wanted, so that all are drawn on, not only the earliest, near-random play. Episode pieces cut
+    wanted, so that all are drawn on, not only the earliest (near-random play). Episode pieces cut
     by a buffer's edge (their timesteps and returns-to-go would be wrong) and blank rows are
     dropped. -> the number of episodes.
 
@@ -1102,7 +1088,7 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
               f"are used")
     chosen = numbers[-buffers:] if buffers else numbers
 
-    # memory for the frames held at most (--steps, or every row)
+    # memory for the frames
     rows = 0
     for path in (os.path.join(folder, f"$store$_observation_ckpt.{k}.gz") for k in chosen):
         if os.path.isfile(path):  # (a missing file is said below)
@@ -1169,14 +1155,13 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
 
 
 # --------------------------------------------------------------------------------------------------
-# several Minari datasets of one environment -> one local dataset (python data.py mix)
+# datasets of one environment -> one local dataset (mix)
 
 
 def mix(sources, dataset_id):
     """Every episode of each source in turn as the local dataset `dataset_id` (D4RL's
-    medium-expert). The sources share the env (the larger max_episode_steps is kept), spaces and
-    reference returns; the eval env is the first's; infos are not copied. -> the number of
-    episodes."""
+    medium-expert). The sources share env (the larger max_episode_steps kept), spaces and reference
+    returns; the eval env is the first's; infos are not copied. -> the number of episodes."""
     from minari.data_collector import EpisodeBuffer
 
     if files := [s for s in sources if os.path.isfile(s)]:
@@ -1232,9 +1217,9 @@ def mix(sources, dataset_id):
 
 
 # --------------------------------------------------------------------------------------------------
-# making a dataset offline (python data.py make NAME)
+# making a dataset offline (make NAME): PointMaze, Breakout, Hopper
 #
-# PointMaze, by the method of Minari's D4RL/pointmaze sets (d4rl-minari-dataset-generation, after
+# PointMaze by the method of Minari's D4RL/pointmaze sets (d4rl-minari-dataset-generation, after
 # D4RL's maze2d; make's help sums it up). Minari's eval env has one goal cell, and the ball goes on
 # at the goal until the horizon.
 
@@ -1248,8 +1233,8 @@ MAZE_REF_EPISODES = 100  # eval episodes for the reference returns (Minari's def
 
 
 def make(name, dataset_id=None, seed=0, steps=None):
-    """python data.py make NAME: the local Minari dataset `dataset_id` (default
-    made/<env>/<kind>-v0), made offline from `seed`. -> its folder."""
+    """The local Minari dataset `dataset_id` (default _made_id), made offline from `seed`. -> its
+    folder."""
     import difflib
     if name not in MAKE_NAMES:
         near = difflib.get_close_matches(name, MAKE_NAMES, n=1)
@@ -1286,8 +1271,8 @@ def make(name, dataset_id=None, seed=0, steps=None):
 
 
 def _check_make(env, steps):
-    """make's cost, before any work: a step's memory (its observation, action and 128 bytes of list
-    entries) and time (a random step of `env`) times `steps`; one sentence if it cannot fit."""
+    """make's cost before any work: `steps` times a step's memory (observation, action, 128 bytes
+    of list entries) and time (a random step of `env`); a DataError if it cannot fit."""
     import gymnasium as gym
     t0 = time.time()
     env.reset()
@@ -1311,8 +1296,8 @@ def _made_id(name):
 
 def maze_steps(maze_map, goal):
     """The planner: value iteration over the maze's cells (1 a wall), 1 per move up, down, left or
-    right: the shortest paths D4RL's and Minari's QIteration find. -> moves from each cell to goal
-    (row, col), inf where it cannot be reached."""
+    right, as D4RL's and Minari's QIteration. -> moves from each cell to goal (row, col), inf where
+    unreachable."""
     free = np.array([[cell != 1 for cell in row] for row in maze_map])  # (H, W) open cells
     steps = np.full(free.shape, np.inf)  # (H, W)
     steps[goal] = 0.0
@@ -1335,8 +1320,8 @@ def next_cell(steps, cell):
 
 def _waypoint_action(obs, maze, plans, kp=10.0, kd=1.0):
     """The expert: a PD controller (D4RL's pointmaze/waypoint_controller.py gains, p 10, d -1)
-    toward the centre of the next cell on the planner's path, or the goal once in its cell.
-    plans: maze_steps per goal cell. -> (2,) action."""
+    toward the centre of the next cell on the planner's path, or the goal in its cell. plans:
+    maze_steps per goal cell. -> (2,) action."""
     pos, vel, goal = obs["achieved_goal"], obs["observation"][2:], obs["desired_goal"]  # (2,) each
     cell, goal_cell = tuple(maze.cell_xy_to_rowcol(pos)), tuple(maze.cell_xy_to_rowcol(goal))
     if goal_cell not in plans:
@@ -1348,7 +1333,7 @@ def _waypoint_action(obs, maze, plans, kp=10.0, kd=1.0):
 
 def _maze_returns(spec, policy, episodes, seed):
     """policy(obs) in a fresh env of `spec` for `episodes` episodes, the first reset seeded (as
-    Minari's get_average_reference_score) -> (mean return, fraction that reached the goal)."""
+    Minari's get_average_reference_score) -> (mean return, fraction reaching the goal)."""
     import gymnasium as gym
     env = gym.make(spec)
     returns, reached = np.zeros(episodes), np.zeros(episodes, dtype=bool)
@@ -1367,8 +1352,7 @@ def _maze_returns(spec, policy, episodes, seed):
 
 
 def _make_pointmaze(name, seed, steps):
-    """Minari's PointMaze collection (above) -> (EpisodeBuffers, _write_dataset's keyword
-    arguments, the behaviour line)."""
+    """Minari's PointMaze collection -> (buffers, _write_dataset's kwargs, behaviour line)."""
     from minari.data_collector import EpisodeBuffer
 
     gym = _robotics()
@@ -1376,7 +1360,7 @@ def _make_pointmaze(name, seed, steps):
     env_id = f"PointMaze_{MAZE_ENVS[maze_name]}{'Dense' if name.endswith('-dense') else ''}-v3"
     steps = steps or MAZE_STEPS[maze_name]
 
-    # Minari's eval env, one goal cell; the collection env, a new goal at each goal reached
+    # Minari's eval env, one goal cell; the collection env, a new goal at each one reached
     horizon = gym.spec(env_id).max_episode_steps  # 300 / 600 / 800
     eval_map = [list(row) for row in gym.spec(env_id).kwargs["maze_map"]]
     eval_map[MAZE_EVAL_GOALS[maze_name][0]][MAZE_EVAL_GOALS[maze_name][1]] = "g"
@@ -1402,8 +1386,8 @@ def _make_pointmaze(name, seed, steps):
         obs, reward, _, _, info = env.step(actions[-1])
         rewards.append(float(reward))
 
-        # an episode ends within 0.45 of its goal (the env draws the next; the ball goes on), at
-        # the env's horizon, or at the last step
+        # an episode ends within 0.45 of its goal (the env draws the next, the ball goes on), at
+        # the horizon, or at the last step
         if info["success"] or len(actions) == horizon or t == steps - 1:
             obs_list.append(obs)  # s_T, also the next episode's s_0
             buffers.append(EpisodeBuffer(
@@ -1421,7 +1405,7 @@ def _make_pointmaze(name, seed, steps):
                                lambda obs: _waypoint_action(obs, maze, plans).astype(np.float32),
                                MAZE_REF_EPISODES, seed)
 
-    # the behaviour policy's score there, and the metadata
+    # the behaviour policy's score, the metadata
     score, reached = _maze_returns(eval_spec, noisy, MAZE_REF_EPISODES, seed)
     behaviour = (f"behaviour policy (the noisy controller), {MAZE_REF_EPISODES} eval episodes: "
                  f"return {score:.1f} (normalised "
@@ -1440,15 +1424,13 @@ def _make_pointmaze(name, seed, steps):
     return buffers, write_kwargs, behaviour
 
 
-# --------------------------------------------------------------------------------------------------
-# Breakout, made offline (python data.py make breakout-mixed)
+# Breakout, made offline (make breakout-mixed)
 #
-# Mixed-quality play, as a DQN agent's replay is, in the env the project evaluates in
-# (atari_env_spec: no sticky actions, unlike Dopamine's DQN-replay, p = 0.25). The controller reads
-# the ball and the paddle from the RAM (AtariARI's annotation, Anand et al. 2019; y grows downward,
-# 0 while no ball is in play) and follows where the ball is, not where it will land: a model
-# imitates best a player whose choice the frames show (RESULTS.md). Episode k plays at eps
-# BREAKOUT_EPS[k % 10]: any number of episodes spreads eps from 0 (the controller) to 1 (random).
+# Mixed-quality play, as a DQN agent's replay is, in the eval env (atari_env_spec). The controller
+# reads the ball and the paddle from the RAM (AtariARI's annotation, Anand et al. 2019; y grows
+# downward, 0 while no ball is in play) and follows where the ball is, not where it will land: a
+# model imitates best a player whose choice the frames show (RESULTS.md). Episodes take the eps of
+# BREAKOUT_EPS in turn, from 0 (the controller) to 1 (random).
 
 BREAKOUT_RAM = dict(ball_x=99, ball_y=101, paddle_x=72)
 BREAKOUT_PADDLE_MIDDLE = 10  # ball x - paddle x at its middle (the paddle returns it at -1..21)
@@ -1468,8 +1450,8 @@ def _breakout_action(ram):
 
 def _make_breakout(seed=0, steps=None):
     """BREAKOUT_EPISODES episodes (with `steps`: until that many steps, the last truncated) ->
-    (EpisodeBuffers, _write_dataset's keyword arguments, the behaviour line); the reset seeds (the
-    no-op starts) and random actions drawn from np.random.default_rng(seed)."""
+    (buffers, _write_dataset's kwargs, behaviour line); reset seeds (the no-op starts) and random
+    actions from default_rng(seed)."""
     from minari.data_collector import EpisodeBuffer
 
     spec = atari_env_spec("breakout")
@@ -1533,14 +1515,12 @@ def _make_breakout(seed=0, steps=None):
     return buffers, write_kwargs, behaviour
 
 
-# --------------------------------------------------------------------------------------------------
-# Hopper, made offline (python data.py make hopper-medium, hopper-medium-replay, hopper-expert)
+# Hopper, made offline (make hopper-*)
 #
 # D4RL's recipe with Augmented Random Search (Mania, Guy and Recht 2018) in place of SAC: ARS V2-t
 # trains a linear policy in Hopper-v5, the alive bonus (1 a step) off its training returns as the
 # paper does for Hopper (modestyachts/ARS@4c8e24e code/ars.py#L399), until its noise-free eval
-# return reaches the level's share of the way from D4RL's random to expert return, or the budget
-# ends (then the best policy evaluated). Departures from the paper:
+# return reaches the level or the budget ends (then the best policy). Departures from the paper:
 # 1. gymnasium's Hopper-v5, not gym 0.9's Hopper-v1 (MuJoCo 1.31): the same robot and reward.
 # 2. Actions clipped to the env's [-1, 1]: the simulator clamps them alike, the control cost not.
 # 3. A run below medium after HOPPER_RESTART iterations restarts from M = 0 with new directions:
@@ -1589,7 +1569,7 @@ def ars(rollout, shape, rng, alpha, nu, directions, top):
 
 def _make_hopper(name, seed, steps):
     """ARS to the level `name` names, then its noisy rollouts, or for medium-replay every rollout
-    ARS ran. -> (EpisodeBuffers, _write_dataset's keyword arguments, the behaviour line)."""
+    ARS ran. -> (buffers, _write_dataset's kwargs, behaviour line)."""
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
     level, (low, high), t0 = name.removeprefix("hopper-"), D4RL_REF_SCORES["Hopper"], time.time()
@@ -1652,14 +1632,13 @@ def _make_hopper(name, seed, steps):
 
 
 # --------------------------------------------------------------------------------------------------
-# writing a new dataset, all or nothing (convert-d4rl, convert-dqn-replay, mix, make)
+# writing a new dataset, all or nothing
 #
 # A dataset is written into a hidden folder of the datasets folder (Minari lists none), renamed into
 # place when whole: an interrupt (Ctrl-C, SIGTERM, kill -9) or a failed write leaves no partial
 # dataset where Minari looks. The writer locks the hidden folder; the next dataset command removes
-# any such folder no live process holds. A stop signal (main's _stop) waits while the folder is
-# made and from the write's end to the cleanup's end: before the rename it undoes the write, after
-# it it is only said.
+# any such folder no live process holds. A stop signal (_stop) waits while the folder is made and
+# from the write's end to the cleanup's end.
 
 PARTIAL_PREFIX = ".data.py-partial-"
 # signals caught; the dataset in place; signals held; HDF5 failed (it would crash at the exit)
@@ -1667,9 +1646,8 @@ STOP = dict(signals=[], in_place=False, hold=False, hdf5=False)
 
 
 def _new_dataset_folder(dataset_id):
-    """-> (the new dataset's folder, the datasets folder); one sentence if the id is malformed or
-    taken or a folder unwritable or on another filesystem. Each command calls it first, before any
-    work."""
+    """-> (the new dataset's folder, the datasets folder), checked before any work; a DataError if
+    the id is malformed or taken, or a folder unwritable or on another filesystem."""
     from minari.dataset.minari_dataset import parse_dataset_id
     from minari.storage.datasets_root_dir import get_dataset_path
     namespace = None
@@ -1711,8 +1689,7 @@ def _unwritable(root, e):
 
 
 def _clean_partial(root):
-    """Remove the partial datasets interrupted commands left in `root`, not one a live command
-    holds."""
+    """Remove the partial datasets in `root` that no live command holds."""
     import fcntl
     for name in sorted(os.listdir(root)):
         path, lock = os.path.join(root, name), os.path.join(root, name, "lock")
@@ -1752,8 +1729,8 @@ def _gzip_hdf5(path):
 
 
 def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
-    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing, with its
-    command line (`python data.py` + `command`) and extra_metadata in its metadata; callers pass
+    """minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs), all or nothing, with
+    `python data.py` + `command` and extra_metadata in its metadata; callers pass
     jpeg_encoding=False (Minari's default JPEG is lossy). -> its folder."""
     import fcntl
     import shlex
@@ -1829,7 +1806,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
 
 
 def info(name):
-    """python data.py info NAME: load a dataset, print its summary and the sampling rate."""
+    """Print a dataset's summary and sampling rate."""
     t0 = time.time()
     d = load_data(name)
     print(f"{d.dataset_id}: {len(d.episodes)} episodes, {len(d.flat['rewards'])} steps, obs "
@@ -1849,8 +1826,8 @@ class Stopped(BaseException):
 
 
 def _stop(signum, frame):
-    """Ctrl-C and SIGTERM in a command: noted in STOP (a finaliser swallows what it raises:
-    _write_dataset looks), left waiting while a write holds them, else acted on."""
+    """Ctrl-C and SIGTERM in a command: noted in STOP (_write_dataset looks: a finaliser swallows
+    what it raises), left waiting while a write holds them, else acted on."""
     STOP["signals"].append(signum)
     if STOP["hold"]:
         STOP["waiting"] = signum

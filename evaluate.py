@@ -2,21 +2,18 @@
 Rollouts and the run record: the only code besides data.py that the model files share.
 
     res = evaluate(act, d, episodes=10, target_return=3600, seed=0, context=20)
-
-evaluate() runs the episodes in parallel in the dataset's own gymnasium env. act(batch, live) gets
-the live envs' last `context` steps up to the current one, as data.OfflineData.sample gives them
-(the current action and reward 0), and their env indices (timesteps[:, -1] == 0: a fresh episode,
-where a recurrent model resets) -> (len(live), act_dim). Then --gif, --target-sweep (DT's Fig. 4),
-the run record (main() and train() call it; nothing here calls back) and `report`:
     python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure
 
-Atari's evaluation env (data.atari_env_spec): ALE without sticky actions, to game over or 108k
-frames, in gymnasium's AtariPreprocessing. Its frames are Dopamine's, which made DQN-replay: the
-last two of 4 max-pooled, then resized with INTER_AREA (Dopamine's atari_lib.py#L385, #L390); each
-reset adds 1-30 no-ops, gymnasium's default, which Dopamine does not do (#L282-L292): it used
-sticky actions (#L51, #L75), as did DQN-replay's data. The papers' evaluation (kzl's, also without
-sticky actions: trainer_atari.py#L231) departs: it resizes each frame with INTER_LINEAR (#L244),
-then max-pools (#L271-L283), after 0-29 no-ops (#L259-L263).
+Batched rollouts in the dataset's own gymnasium env, --gif, --target-sweep (DT's Fig. 4), the run
+record (main() and train() call it; nothing here calls back) and `report`.
+
+Atari's eval env (data.atari_env_spec): ALE without sticky actions, to game over or 108k frames,
+in gymnasium's AtariPreprocessing. Its frames are Dopamine's, which made DQN-replay: the last two
+of 4 max-pooled, then resized with INTER_AREA (Dopamine's atari_lib.py#L385, #L390); each reset
+adds 1-30 no-ops, gymnasium's default, which Dopamine does not do (#L282-L292): it used sticky
+actions (p = 0.25; #L51, #L75), as did DQN-replay's data. The papers' evaluation (kzl's, also
+without sticky actions: trainer_atari.py#L231) departs: it resizes each frame with INTER_LINEAR
+(#L244), then max-pools (#L271-L283), after 0-29 no-ops (#L259-L263).
   kzl (atari/mingpt/): https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
   Dopamine (dopamine/discrete_domains/): https://github.com/google/dopamine/tree/00a5b3208d0fc4390e0b27dbde774409894bd64c
 """
@@ -51,32 +48,33 @@ import data as data_lib
 from data import DataError, FlagParser, duration, gb, is_maze, resolve
 
 # --------------------------------------------------------------------------------------------------
-# rollouts: evaluate() (train() calls it every --eval-every steps), the contexts it keeps, and
-# the one-episode-at-a-time reference
+# rollouts
 
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True,
              render_every=0, greedy=False, until_goal=False):
     """`episodes` episodes in parallel (env i reset with seed + i), each to its end, prompted with
-    `target_return` (raw; None: rtg 0) -> per-episode arrays: returns, lengths, normalized; goal
-    tasks add success, steps_to_goal (the first info['success'], else the horizon), positions
-    ((length + 1, 2): x, y); seconds; render_every > 0 adds frames (step, return, RGB) of episode 0
-    at reset, every render_every steps and at its end (at most GIF_FRAMES); until_goal: an episode
-    also ends at its first success. Atari: act() gives logits, choose() the action (env i's draws
-    seeded seed + i).
+    `target_return` (raw; None: rtg 0). act(batch, live) gets the live envs' last `context` steps,
+    as data.OfflineData.sample gives them (the current action and reward 0), and their env indices
+    (timesteps[:, -1] == 0: a fresh episode, where a recurrent model resets) -> (len(live),
+    act_dim); on Atari logits, from which choose() draws (env i's draws seeded seed + i).
+    -> per-episode arrays: returns, lengths, normalized; goal tasks add success, steps_to_goal (the
+    first info['success'], else the horizon), positions ((length + 1, 2): x, y); seconds;
+    render_every > 0 adds frames (step, return, RGB) of episode 0 at reset, every render_every
+    steps and at its end (at most GIF_FRAMES). until_goal: episodes also end at their first success.
 
     The DT paper's Algorithm 1 (evaluation), for n envs at once (timesteps from 0):
         R, s, a, t, done = [target_return], [env.reset()], [], [0], False
         while not done:
-            action = DecisionTransformer(R, s, a, t)[-1]        # one act() call for all live envs
+            action = DecisionTransformer(R, s, a, t)[-1]  # one act() call for all live envs
             new_s, r, done, _ = env.step(action)
-            R = R + [R[-1] - r]                                            # RTG_{t+1} = RTG_t - r_t
+            R = R + [R[-1] - r]  # RTG_{t+1} = RTG_t - r_t
             s, a, t = s + [new_s], a + [action], t + [t[-1] + 1]
-            R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]            # the context: the last K steps
+            R, s, a, t = R[-K:], s[-K:], a[-K:], t[-K:]  # the context: the last K steps
     """
     n, H = episodes, d.horizon
 
-    # reset: s_0 and R_0 (the prompt, scaled) of each env (a list: a vector env would auto-reset)
+    # reset: s_0 and R_0 (the prompt, scaled); a list of envs, as a vector env would auto-reset
     envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
     samplers = [np.random.default_rng(seed + i) for i in range(n)]  # env i's draws (discrete)
     contexts = Contexts(d, n, context)
@@ -98,7 +96,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         if len(live) == 0:
             break
 
-        # one batched call: action = DecisionTransformer(R, s, a, t)[-1] of every live env
+        # Alg. 1's action of every live env, in one call
         batch = contexts.window(live, t)  # (L, K, ...) steps t-K+1 .. t
         with torch.no_grad():
             out = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))
@@ -111,17 +109,17 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
                 f"(target {target_return}); the run's weights or its return-to-go prompt are out "
                 f"of range")
 
-        # Atari: choose() from the logits; else the actions clipped to the action space
+        # Atari: choose() from the logits; else clipped to the action space
         actions = (np.array([choose(o, samplers[i], greedy) for o, i in zip(out, live)])
                    if d.discrete else
                    np.clip(out, envs[0].action_space.low, envs[0].action_space.high))
 
-        # each live env steps; its context gets a_t, r_t, then s_{t+1}, R_{t+1}
+        # each live env steps; its context gets a_t, r_t, s_{t+1}, R_{t+1}
         for j, i in enumerate(live):
             obs, r, terminated, truncated, info = envs[i].step(actions[j])
             returns[i] += r  # the env's own return, as reported
             done[i] = terminated or truncated or until_goal and info.get("success", False)
-            if d.delayed_reward:  # the model sees the rewards as its data had them: all at the end
+            if d.delayed_reward:  # as the data had them: all at the end
                 r = returns[i] if done[i] else 0.0
             # R_{t+1} = R_t - r_t (DT Sec. 3) with the game's raw reward, as kzl's does
             # (trainer_atari.py#L211), while DQN-replay's returns-to-go count rewards clipped to
@@ -129,7 +127,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
             R[i] -= r * d.return_scale
             contexts.append(i, t, actions[j], r, obs, R[i])
 
-            # the length, the mazes' measures, episode 0's frames for --gif
+            # the mazes' measures, episode 0's frames for --gif
             positions[i] += [_position(obs)] if d.goal_reaching else []
             lengths[i] = t + 1
             if info.get("success", False) and not success[i]:
@@ -151,9 +149,9 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
 
 
 class Contexts:
-    """The rolling contexts of n envs, as data.gather_windows reads them: env i keeps its last W
-    steps (the window, the step before it, on Atari the frames a state stacks) in a ring, rows
-    i*W + t % W, so a 27k-step Atari episode costs what a 1k-step MuJoCo one does."""
+    """The contexts of n envs, as data.gather_windows reads them: env i keeps its last W steps (the
+    window, the step before it, on Atari the frames a state stacks) in a ring, rows i*W + t % W, so
+    a 27k-step Atari episode costs what a 1k-step MuJoCo one does."""
 
     def __init__(self, d, n, K):
         atari = d.family == "atari"
@@ -164,7 +162,7 @@ class Contexts:
                          rewards=np.zeros(rows, np.float32), rtg=np.zeros(rows, np.float32),
                          timesteps=np.zeros(rows, np.int64))
 
-        # the states: on Atari single frames (uint8), which a state stacks
+        # the states: on Atari single uint8 frames
         self.flat[self.key] = (np.zeros((rows, *d.obs_shape[1:]), np.uint8) if atari else
                                np.zeros((rows, d.obs_dim), np.float32))
 
@@ -193,8 +191,8 @@ def _as_numpy(a):
 
 
 def choose(logits, rng, greedy):
-    """One env's action: a draw from the logits' softmax (float64, one rng draw), as kzl's
-    evaluation (utils.py#L52-L55, temperature 1), or the likeliest."""
+    """One env's action: a draw from the logits' softmax (float64, one rng draw) as kzl's
+    evaluation (utils.py#L52-L55, temperature 1), or greedy the likeliest."""
     if greedy:
         return int(np.argmax(logits))
     p = np.exp(logits.astype(np.float64) - logits.max())
@@ -226,13 +224,12 @@ def summarize(res):
 
 
 def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=False):
-    """The reference: the same, one episode at a time, the windows from plain lists. Slow: for
-    the tests and --bench-eval."""
+    """evaluate() one episode at a time, the windows from plain lists: the tests' reference."""
     n, H, K = episodes, d.horizon, context
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     success, steps_to_goal = np.zeros(n, dtype=bool), np.full(n, H, dtype=np.int64)
 
-    # the padding's values and each key's dtype, as data.OfflineData.sample's
+    # the padding and each key's dtype, as data.OfflineData.sample's
     atari = d.family == "atari"
     zero_a = 0 if d.discrete else np.zeros(d.act_dim, np.float32)
     zero_s = np.zeros(d.obs_shape, np.uint8) if atari else np.zeros(d.obs_dim, np.float32)
@@ -247,12 +244,12 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
         S, A, R, G = [d.observe(obs)], [], [], [(target_return or 0.0) * d.return_scale]
         positions.append([_position(obs)])
 
-        def state(u):  # an Atari state: frames u-3 .. u, zeros before the episode's first
+        def state(u):  # Atari: frames u-3 .. u, zeros before the episode's first
             return (np.stack([S[v] if v >= 0 else np.zeros_like(S[0]) for v in range(u - 3, u + 1)])
                     if atari else S[u])
 
         for t in range(H):
-            # the window: steps lo..t, left-padded to K; a_t and r_t are not known yet (0)
+            # the window: steps lo..t, left-padded to K; a_t and r_t not known yet (0)
             lo = max(0, t + 1 - K)
             pad = K - (t + 1 - lo)
 
@@ -294,7 +291,7 @@ def evaluate_sequential(act, d, episodes, target_return, seed, context, greedy=F
 
 
 def compare_with_sequential(act, d, episodes, target_return, seed, context):
-    """dt.py's --bench-eval: the batched and sequential times, and if the returns agree."""
+    """--bench-eval: the batched and sequential times, and if the returns agree."""
     rb = evaluate(act, d, episodes, target_return, seed, context, progress=False)
     t0 = time.time()
     rs = evaluate_sequential(act, d, episodes, target_return, seed, context)
@@ -305,21 +302,21 @@ def compare_with_sequential(act, d, episodes, target_return, seed, context):
           f"{np.allclose(rb['returns'], rs['returns'])}")
 
 # --------------------------------------------------------------------------------------------------
-# the --gif episode and the --target-sweep figure, from a finished run's checkpoint
+# analyses of a finished run: --gif, --target-sweep
 
-GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would otherwise fill memory)
+GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would fill memory)
 
 
 def analysis(*names):
     """Decorates an analysis writing `names` into its `out` (together: write_atomic): SIGTERM stops
-    it as Ctrl-C does, and a stop says if they were written (else any previous copies are kept)."""
+    it as Ctrl-C does, and a stop says if they were written."""
     return lambda fn: functools.wraps(fn)(lambda *args, **kwargs: _analyse(fn, names, args, kwargs))
 
 
 def _analyse(fn, names, args, kwargs):
     out = inspect.signature(fn).bind(*args, **kwargs).arguments["out"]
     paths = [os.path.join(out, name) for name in names]
-    before = [os.path.exists(p) and os.stat(p).st_ino for p in paths]  # (renamed in: new ones)
+    before = [os.path.exists(p) and os.stat(p).st_ino for p in paths]  # (renamed in: new inodes)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     try:
@@ -371,7 +368,7 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
                                  stroke_fill="black")
         images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
 
-    # at the game's speed: an env step's seconds of play (Atari) or simulated time
+    # at the env's speed: a step's seconds of play (Atari) or simulated time
     if atari:
         dt = data_lib.atari_frame_skip(d.env_spec) / 60
     else:
@@ -405,7 +402,6 @@ def pick_gl():
     if os.environ.get("MUJOCO_GL"):
         return os.environ["MUJOCO_GL"]
 
-    # else the first that works
     display = (sys.platform != "linux" or os.environ.get("DISPLAY")
                or os.environ.get("WAYLAND_DISPLAY"))
     for backend in (["glfw"] if display else []) + ["egl", "osmesa"]:
@@ -428,15 +424,14 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     """--target-sweep, the DT paper's Fig. 4: the policy at SWEEP_TARGETS targets from the data's
     lowest episode return to a quarter above its best, `episodes` episodes each (the same env seeds)
     -> target_sweep.csv and .png in `out`: the return got (mean +-1 std, mazes' success rate)
-    against the target, normalised where the data has reference returns. Where the data's episodes
-    end at a goal (PointMaze's) so do these: raw returns to the goal. DQN-replay's returns count
-    rewards clipped to +-1, the env's do not. -> [(target, evaluate()'s result)]"""
+    against the target, normalised where the data has reference returns. DQN-replay's returns
+    count rewards clipped to +-1, the env's do not. -> [(target, evaluate()'s result)]"""
     check_envs(d, episodes)
 
-    # the targets, raw returns, and the units of the figure
+    # the targets (raw returns) and the figure's units
     worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
     targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
-    # data whose episodes end at a goal (most end before the horizon): so do these, raw (the
+    # where the data's episodes end at a goal (PointMaze's) so do these: raw returns (the
     # reference returns are the horizon's)
     to_goal = d.goal_reaching and np.median([len(e["actions"]) for e in d.episodes]) < d.horizon
     if to_goal:
@@ -446,7 +441,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
     norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
 
-    # the checkpoint's step, for the title (memory-mapped: only the step is read)
+    # the checkpoint's step, for the title (memory-mapped: only it is read)
     step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True,
                           mmap=True)["step"])
     print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} (the "
@@ -469,7 +464,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
                          success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
                          episodes=episodes))
 
-    # the figure: the return got against the target, in the data's units
+    # the figure: the return got against the target
     plt = pyplot()
     x = norm(targets)  # (8,)
     y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
@@ -499,7 +494,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
            xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
     ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, "
                  f"checkpoint at step {step}", fontsize=9)
-    # the legend under the axes, off the lines; bbox_inches: kept whole
+    # the legend under the axes (bbox_inches: kept whole)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
 
     path = os.path.join(out, "target_sweep")  # .csv and .png, renamed into place together
@@ -511,8 +506,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     return results
 
 # --------------------------------------------------------------------------------------------------
-# the run record: main() calls parse_flags, check_flags and Run (--bench: bench_runs) inside
-# one_sentence_errors(); train() calls check_data, check_memory and run.start/log/save/finish
+# the run record
 
 RUN_FILES = ("config.json", "log.csv", "ckpt.pt")  # a folder holding one of these holds a run
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config",
@@ -527,9 +521,9 @@ FAMILIES = ("mazes", "atari")  # entries of a preset that apply to one family of
 
 
 def parse_flags(Config, presets, argv, prog, description):
-    """Config's fields as flags (--batch-size: batch_size), over --preset's settings -> (cfg, the
-    fields the command line or a named --preset set; not the paper's rows, presets[""], which a
-    model file's paper_settings may replace)."""
+    """Config's fields as flags (--batch-size: batch_size) over --preset's settings -> (cfg, the
+    fields the flags or a named --preset set; not the paper's rows, presets[""], which a model
+    file's paper_settings may replace)."""
     argv = None if argv is None else [str(a) for a in argv]
     p = FlagParser(prog=prog, description=description,
                    formatter_class=argparse.RawTextHelpFormatter)
@@ -548,7 +542,7 @@ def parse_flags(Config, presets, argv, prog, description):
     if given.get("preset", "") not in ("", *presets):
         p.error(f"unknown preset '{given['preset']}'; known: {', '.join(k for k in presets if k)}")
 
-    # the flags over the preset over the paper's rows; the preset's family settings, printed
+    # the flags over the preset over the paper's rows; the preset's family settings printed
     name, preset = given.get("dataset") or given.get("env") or Config.env, given.get("preset", "")
     chosen = {f.name: f.default for f in dataclasses.fields(Config)} | given
     values = {**preset_values(presets, preset, name, chosen), **given}
@@ -559,7 +553,7 @@ def parse_flags(Config, presets, argv, prog, description):
             f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
             for k, v in family.items()))
     if values.get("dataset"):
-        values["env"] = ""  # --dataset names the data; config.json must not record --env beside it
+        values["env"] = ""  # config.json must not record --env beside --dataset
 
     named = preset_values({k: v for k, v in presets.items() if k}, preset, name, chosen)
     return Config(**values), set(given) | set(named) | ({"env"} if values.get("dataset") else set())
@@ -581,8 +575,8 @@ def family_setting(presets, preset, dataset, chosen=None):
 
 
 def preset_values(presets, preset, dataset, chosen=None):
-    """The settings under the flags: the paper's for the family, the preset's own, the preset's for
-    the family; Config's defaults under them."""
+    """The settings under the flags, over Config's defaults: the paper's for the family, the
+    preset's own, the preset's for the family."""
     own = {k: v for k, v in presets.get(preset, {}).items() if k not in FAMILIES}
     return (family_setting(presets, "", dataset, chosen) | own
             | family_setting(presets, preset, dataset, chosen))
@@ -590,7 +584,7 @@ def preset_values(presets, preset, dataset, chosen=None):
 
 def check_flags(cfg, *one_of):
     """The checks every script shares, before any work: a DataError at the first bad value.
-    one_of: fields a command sets at most one of (--bench, the analyses)."""
+    one_of: fields of which a command sets one at most (--bench, the analyses)."""
     # each field alone
     for f in dataclasses.fields(cfg):
         v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
@@ -599,7 +593,6 @@ def check_flags(cfg, *one_of):
         if f.name.endswith("dropout") and not 0 <= v < 1:
             raise DataError(f"{flag} must lie in [0, 1), got {v}")
 
-        # sizes and counts > 0; lr and clip > 0; decay and warmup >= 0
         if f.name in ("steps", "batch_size", "context", "eval_every", "eval_episodes", "log_every",
                       "n_layer", "n_embd", "n_head") and v is not None and v <= 0:
             raise DataError(f"{flag} must be a positive whole number, got {v}")
@@ -629,7 +622,7 @@ def check_flags(cfg, *one_of):
         raise DataError(
             f"--device {cfg.device} is not available here (torch {torch.__version__} sees "
             f"{torch.cuda.device_count()} CUDA devices); use auto, cpu, cuda, cuda:N or mps")
-    resolve(cfg.dataset or cfg.env)  # an unknown --env: one sentence before any folder is made
+    resolve(cfg.dataset or cfg.env)  # an unknown --env: said before any folder is made
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise DataError(f"--out {cfg.out} is a file, not a folder")
 
@@ -644,8 +637,8 @@ def rss():
 
 
 def check_envs(d, episodes):
-    """evaluate()'s `episodes` envs at once, before any work: one sentence if they cannot fit in the
-    memory free (an env's: the third's, the first two load what all share)."""
+    """Before any work: a DataError if evaluate()'s `episodes` envs cannot fit in the memory free
+    (an env's: the third's, the first two load what all share)."""
     if d.env_spec is None:  # (synthetic data)
         return
     envs, before = [d.make_env(), d.make_env()], rss()
@@ -668,8 +661,8 @@ def pick_device(name):
 
 
 def check_data(cfg, d, atari=False):
-    """Settings that mean nothing for this data or cannot fit, before the run folder is touched.
-    atari: the model file reads Atari data."""
+    """A DataError, before the run folder is touched, at settings that mean nothing for this data
+    or cannot fit. atari: the model file reads Atari data."""
     if d.family == "atari" and not atari:
         raise DataError(
             f"{d.dataset_id} is Atari data (image states, discrete actions), which this model file "
@@ -690,7 +683,7 @@ def check_data(cfg, d, atari=False):
             f"{d.dataset_id} ({top:.4g}), far outside what the model saw; give a target near the "
             f"data's")
 
-    # the evaluation's envs (Atari's too: ale-py and OpenCV there, said now, not at an evaluation)
+    # the evaluation's envs (on Atari: ale-py and OpenCV, said now, not at an evaluation)
     check_envs(d, cfg.eval_episodes)
 
 
@@ -702,13 +695,12 @@ def free_memory(device):
 
 
 def check_memory(model, loss, template, batch_size, device):
-    """A training step's bytes, counted on the meta device before anything is allocated (`loss` on
-    `batch_size` rows shaped like `template`): the parameters 4 times (gradients, AdamW), what
-    autograd keeps, the batch. A DataError if the device has less free."""
+    """A training step's bytes (`loss` on `batch_size` rows shaped like `template`), counted on the
+    meta device before anything is allocated; a DataError if the device has less free."""
     batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype, device="meta")
              for k, v in template.items()}
 
-    # the forward on the meta device: what autograd keeps (a parameter counts once, in params)
+    # what autograd keeps (a parameter counts once, in params)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(
             lambda t: kept.append(
@@ -716,7 +708,7 @@ def check_memory(model, loss, template, batch_size, device):
             lambda t: t):
         loss(batch)
 
-    # the parameters 4 times (gradients, AdamW's moments), the batch twice (host and device)
+    # the parameters 4 times (gradients, AdamW's moments), the batch twice (host, device)
     params = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1)
                  for p in model.parameters())
     need = params + sum(kept) + 2 * sum(v.numel() * v.element_size() for v in batch.values())
@@ -730,7 +722,7 @@ def check_memory(model, loss, template, batch_size, device):
 
 def variant_name(cfg, presets):
     """The run folder's variant: the preset, then each flag that changes what is trained and
-    differs from its default or preset: 'default', 'cpu_context5', ..."""
+    differs from its default or preset ('default', 'cpu_context5', ...)."""
     base = ({f.name: f.default for f in dataclasses.fields(cfg)}
             | preset_values(presets, cfg.preset, cfg.dataset or cfg.env, dataclasses.asdict(cfg)))
 
@@ -751,7 +743,7 @@ def run_folder(script, cfg, presets):
 def read_checkpoint(path, script):
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, empty file...: torch raises several
+    except Exception as e:  # truncated zip, foreign pickle, empty file, ...
         raise DataError(f"{path} cannot be read as a checkpoint ({type(e).__name__}; truncated, or "
                         f"not a torch file); move it away or pass another --out") from None
 
@@ -763,8 +755,8 @@ def read_checkpoint(path, script):
 
 def load_run(script, cfg, given, presets):
     """cfg's run, read only (--resume, the analyses) -> (its settings under the flags given, its
-    checkpoint). Refused: a given flag that changes what is trained, the data or the seed, or that
-    shortens the run."""
+    checkpoint); a DataError at a flag given that changes what is trained, the data or the seed,
+    or that shortens the run."""
     path = os.path.join(run_folder(script, cfg, presets), "ckpt.pt")
     if not os.path.exists(path):
         raise DataError(f"no checkpoint at {path}; train the run first, or pass --out <run folder>")
@@ -778,7 +770,7 @@ def load_run(script, cfg, given, presets):
               if (not names[k].metadata["run"] or k == "seed") and k != "preset"
               and getattr(cfg, k) != saved[k]]
 
-    # and the data, where --env or --dataset is given
+    # the data, where --env or --dataset is given
     if given & {"env", "dataset"} and resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
         differ.append(f"dataset {ck['dataset_id']} there, {resolve(cfg.dataset or cfg.env)} here")
     if differ:
@@ -793,13 +785,13 @@ def load_run(script, cfg, given, presets):
 
 
 def lock_folder(out):
-    """Hold <out>/.lock for this process's life (the OS frees it at its end, even kill -9)."""
+    """Hold <out>/.lock for this process's life (the OS frees it, even at kill -9)."""
     try:
         f = open(os.path.join(out, ".lock"), "a+")
     except OSError as e:
         raise DataError(f"cannot write to the output folder {out} ({e.strerror})") from None
 
-    # the lock, or one sentence naming the process that holds it
+    # the lock, or a DataError naming its holder
     try:
         if os.name == "nt":
             import msvcrt
@@ -821,7 +813,7 @@ def lock_folder(out):
 
 
 def refuse_occupied(out, script):
-    """A run starts in a new or empty folder only; one holding a run needs --resume."""
+    """A DataError unless `out` is new or empty (a run there needs --resume)."""
     files = sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []
     if set(files) & set(RUN_FILES):
         owner = script if {"ckpt.pt", "log.csv"} & set(files) else None
@@ -829,7 +821,7 @@ def refuse_occupied(out, script):
                 os.path.join(out, "config.json")) as f:
             owner = json.load(f).get("script", owner)
 
-        # a run of this script: --resume, unless it was killed before its first checkpoint
+        # a run of this script: --resume, unless killed before its first checkpoint
         if owner == script and "ckpt.pt" not in files:
             raise DataError(
                 f"{out} holds a run that stopped before its first checkpoint (no ckpt.pt), so it "
@@ -877,7 +869,7 @@ def write_atomic(path, write, *more):
         if not isinstance(e, (OSError, RuntimeError)):  # torch.save's failed write: a RuntimeError
             raise
 
-        # the reason: a full disk, else the OS's or torch's words (without its C++ location)
+        # the reason: a full disk, else the OS's or torch's words (less its C++ location)
         previous = os.path.getsize(path) if os.path.exists(path) else 0
         if (getattr(e, "errno", None) == errno.ENOSPC
                 or shutil.disk_usage(folder).free <= max(partial, previous)):
@@ -896,13 +888,13 @@ def write_csv(path, fields, rows):
 
 
 def save_figure(fig, path, **savefig):
-    """fig.savefig(path, **savefig) through write_atomic (the analyses' figures)."""
+    """fig.savefig(path, **savefig) through write_atomic."""
     write_atomic(path, lambda tmp: fig.savefig(tmp, format=path.rsplit(".", 1)[-1], **savefig))
 
 
 class StopSignal:
     """Ctrl-C or SIGTERM in training: the step (and evaluation) ends, the run saves, exit() exits
-    128 + the signal. A second signal quits at once, the last checkpoint kept."""
+    128 + the signal; a second signal quits at once."""
 
     def __enter__(self):
         self.signum, self.previous = 0, {}
@@ -930,16 +922,16 @@ class StopSignal:
 
 class Run:
     """A run's folder (runs/<script>/<env>/<variant>/seed<N>/, or --out): config.json, log.csv (a
-    row per log step and per evaluated target), ckpt.pt (all an exact resume needs), curve.png.
-    Run(...) writes nothing: it names the folder, refuses what must not happen there and with
-    --resume takes the run's settings from its checkpoint (self.cfg)."""
+    row per log step and per evaluated target), ckpt.pt, curve.png. Run(...) writes nothing: it
+    names the folder, refuses what must not happen there and with --resume takes the run's
+    settings from its checkpoint (self.cfg)."""
 
     def __init__(self, script, cfg, given, presets, columns=()):
         self.script, self.ck, self.lock, self.made = script, None, None, False
         self.fields = ["step", "loss", "lr", *columns, *EVAL_FIELDS]
         self.out = out = run_folder(script, cfg, presets)
         if os.path.exists(os.path.join(out, ".lock")):
-            lock_folder(out).close()  # a folder another process is using: that first
+            lock_folder(out).close()  # another process using it: said first
 
         # --resume: a folder with a checkpoint, read under the lock; else one that holds nothing
         if cfg.resume and not os.path.exists(os.path.join(out, "ckpt.pt")):
@@ -968,12 +960,12 @@ class Run:
     def __exit__(self, *exc):
         if self.lock is not None:
             self.lock.close()
-            if self.made and os.listdir(self.out) == [".lock"]:  # new, and never got a log line
+            if self.made and os.listdir(self.out) == [".lock"]:  # new, and never logged
                 shutil.rmtree(self.out, ignore_errors=True)
 
     def start(self, cfg, model, opt, sched, rng, d, info, need):
-        """Make and lock a new run's folder (checked again under the lock), or restore the resumed
-        run's model, optimiser, schedule, RNGs, log rows and pending losses. -> its step."""
+        """Make and lock a new run's folder (checked again under the lock), or restore a resumed
+        run's state. -> its step."""
         self.cfg, self.d, self.info, self.model = cfg, d, info, model
         self.device = next(model.parameters()).device
         if self.lock is None:
@@ -999,7 +991,7 @@ class Run:
             step, self.wall0, self.rows = ck["step"], ck["wall_time"], list(ck["rows"])
             self.pending = [torch.tensor(v) for v in ck["pending_losses"]]  # float32, as saved
 
-            # the RNGs: the next windows and dropout masks as if the run had never stopped
+            # the RNGs: the next windows and dropout masks as if it had never stopped
             rng.bit_generator.state = json.loads(ck["numpy_rng"])
             torch.set_rng_state(ck["torch_rng"])
             if ck.get("cuda_rng") is not None and self.device.type == "cuda":
@@ -1021,10 +1013,10 @@ class Run:
         return self.wall0 + time.time() - self.t_start
 
     def length(self, step):
-        """One line: the rest of the run's time, from the measured step and evaluation."""
+        """Print the rest of the run's time, from the measured step and evaluation."""
         cfg, timed = self.cfg, self.eval_s is not None
 
-        # the steps left at the measured time, and the evaluations left
+        # the steps and evaluations left
         evals = (cfg.steps // cfg.eval_every - step // cfg.eval_every
                  + bool(cfg.steps % cfg.eval_every))
         train = (cfg.steps - step) * self.step_s
@@ -1060,17 +1052,15 @@ class Run:
             self.step_s = (time.time() - self.t_probe) / PROBE_STEPS
             self.length(step)
 
-        # the rest only at a log step and at the last
         if step % self.cfg.log_every and step != self.cfg.steps:
             return
 
-        # the log row: the losses' mean
+        # the log row
         mean = float(np.mean(self.finite_losses(step)))
         self.add_row(step=step, loss=f"{mean:.6f}", lr=f"{lr:.3e}", wall_time=f"{self.wall():.1f}",
                      **extra)
 
-        # the line, with the last evaluation's first target, its score named (on Atari 100 is a
-        # gamer's return, not points)
+        # the line, with the last evaluation's first target (on Atari 100 is a gamer's return)
         evals, last = [r for r in self.rows if r["eval_return"] != ""], ""
         if evals:
             e = next(r for r in evals if r["step"] == evals[-1]["step"])
@@ -1085,7 +1075,7 @@ class Run:
         self.write_log()
 
     def finite_losses(self, step):
-        """The losses since the last log line (one device sync); a DataError at a non-finite one."""
+        """The losses since the last log line (one sync); a DataError at a non-finite one."""
         values = torch.stack(self.pending).float().tolist() if self.pending else []
         if bad := [i for i, v in enumerate(values) if not math.isfinite(v)]:
             raise DataError(
@@ -1107,9 +1097,8 @@ class Run:
                      lambda tmp: write_csv(tmp, self.fields, self.rows))
 
     def save(self, step, model, opt, sched, rng, results=()):
-        """After an evaluation (results: [(target, evaluate()'s dict)], a row each) or a stop:
-        log.csv, then ckpt.pt, each atomic; curve.png."""
-        # a log row and a line per target
+        """After an evaluation (results: [(target, evaluate()'s dict)]) or a stop: a log row and
+        line per target, log.csv, then ckpt.pt, each atomic; curve.png."""
         for g, res in results:
             self.add_row(step=step, target="" if g is None else f"{g:g}",
                          wall_time=f"{self.wall():.1f}",
@@ -1150,7 +1139,7 @@ class Run:
                        "a gamer" if d.family == "atari" else "expert",
                        f"{self.script} {self.variant} {d.dataset_id} seed {self.cfg.seed}")
 
-        # the next log interval starts now, the evaluation's time not in its ms/step
+        # the next log interval starts now: the evaluation's time is not in its ms/step
         self.t_log, self.n_log = time.time(), 0
 
     def finish(self, results):
@@ -1185,8 +1174,8 @@ def pyplot():
 
 
 def plot_curve(rows, path, hundred, title):
-    """curve.png: the loss, and per target the normalised score (else the return); goal-reaching
-    data adds success rate and steps to the goal."""
+    """curve.png: the loss, and per target the normalised score (else the return), success rate
+    and steps to the goal."""
     plt = pyplot()
     evals = [r for r in rows if r["eval_return"] != ""]
     scored = any(r["normalized_score"] != "" for r in evals)
@@ -1213,7 +1202,7 @@ def plot_curve(rows, path, hundred, title):
             ax.text(0.5, 0.5, "no logged loss yet", ha="center", va="center",
                     transform=ax.transAxes, color="gray")
 
-        # the axes: the loss log-scaled
+        # the loss log-scaled
         ax.set(xlabel="gradient step", ylabel=name,
                yscale="log" if col == "loss" and ax.lines else "linear")
         ax.set_title(name + (f"\n({note})" if note else ""), fontsize=9)
@@ -1227,9 +1216,8 @@ def plot_curve(rows, path, hundred, title):
 
 
 def bench_runs(script, cfg, given, presets, tokens, columns=()):
-    """--bench: a short real run per mode (eager, compiled, on CUDA compiled with bf16 autocast) in
-    a temporary folder -> (its settings, its Run) to train(); the Run times PROBE_STEPS steps after
-    the first, and a line per mode is printed here."""
+    """--bench: yields a short real run per mode (eager, compiled, on CUDA compiled with bf16
+    autocast) in a temporary folder, (its settings, its Run), to train(); a line per mode here."""
     device, eager_ms = pick_device(cfg.device), None
     print(f"bench {script} {variant_name(cfg, presets)} on {device} (torch {torch.__version__}): "
           f"batch {cfg.batch_size}, K={cfg.context}, {tokens:,} tokens per batch, {PROBE_STEPS} "
@@ -1243,14 +1231,14 @@ def bench_runs(script, cfg, given, presets, tokens, columns=()):
                                     eval_episodes=1, resume=False,
                                     out=os.path.join(tmp, label.replace(" + ", "_")))
 
-            # the peak memory counted from here; the run's own lines (data, length, eval) silenced
+            # the peak memory counted from here; the run's own lines silenced
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             quiet = contextlib.redirect_stdout(io.StringIO())
             with Run(script, c, given, presets, columns) as run, quiet:
                 yield c, run
 
-            # its line: the run's step time; the peak memory (DeMa's Table 7 "GPU memory usage")
+            # its line; the peak memory (DeMa's Table 7 "GPU memory usage")
             ms = 1e3 * run.step_s
             eager_ms = eager_ms or ms
             first = run.t_probe - run.t_start
@@ -1266,15 +1254,15 @@ def bench_runs(script, cfg, given, presets, tokens, columns=()):
 
 @contextlib.contextmanager
 def one_sentence_errors():
-    """main()'s frame: what a user can fix (a DataError, memory the device lacks) is one sentence on
-    stderr and exit 1; a second Ctrl-C exits 130."""
+    """main()'s frame: what a user can fix is one sentence on stderr and exit 1; a second Ctrl-C
+    exits 130."""
     try:
         yield
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
 
-    # out of memory, in torch's words or the OS's: how much was asked for
+    # out of memory (torch's words or the OS's): how much was asked for
     except (MemoryError, RuntimeError) as e:
         words = str(e).lower()
         if not (isinstance(e, MemoryError)
@@ -1301,8 +1289,7 @@ def one_sentence_errors():
         raise SystemExit(130)
 
 # --------------------------------------------------------------------------------------------------
-# report: a run is any folder under RUNS_DIR with Run's config.json and log.csv, grouped by
-# (dataset_id, script, variant) whatever the folder names
+# report
 
 
 def _number(v):
@@ -1318,14 +1305,14 @@ def _number(v):
 def read_run(folder):
     """-> dict(folder, key=(dataset_id, script, variant), steps, seed, status, evals, last, best):
     evals, the headline target's (log.csv's first) evaluations; last, the final one; best, the best
-    score (None if one is missing); status, None if finished, else why it is not averaged."""
+    score (None if one is missing); status, None if finished, else why it is left out."""
     run = dict(folder=folder, key=None, steps=None, evals=[], status=None, seed=None)
     if missing := [f for f in ("config.json", "log.csv")
                    if not os.path.exists(os.path.join(folder, f))]:
         return run | dict(status=f"no {' or '.join(missing)} (not a run's folder, or one whose "
                                  f"files were moved)")
 
-    # config.json and log.csv (ValueError: bad JSON, undecodable bytes)
+    # config.json and log.csv (ValueError: bad JSON or bytes)
     try:
         with open(os.path.join(folder, "config.json")) as f:
             cfg = json.load(f)
@@ -1345,7 +1332,7 @@ def read_run(folder):
     parsed = []
     for line, r in enumerate(rows[1:], start=2):
         if len(r) != len(header):
-            continue  # a half-written last line (a killed process): skipped
+            continue  # a killed process's half-written last line
         row, cells = dict(zip(header, r)), {}
         for k in ("step", "normalized_score", "eval_return", "success_rate", "steps_to_goal"):
             try:
@@ -1355,7 +1342,7 @@ def read_run(folder):
                                          f"a finite number)")
         parsed.append(cells | dict(target=row["target"], greedy=row.get("greedy", "")))
 
-    # the evaluations (rows with a return; the score is empty without reference returns)
+    # the evaluations (rows with a return; no score without reference returns)
     evals = [r for r in parsed if r["normalized_score"] is not None or r["eval_return"] is not None]
     if not evals:
         return run | dict(status="no evaluation yet")
@@ -1365,7 +1352,7 @@ def read_run(folder):
     scores = [e["normalized_score"] for e in run["evals"]]
     run.update(last=max(run["evals"], key=lambda e: e["step"]),
                best=None if None in scores else max(scores))
-    if run["last"]["greedy"] == "1":  # Atari's argmax (--greedy): apart from sampling's
+    if run["last"]["greedy"] == "1":  # Atari's argmax (--greedy): grouped apart
         run["key"] = (*run["key"][:2], run["key"][2] + " (greedy)")
 
     # a run short of its --steps: in progress
@@ -1381,7 +1368,7 @@ def read_run(folder):
 
 
 def _mean_std(values, scale=1.0):
-    """'mean ± std' over seeds (ddof=0: 0.0 with one seed); '-' if one is missing."""
+    """'mean ± std' (ddof=0) over seeds; '-' if one is missing."""
     if any(v is None for v in values):
         return "-"
     v = scale * np.asarray(values, dtype=np.float64)
@@ -1389,19 +1376,20 @@ def _mean_std(values, scale=1.0):
 
 
 def report(runs_dir="runs"):
-    """The markdown table over the seeds of every run under runs_dir, printed and written to
-    report.md, with report.png there. -> the table's text."""
+    """The markdown table over the seeds of every run (a folder with config.json and log.csv)
+    under runs_dir, grouped by (dataset_id, script, variant) whatever the folder names, printed and
+    written to report.md, with report.png there. -> the table's text."""
     if not os.path.isdir(runs_dir):
         raise DataError(
             f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
 
-    # each folder under runs_dir (itself too) with a run's file; read_run: why one is left out
+    # each folder under runs_dir (itself too) with a run's file
     runs = [read_run(root) for root, _, files in sorted(os.walk(runs_dir))
             if set(RUN_FILES) & set(files)]
     if not runs:
         raise DataError(f"{runs_dir} holds no run folder (a folder with config.json and log.csv)")
 
-    # the finished runs by (dataset_id, script, variant); a copy of a run: one seed counts once
+    # the finished runs by key; a copy of a run: one seed counts once
     groups = defaultdict(list)
     for r in runs:
         if r["status"] is None:
@@ -1452,7 +1440,7 @@ def report(runs_dir="runs"):
         lines += ["", "Not in the table:"]
         lines += [f"- {os.path.relpath(r['folder'], runs_dir)}: {r['status']}" for r in left_out]
 
-    # printed first: a folder that cannot be written still gives the table
+    # printed first: an unwritable folder still gives the table
     text = "\n".join(lines)
     print(text, flush=True)
     try:
@@ -1476,7 +1464,7 @@ def plot_report(groups, path):
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, (3.6 + 0.2 * most) * rows),
                              squeeze=False)
 
-    # per group, the mean over seeds in a band from their min to their max
+    # per group, the mean over seeds in a band from min to max
     for ax, dataset in zip(axes.flat, datasets):
         for key in sorted(k for k in groups if k[0] == dataset):
             by_step = defaultdict(list)
@@ -1492,7 +1480,7 @@ def plot_report(groups, path):
             ax.fill_between(steps, [min(by_step[s]) for s in steps],
                             [max(by_step[s]) for s in steps], color=line.get_color(), alpha=0.2)
         ax.set(title=dataset, xlabel="step", ylabel="normalised score")
-        # the legend under the axes, off the curves
+        # the legend under the axes
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
 
     for ax in axes.flat[len(datasets):]:
@@ -1503,7 +1491,7 @@ def plot_report(groups, path):
     plt.close(fig)
 
 # --------------------------------------------------------------------------------------------------
-# the command line: python evaluate.py report [RUNS_DIR]
+# the command line
 
 
 def main(argv=None):

@@ -92,11 +92,11 @@ ATARI_GAMER_SCORES = {"Breakout": (1.7, 30.5), "Qbert": (163.9, 13455.0), "Pong"
                       "Seaquest": (68.4, 42054.7), "Asterix": (210.0, 8503.0),
                       "Frostbite": (65.0, 4335.0), "Assault": (222.0, 742.0),
                       "Gopher": (258.0, 2412.0)}
-FRAME_STACK = 4  # frames in an Atari state (DQN's and every paper's here)
+FRAME_STACK = 4  # frames in an Atari state (DQN's, every paper's)
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with the project's rule for bad input: one sentence on stderr and exit 1."""
+    """argparse whose bad input is one sentence on stderr and exit 1."""
 
     def error(self, message):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
@@ -104,7 +104,7 @@ class FlagParser(argparse.ArgumentParser):
 
 
 class DataError(Exception):
-    """A problem the user can fix (unknown name, no data); main() prints it as one sentence."""
+    """A problem the user can fix; main() prints it as one sentence."""
 
 
 def resolve(name):
@@ -287,7 +287,7 @@ class OfflineData:
         self.act_dim = self.n_actions if self.discrete else actions.shape[1]
         self.horizon = self.horizon or self.max_ep_len
 
-        # flat arrays, a row per dataset step: a batch is a few fancy-indexed slices of them
+        # flat arrays, a row per dataset step, which a batch fancy-indexes
         rtg = np.concatenate([returns_to_go(e["rewards"]) for e in eps]).astype(np.float32)
         self.flat = dict(
             **states,                   # (N, obs_dim), or frames (N, 84, 84)
@@ -392,9 +392,8 @@ def delay_rewards(rewards):
 
 def gather_windows(flat, start, end, K, ring=0):
     """Windows of K rows ending at row `end`, padded before row `start` (the episode's first).
-    flat: dict of arrays, rows first (Atari: `frames`, not `states`); start, end: (B,) ints. Rows
-    are dataset steps, or with ring > 0 evaluate.py's recent history: an episode's row r stored at
-    start + (r - start) % ring."""
+    flat: dict of arrays, rows first (Atari: `frames`, not `states`); start, end: (B,) ints.
+    Rows: dataset steps, or (ring > 0) evaluate's Contexts, row r at start + (r - start) % ring."""
     def at(rows):  # row numbers -> where they are stored
         s = start.reshape(-1, *[1] * (rows.ndim - 1))
         return s + (rows - s) % ring if ring else rows
@@ -445,7 +444,7 @@ def stack_frames(frames, start, rows, at=lambda r: r):
 
 
 def _open_minari(dataset_id, download):
-    """-> (MinariDataset, its metadata, its episodes), downloaded if allowed, or one sentence."""
+    """-> (MinariDataset, its metadata, its episodes), downloaded if allowed."""
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
 
@@ -681,8 +680,8 @@ def duration(seconds):
 
 
 def synthetic_data(obs_dim=11, act_dim=3, episodes=8, length=50, seed=0, goal_dim=0, env_id=None):
-    """Random MuJoCo-like episodes evaluated in env_id (or none), returns scaled by 1e-3, the best
-    as target; the last goal_dim state entries are constant in an episode, as a goal."""
+    """Random MuJoCo-like episodes (eval env env_id or none), returns scaled by 1e-3, the best as
+    target; the last goal_dim state entries, constant in an episode, as a goal."""
     assert 0 <= goal_dim <= obs_dim
     rng = np.random.default_rng(seed)
     eps = []
@@ -719,7 +718,7 @@ def synthetic_atari(n_actions=4, episodes=16, length=200, seed=0):
 
 
 def synthetic_like(name, length=200):
-    """--bench's data: random episodes of hopper's shapes in Hopper-v5, or Atari's (Breakout)."""
+    """--bench's data: random episodes shaped as hopper's (Hopper-v5) or Atari's (Breakout)."""
     if is_atari(name):
         return synthetic_atari(length=length)
     return synthetic_data(obs_dim=11, act_dim=3, episodes=16, length=length, env_id="Hopper-v5")
@@ -860,12 +859,10 @@ def convert_d4rl(path, dataset_id, env_id=None):
 # DQN-replay (Dopamine's replay buffers) -> local Minari dataset (convert-dqn-replay)
 #
 # A run folder (gs://atari-replay-datasets/dqn/<Game>/<run>/replay_logs) holds buffers N = 0..49
-# of 1M transitions, a gzipped np.save array per field, a row per transition t:
-#   $store$_observation_ckpt.N.gz (n, 84, 84) uint8: the newest frame of s_t
-#   $store$_action_ckpt.N.gz      (n,) int32: a_t, an index into ALE's minimal action set
-#   $store$_reward_ckpt.N.gz      (n,) float32: r_t clipped to [-1, 1]
-#   $store$_terminal_ckpt.N.gz    (n,) uint8: 1 at game over or the step limit, not at a life lost
-#   add_count_ckpt.N.gz           (): transitions added so far (optional: it places the oldest row)
+# of 1M transitions, a row per transition t in gzipped np.save arrays $store$_<field>_ckpt.N.gz:
+# observation (n, 84, 84) uint8, the newest frame of s_t; action (n,) int32, a_t in ALE's minimal
+# action set; reward (n,) float32, r_t clipped to [-1, 1]; terminal (n,) uint8, 1 at game over or
+# the step limit, not at a life lost; optionally add_count_ckpt.N.gz (), transitions added so far.
 # A buffer is circular, a window of one stream cut anywhere (mid-episode too), its oldest row
 # add_count % n (n - 1 in DQN-replay). Dopamine adds 3 blank transitions before an episode (zero
 # frame, action 0, reward 0: frame stack 4, minus 1), dropped here. google/dopamine@00a5b32:
@@ -1052,11 +1049,10 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     by a buffer's edge (their timesteps and returns-to-go would be wrong) and blank rows are
     dropped. -> the number of episodes.
 
-    kzl/decision-transformer@e2d82e6 atari/create_dataset.py draws a random one of the last
-    --num_buffers buffers (#L33) and keeps from where its last draw of it stopped (row 0 at first,
-    mid-episode maybe) through the 11th terminal: trajectories_to_load counts 10 down to 0 and the
-    terminal that finds 0 ends the draw (#L49-L62); nothing if row 100,000 comes first (#L65-L71).
-    """
+    kzl atari/create_dataset.py draws a random one of the last --num_buffers buffers (#L33) and
+    keeps from where its last draw of it stopped (row 0 at first, maybe mid-episode) through the
+    11th terminal (trajectories_to_load counts 10 down to 0, #L49-L62), or nothing if row 100,000
+    comes first (#L65-L71)."""
     from collections import Counter
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
@@ -1129,8 +1125,8 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
         print(f"{which} of {folder} hold {total:,} steps in whole episodes, fewer than --steps "
               f"{steps:,}: all of them are used")
 
-    # Dopamine's clipped rewards: returns-to-go count them while evaluation subtracts the game's
-    # raw reward, as in kzl's (atari/mingpt/trainer_atari.py#L211, #L275)
+    # Dopamine's clipped rewards: returns-to-go count them, evaluation the game's raw ones, as in
+    # kzl's (atari/mingpt/trainer_atari.py#L211, #L275)
     ep_buffers = [EpisodeBuffer(id=i, observations=obs, actions=act, rewards=rew.tolist(), infos={},
                                 terminations=[False] * (len(act) - 1) + [True],
                                 truncations=[False] * len(act))

@@ -421,11 +421,10 @@ SWEEP_TARGETS = 8  # --target-sweep's targets
 
 @analysis("target_sweep.png", "target_sweep.csv")
 def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
-    """--target-sweep, the DT paper's Fig. 4: the policy at SWEEP_TARGETS targets from the data's
-    lowest episode return to a quarter above its best, `episodes` episodes each (the same env seeds)
-    -> target_sweep.csv and .png in `out`: the return got (mean +-1 std, mazes' success rate)
-    against the target, normalised where the data has reference returns. DQN-replay's returns
-    count rewards clipped to +-1, the env's do not. -> [(target, evaluate()'s result)]"""
+    """--target-sweep, the DT paper's Fig. 4: the return got (mean +-1 std, mazes' success rate)
+    against the target at SWEEP_TARGETS targets, `episodes` episodes each (the same seeds), in
+    target_sweep.csv and .png in `out`. DQN-replay's returns count rewards clipped to +-1, the
+    env's do not. -> [(target, evaluate()'s result)]"""
     check_envs(d, episodes)
 
     # the targets (raw returns) and the figure's units
@@ -921,10 +920,9 @@ class StopSignal:
 
 
 class Run:
-    """A run's folder (runs/<script>/<env>/<variant>/seed<N>/, or --out): config.json, log.csv (a
-    row per log step and per evaluated target), ckpt.pt, curve.png. Run(...) writes nothing: it
-    names the folder, refuses what must not happen there and with --resume takes the run's
-    settings from its checkpoint (self.cfg)."""
+    """A run's folder (run_folder): config.json, log.csv (a row per log step and per evaluated
+    target), ckpt.pt, curve.png. Run(...) writes nothing: it names the folder, refuses what must
+    not happen there and with --resume takes the run's settings from its checkpoint (self.cfg)."""
 
     def __init__(self, script, cfg, given, presets, columns=()):
         self.script, self.ck, self.lock, self.made = script, None, None, False

@@ -49,8 +49,7 @@ if __name__ == "__main__":
 import numpy as np
 import torch
 
-# --------------------------------------------------------------------------------------------------
-# names and tables
+# ---- names and tables ----
 
 _LOCOMOTION = ["halfcheetah", "hopper", "walker2d", "ant"]
 SHORT_NAMES = {f"{env}-{level}": f"mujoco/{env}/{level}-v0" for env in _LOCOMOTION
@@ -153,8 +152,7 @@ def flatten_obs(obs, keys=MAZE_KEYS):
         return np.concatenate([np.asarray(obs[k]) for k in keys], axis=-1)
     return np.asarray(obs)
 
-# --------------------------------------------------------------------------------------------------
-# a training step's data
+# ---- a training step's data ----
 
 
 def load_data(name, download=True, delayed_reward=False):
@@ -439,8 +437,7 @@ def stack_frames(frames, start, rows, at=lambda r: r):
     inside = r >= start.reshape(-1, 1, 1)  # (B, K, 4) False before the episode
     return frames[at(np.where(inside, r, start.reshape(-1, 1, 1)))] * inside[..., None, None]
 
-# --------------------------------------------------------------------------------------------------
-# reading a Minari dataset
+# ---- reading a Minari dataset ----
 
 
 def _open_minari(dataset_id, download):
@@ -550,8 +547,7 @@ def _check_finite(source, arrays, ep_start):
             raise DataError(f"{source} has NaN or infinite {name}, first in episode {episode}, so "
                             f"it cannot be used")
 
-# --------------------------------------------------------------------------------------------------
-# Atari: the environment and the frames
+# ---- Atari: the environment and the frames ----
 
 
 def _atari_spaces(dataset_id, obs_space, action_space, spec):
@@ -651,8 +647,7 @@ def _ale():
     gym.register_envs(ale_py)
     return gym
 
-# --------------------------------------------------------------------------------------------------
-# memory and time in words; synthetic data (--bench)
+# ---- memory and time in words; synthetic data (--bench) ----
 
 
 def available_memory():
@@ -727,7 +722,7 @@ def synthetic_like(name, length=200):
 # Dataset tools: below this line nothing is used by the model files or evaluate.py.
 # ==================================================================================================
 
-# D4RL HDF5 -> local Minari dataset (convert-d4rl)
+# ---- D4RL HDF5 -> local Minari dataset (convert-d4rl) ----
 
 D4RL_ROBOTS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5",
                "ant": "Ant-v5"}
@@ -855,8 +850,7 @@ def convert_d4rl(path, dataset_id, env_id=None):
     return len(buffers)
 
 
-# --------------------------------------------------------------------------------------------------
-# DQN-replay (Dopamine's replay buffers) -> local Minari dataset (convert-dqn-replay)
+# ---- DQN-replay (Dopamine's replay buffers) -> local Minari dataset (convert-dqn-replay) ----
 #
 # A run folder (gs://atari-replay-datasets/dqn/<Game>/<run>/replay_logs) holds buffers N = 0..49
 # of 1M transitions, a row per transition t in gzipped np.save arrays $store$_<field>_ckpt.N.gz:
@@ -1150,8 +1144,7 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
     return len(episodes)
 
 
-# --------------------------------------------------------------------------------------------------
-# datasets of one environment -> one local dataset (mix)
+# ---- datasets of one environment -> one local dataset (mix) ----
 
 
 def mix(sources, dataset_id):
@@ -1212,8 +1205,7 @@ def mix(sources, dataset_id):
     return len(buffers)
 
 
-# --------------------------------------------------------------------------------------------------
-# making a dataset offline (make NAME): PointMaze, Breakout, Hopper
+# ---- making a dataset offline (make NAME): PointMaze, Breakout, Hopper ----
 #
 # PointMaze by the method of Minari's D4RL/pointmaze sets (d4rl-minari-dataset-generation, after
 # D4RL's maze2d; make's help sums it up). Minari's eval env has one goal cell, and the ball goes on
@@ -1627,8 +1619,7 @@ def _make_hopper(name, seed, steps):
     return buffers, write_kwargs, behaviour
 
 
-# --------------------------------------------------------------------------------------------------
-# writing a new dataset, all or nothing
+# ---- writing a new dataset, all or nothing ----
 #
 # A dataset is written into a hidden folder of the datasets folder (Minari lists none), renamed into
 # place when whole: an interrupt (Ctrl-C, SIGTERM, kill -9) or a failed write leaves no partial
@@ -1797,8 +1788,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
     return folder
 
 
-# --------------------------------------------------------------------------------------------------
-# command line
+# ---- command line ----
 
 
 def info(name):

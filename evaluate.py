@@ -47,8 +47,7 @@ import torch.nn as nn
 import data as data_lib
 from data import DataError, FlagParser, duration, gb, is_maze, resolve
 
-# --------------------------------------------------------------------------------------------------
-# rollouts
+# ---- rollouts ----
 
 
 def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progress=True,
@@ -301,8 +300,7 @@ def compare_with_sequential(act, d, episodes, target_return, seed, context):
           f"speed-up {ts / rb['seconds']:.1f}x; same returns: "
           f"{np.allclose(rb['returns'], rs['returns'])}")
 
-# --------------------------------------------------------------------------------------------------
-# analyses of a finished run: --gif, --target-sweep
+# ---- analyses of a finished run: --gif, --target-sweep ----
 
 GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would fill memory)
 
@@ -504,8 +502,7 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     print(f"target_sweep.png and target_sweep.csv -> {out}")
     return results
 
-# --------------------------------------------------------------------------------------------------
-# the run record
+# ---- the run record ----
 
 RUN_FILES = ("config.json", "log.csv", "ckpt.pt")  # a folder holding one of these holds a run
 CKPT_KEYS = {"script", "model", "optimizer", "scheduler", "step", "wall_time", "config",
@@ -1286,8 +1283,7 @@ def one_sentence_errors():
         print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
         raise SystemExit(130)
 
-# --------------------------------------------------------------------------------------------------
-# report
+# ---- report ----
 
 
 def _number(v):
@@ -1488,8 +1484,7 @@ def plot_report(groups, path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-# --------------------------------------------------------------------------------------------------
-# the command line
+# ---- the command line ----
 
 
 def main(argv=None):

@@ -1208,8 +1208,7 @@ def mix(sources, dataset_id):
 # ---- making a dataset offline (make NAME): PointMaze, Breakout, Hopper ----
 #
 # PointMaze by the method of Minari's D4RL/pointmaze sets (d4rl-minari-dataset-generation, after
-# D4RL's maze2d; make's help sums it up). Minari's eval env has one goal cell, and the ball goes on
-# at the goal until the horizon.
+# D4RL's maze2d; make's help sums it up).
 
 MAKE_NAMES = {f"pointmaze-{maze}{dense}": f"D4RL/pointmaze/{maze}{dense}-v2"
               for maze in ("umaze", "medium", "large") for dense in ("", "-dense")}
@@ -1348,7 +1347,8 @@ def _make_pointmaze(name, seed, steps):
     env_id = f"PointMaze_{MAZE_ENVS[maze_name]}{'Dense' if name.endswith('-dense') else ''}-v3"
     steps = steps or MAZE_STEPS[maze_name]
 
-    # Minari's eval env, one goal cell; the collection env, a new goal at each one reached
+    # Minari's eval env, one goal cell (the ball goes on there until the horizon); the collection
+    # env, a new goal at each one reached
     horizon = gym.spec(env_id).max_episode_steps  # 300 / 600 / 800
     eval_map = [list(row) for row in gym.spec(env_id).kwargs["maze_map"]]
     eval_map[MAZE_EVAL_GOALS[maze_name][0]][MAZE_EVAL_GOALS[maze_name][1]] = "g"

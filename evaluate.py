@@ -1,14 +1,12 @@
 """
-Rollouts and the run record: the only code besides data.py that the model files share.
+Batched rollouts in the dataset's own env, --gif, --target-sweep (DT's Fig. 4), the run record
+and `report`: the only code besides data.py that the model files share (main() and train() call
+it; nothing here calls back).
 
     res = evaluate(act, d, episodes=10, target_return=3600, seed=0, context=20)
     python evaluate.py report [RUNS_DIR]     # a folder of runs -> seed-aggregated table and figure
 
-Batched rollouts in the dataset's own gymnasium env, --gif, --target-sweep (DT's Fig. 4), the run
-record (main() and train() call it; nothing here calls back) and `report`.
-
-Atari's eval env (data.atari_env_spec): ALE without sticky actions, to game over or 108k frames,
-in gymnasium's AtariPreprocessing. Its frames are Dopamine's, which made DQN-replay: the last two
+Atari's eval env (data.atari_env_spec) makes its frames as Dopamine made DQN-replay's: the last two
 of 4 max-pooled, then resized with INTER_AREA (Dopamine's atari_lib.py#L385, #L390); each reset
 adds 1-30 no-ops, gymnasium's default, which Dopamine does not do (#L282-L292): it used sticky
 actions (p = 0.25; #L51, #L75), as did DQN-replay's data. The papers' evaluation (kzl's, also
@@ -1283,7 +1281,7 @@ def one_sentence_errors():
         print("\ninterrupted; nothing was saved since the last checkpoint", file=sys.stderr)
         raise SystemExit(130)
 
-# ---- report ----
+# ---- report (python evaluate.py report) ----
 
 
 def _number(v):
@@ -1483,8 +1481,6 @@ def plot_report(groups, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-# ---- the command line ----
 
 
 def main(argv=None):

@@ -1149,8 +1149,9 @@ def convert_dqn_replay(folder, game, dataset_id, buffers=None, steps=500_000):
 
 def mix(sources, dataset_id):
     """Every episode of each source in turn as the local dataset `dataset_id` (D4RL's
-    medium-expert). The sources share env (the larger max_episode_steps kept), spaces and reference
-    returns; the eval env is the first's; infos are not copied. -> the number of episodes."""
+    medium-expert). The sources share the env (the larger max_episode_steps kept), spaces and
+    reference returns; the eval env is the first's; infos are not copied. -> the number of
+    episodes."""
     from minari.data_collector import EpisodeBuffer
 
     if files := [s for s in sources if os.path.isfile(s)]:

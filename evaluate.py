@@ -71,7 +71,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
     """
     n, H = episodes, d.horizon
 
-    # reset: s_0 and R_0 (the prompt, scaled); a list of envs, as a vector env would auto-reset
+    # reset: s_0 and R_0 (the prompt, scaled); a list of envs (a vector env would auto-reset)
     envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
     samplers = [np.random.default_rng(seed + i) for i in range(n)]  # env i's draws (discrete)
     contexts = Contexts(d, n, context)

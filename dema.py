@@ -17,8 +17,8 @@ the conv and SSM states through an episode (Sec. 3.2, App. C).
     python dema.py --out <run folder> --s6-ablation zero --s6-layers 0   # Fig. 5: S6 zeroed
     python dema.py --bench --env breakout-expert       # Table 7: a training step on frames
 
-Glossary (paper symbol -> code name, shape; Config: b batch_size, K context, E n_embd, D d_model,
-N d_state, W d_conv):
+Glossary (paper symbol -> code name, shape; R_t, s_t and Atari's s_t, a_t as in dt.py, b its B;
+Config: K context, E n_embd, D d_model, N d_state, W d_conv):
     L        tokens in a sequence: 3K (B3LD), K (BL3D)   T in the code
     d_inner  expand * D, the S6 layer's channels         Mamba.d_inner, "di" in shapes
     x_i      S6 input, after the conv and SiLU           x (b, di, L)
@@ -26,9 +26,7 @@ N d_state, W d_conv):
     A        diagonal state matrix -exp(A_log) (Eq. 1)   A (di, N)
     B_i, C_i input-dependent S_B(x_i), S_C(x_i) (Eq. 5)  B, C (b, N, L)
     alpha    hidden attention (Sec. 3.3)                 Mamba.hidden_attention (b, di, L, L)
-    R_t, s_t return-to-go (scaled), state (normalised)   rtg (b, K, 1), states (b, K, obs_dim)
     a_{t-1}  the previous action                         previous_actions() (b, K, act_dim)
-    Atari's s_t, a_t: the last 4 frames (b, K, 4, 84, 84) uint8; actions (b, K) int64, logits
 
 Official code ("the code"; paths cited bare are its, at e2aed7e): AndssY/dema, branch main (the
 hidden attention: branch attention, 05bd941), https://github.com/AndssY/dema/tree/e2aed7e1a3893bbf0ff651388659f0927c88d365
@@ -71,12 +69,12 @@ Departures from the paper and the official code:
 10. MuJoCo evaluation: DT's two targets, the last evaluation the result; the code conditions on
     four (hopper: 3600, 7200, 36000, 72000; gym/experiment.py#L128) and keeps each one's best over
     its 10 evaluations (#L489-L493). Atari: Table 9's one target per game; the code evaluates three
-    (Breakout 90, 150, 180; Pong and Gopher one; atari/mingpt/trainer_atari.py#L266) and prints
+    (Breakout 90, 150, 180; Pong and Gopher one; trainer_atari.py#L266) and prints
     each; Asterix's 700 is not among its 900, 1000, 1100.
 11. Mazes: the paper's maze code is unreleased; Tables 14-15's settings here, and --preset cpu
     drops a_{t-1} (the data's actions are noisy: a_{t-1} is copied rather than used).
-12. Atari: data.py's window sampler and evaluate.py's frames, which say how they differ from the
-    official code (DeMa's copies DT's).
+12. Atari: data.py's window sampler and evaluate.py's frames, which say how they differ from DT's
+    official code (DeMa's copies).
 """
 import dataclasses
 import math
@@ -128,7 +126,7 @@ class Config:
     pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: it enters the state (dep. 2)")
     inner_it: int = arg(1, "updates on each drawn batch (Table 10, RNN-like on Atari: 200)")
     rnn_max_len: int = arg(1000, "rnn mode: trajectories cut to their first N steps")
-    # the evaluation: the code's MuJoCo one
+    # the code's MuJoCo evaluation
     eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
                           run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
@@ -164,13 +162,13 @@ class Config:
 
 
 # Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
-# 512 x 20 warmup tokens are 3 steps of 128 x 30; the code's cosine ends at 2 len(data) 3K tokens
-# (atari/mingpt/trainer_atari.py#L216).
+# 512 x 20 warmup tokens are 3 steps of 128 x 30; the code's cosine ends at 2 len(data) 3K
+# tokens (trainer_atari.py#L216).
 ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4,
              beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3,
              lr_decay_steps=23_432, steps=39_060, eval_every=3906, eval_episodes=10)
-# --preset cpu: dt.py's budget; mazes: dt.py's setting, F.2's 50 episodes; Atari: dt.py's windows,
-# a cosine stopped where the return stops rising (README); --mode rnn: less memory (RESULTS.md)
+# --preset cpu: dt.py's budget; mazes: dt.py's setting; Atari: dt.py's windows, a cosine stopped
+# where the return stops rising (README); --mode rnn: less memory (RESULTS.md)
 ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
                  warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
                  eval_episodes=10)
@@ -189,8 +187,8 @@ def fp32(t):
 
 
 # The selective scan (S6, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), as mamba's selective_scan_ref
-# (state-spaces/mamba@12d8550 mamba_ssm/ops/selective_scan_interface.py#L91), on u, delta, z
-# (b, di, L), A (di, N), B, C (b, N, L), D, delta_bias (di,):
+# (mamba@12d8550 mamba_ssm/ops/selective_scan_interface.py#L91), on u, delta, z (b, di, L),
+# A (di, N), B, C (b, N, L), D, delta_bias (di,):
 #   h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t (A_bar by ZOH, B_bar by Euler as mamba's kernel)
 #   y_t = (<C_t, h_t> + D u_t) silu(z_t);  h_0 = 0
 # In fp32, the output cast back to u's dtype: under --amp only the projections and the convolution
@@ -227,7 +225,7 @@ def _scan_loop(h, delta, du, A, B, C):
 def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None,
                               delta_softplus=False, chunk=0):
     """The reference loop; autograd keeps ~2 states a token, or with chunk > 0 L / chunk + ~2
-    chunk states, the chunks recomputed in the backward (exact)."""
+    chunk, each chunk recomputed in the backward (exact)."""
     dtype_in = u.dtype
     u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
     batch, d_inner, L = u.shape
@@ -248,7 +246,7 @@ def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None
 def _hillis_steele(a, b):
     """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, in ceil(log2 L) rounds of
     the kernel's operator (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
-    (state-spaces/mamba@12d8550 csrc/selective_scan/selective_scan_common.h#L111)."""
+    (mamba@12d8550 csrc/selective_scan/selective_scan_common.h#L111)."""
     a, b = a.clone(), b.clone()
     L, s = a.shape[2], 1
 
@@ -296,7 +294,7 @@ def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                    scan='auto', chunk=0):
-    # auto: the loop on CPU, faster at DeMa's sizes (--bench-scan); the log-depth scan on CUDA
+    # auto: the loop on CPU, faster at DeMa's sizes (--bench-scan)
     if scan == 'auto':
         scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
 
@@ -310,7 +308,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
 class RMSNorm(nn.Module):
     """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (the code: mamba's fused one, eps 1e-5, no bias;
-    state-spaces/mamba@12d8550 mamba_ssm/ops/triton/layernorm.py#L481)."""
+    mamba@12d8550 mamba_ssm/ops/triton/layernorm.py#L481)."""
 
     def __init__(self, d, eps=1e-5):
         super().__init__()
@@ -322,10 +320,10 @@ class RMSNorm(nn.Module):
 
 
 class Mamba(nn.Module):
-    """Mamba-1 mixer (state-spaces/mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L31): in_proj ->
-    causal depthwise conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan -> * SiLU(z) ->
-    out_proj. Its S6 layer (Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only: that layer alone (the post
-    block's), the code's dt_rank (gym/decision_transformer/models/trajectory_gpt2.py#L288-L290)."""
+    """Mamba-1 mixer (mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> causal
+    depthwise conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan -> * SiLU(z) -> out_proj.
+    Its S6 layer (Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only: that layer alone (the post block's),
+    the code's dt_rank (trajectory_gpt2.py#L288-L290)."""
 
     def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3,
                  dt_max=1e-1, dt_init_floor=1e-4, s6_only=False):
@@ -347,7 +345,7 @@ class Mamba(nn.Module):
 
         # mamba's initialisation (the code's; mamba_simple.py#L82-L110): dt_proj's bias
         # softplus^-1(dt), dt ~ logU(dt_min, dt_max); out_proj / sqrt(n_layer)
-        # (mamba/mamba_ssm/models/mixer_seq_simple.py#L54)
+        # (mixer_seq_simple.py#L54)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
             dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min))
@@ -434,7 +432,7 @@ class Mamba(nn.Module):
 
 class Block(nn.Module):
     """Sec. 4.2, Fig. 1: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the
-    method; state-spaces/mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L297). "DeMa with post."
+    method; mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L297). "DeMa with post."
     (departure 7): x + S6(LN(x)), then x + MLP(LN(x)); ReLU in the MLP (D.1), GELU on Atari as
     the code's (atari/mingpt/model_atari2.py#L273)."""
 
@@ -466,10 +464,9 @@ def previous_actions(actions, prev_action):
 
 
 class DeMa(nn.Module):
-    """Tokens [R_t, a_{t-1}, s_t] (B3LD or BL3D, Sec. 4.1), Linear E (3E) -> D, the blocks,
-    RMSNorm, a_t = tanh(Linear(the s_t token's output)), no LayerNorm on the embeddings
-    (gym/decision_transformer/models/ssm.py#L30); Atari (Sec. 5; atari/models/mamba.py#L76):
-    logits."""
+    """Tokens (B3LD or BL3D, Sec. 4.1), Linear E (3E) -> D, the blocks, RMSNorm,
+    a_t = tanh(Linear(s_t's output)); no LayerNorm on the embeddings (ssm.py#L30); Atari (Sec. 5;
+    mamba.py#L76): logits."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
@@ -514,10 +511,10 @@ class DeMa(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def tokens(self, states, prev_actions, rtg, timesteps):
-        """states (b, K, obs) (Atari: (b, K, 4, 84, 84) uint8), prev_actions (b, K, act) = a_{t-1}
-        (Atari: (b, K) int64), rtg (b, K, 1), timesteps (b, K) -> (b, nK, D), fp32."""
+        """forward's states, rtg and timesteps, prev_actions (b, K, act) = a_{t-1} (Atari: (b, K)
+        int64) -> (b, nK, D), fp32."""
         b, K = states.shape[:2]
-        if not self.prev_action:  # the null a_{-1} = 0 at every step
+        if not self.prev_action:
             prev_actions = torch.zeros_like(prev_actions)
 
         # Atari: the frames / 255 through the torso, the code's order a_{t-1}, R_t, s_t
@@ -570,7 +567,7 @@ class DeMa(nn.Module):
         for x in toks.unbind(1):  # the step's tokens, s_t's last
             for l, block in enumerate(self.blocks):
                 x, cache[l] = block.step(x, cache[l])
-        return self.predict_action(self.ln_f(x)), cache  # x is the s_t token's output
+        return self.predict_action(self.ln_f(x)), cache
 
     def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
         """Each layer's Mamba.hidden_attention on this window."""
@@ -632,8 +629,7 @@ def paper_values(name, mode="transformer"):
 
 
 def paper_settings(cfg, given):
-    """Config's defaults < PRESETS[""] (Atari) < paper_values' row < --preset < the flags; this
-    file's flags checked."""
+    """Config's defaults < PRESETS[""] (Atari) < paper_values' row < --preset < the flags."""
     name = cfg.dataset or cfg.env
     row = paper_values(name, cfg.mode)
     cfg = dataclasses.replace(cfg, **{k: v for k, v in row.items() if k not in given})
@@ -689,7 +685,7 @@ def batch_tokens(cfg):
 
 def param_groups(model, cfg):
     """AdamW's groups: the code decays all on MuJoCo; on Atari not biases, norms or *emb* names
-    (R_t's and a_{t-1}'s embeddings, E -> D; atari/models/mamba.py#L159; here the timestep table
+    (R_t's and a_{t-1}'s embeddings, E -> D; mamba.py#L159; here the timestep table
     too)."""
     if not model.discrete:
         return [{"params": list(model.parameters())}]
@@ -704,7 +700,7 @@ def param_groups(model, cfg):
 def lr_factor(s, cfg):
     """--lr's factor at step s: linear warmup, then constant (gym/experiment.py#L455-L458) or the
     code's cosine (--lr-decay-steps), floored at 0.1 and p unclamped: 0.1 from p = 0.8, rising past
-    1.2 (atari/mingpt/trainer_atari.py#L222-L223)."""
+    1.2 (trainer_atari.py#L222-L223)."""
     if s < cfg.warmup_steps or not cfg.lr_decay_steps:
         return min((s + 1) / max(1, cfg.warmup_steps), 1.0)
 
@@ -732,7 +728,7 @@ def predict(model, b, cfg, training=False):
     """A data.py / evaluate.py window -> (predicted actions, targets, loss mask)."""
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in WINDOW)
     if training and cfg.rtg_shift:
-        # departure 3: the code's alignment (ssm.py#L109-L116)
+        # departure 3: the code's alignment
         states, actions, prev = states[:, 1:], actions[:, 1:], actions[:, 0]
         timesteps, rtg, mask = timesteps[:, :-1], rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
@@ -814,7 +810,7 @@ def train(cfg, run, d=None):
     device, info = ev.pick_device(cfg.device), d.info()
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)  # RNN: the longest
+    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)
     with torch.device("meta"):
         meta = build_model(cfg, info)
         need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
@@ -891,7 +887,7 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     dist = np.arange(T)
     kind = np.array(["s", "a", "R"] if model.n == 3 else ["step"])[dist % model.n]
 
-    # the figure, and the layers' mean at a few distances
+    # the figure; the layers' mean at a few distances
     plt = ev.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for l, p in enumerate(list(prof) + [prof.mean(0)]):
@@ -915,7 +911,7 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
 
 def attention_episode(cfg, given):
     """--attention (Fig. 4): one episode at the first target, each decision's last attention row
-    per layer, mean |alpha| over channels -> attention_episode.npz (steps, n_layer, T), .png."""
+    per layer, mean |alpha| over channels -> attention_episode.npz and .png."""
     cfg, model, d, out = load_model(cfg, given)
     if cfg.mode != "transformer":
         raise data_lib.DataError("--attention needs transformer-like DeMa's window (Fig. 4); this "
@@ -936,7 +932,7 @@ def attention_episode(cfg, given):
             np.savez(f, attention=attn, returns=res["returns"])
     ev.write_atomic(os.path.join(out, "attention_episode.npz"), write)
 
-    # a heat map per layer and of their mean, on one log scale
+    # a heat map per layer and of their mean
     plt = ev.pyplot()
     from matplotlib.colors import LogNorm
     panels = list(attn.transpose(1, 0, 2)) + [attn.mean(1)]  # (steps, T) each
@@ -1000,7 +996,7 @@ def s6_ablation(cfg, given):
         raise data_lib.DataError(f"--s6-layers {cfg.s6_layers}: this run has {n} layers "
                                  f"(0..{n - 1})")
 
-    # swap: a donor DeMa with this run's mixer shapes
+    # swap: the donor
     if cfg.s6_ablation == "swap":
         path = (os.path.join(cfg.s6_donor, "ckpt.pt") if os.path.isdir(cfg.s6_donor) else
                 cfg.s6_donor)
@@ -1020,7 +1016,6 @@ def s6_ablation(cfg, given):
                                      f"not of this run's sizes (--d-model, --d-state, ...)")
         donor = donor.to(device)
 
-    # the scores before and after
     before = evaluate(model, d, cfg, device)
     ablate_s6(model, cfg.s6_ablation, layers, donor, seed=cfg.seed)
     after = evaluate(model, d, cfg, device)
@@ -1090,7 +1085,7 @@ def param_table(cfg, given):
                                          discrete).parameters()) for r in ("pre", "post")]
         print(f"{'dema ' + label:58s} {n[0]:>12,} {n[1]:>23,}")
 
-    # dt.py's models (the model above imports no dt.py)
+    # dt.py's models (imported here, not above)
     import dt
     for atari, env in ((False, "hopper-medium"), (True, "breakout-expert")):
         for preset in ("", "cpu"):

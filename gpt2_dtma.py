@@ -15,8 +15,7 @@ GPT2-DTMA's softmax gate over each layer's heads (Eqs. 6-8) lets fine-tuning tur
     python gpt2_dtma.py --sample "The meaning of life is" # proof that GPT-2's weights loaded
     python gpt2_dtma.py --out <run folder> --importance   # an analysis of a run
 
-Glossary (paper symbol -> code name):
-    R^_t, s_t, a_t  return-to-go (scaled), state (normalised), action: rtg, states, actions
+Glossary (paper symbol -> code name; R^_t, s_t, a_t: dt.py's R_t, s_t, a_t):
     a'_t            the predicted action (Eq. 2): DecisionTransformer()[0]
     K, 3K           the context in timesteps (Tabs. 5-6's k), in tokens: Config.context, T
     C, N, d_k       width, heads a layer, head width: n_embd, n_head, D = C // N
@@ -24,9 +23,9 @@ Glossary (paper symbol -> code name):
     A_i             W_i^q (W_i^k)^T (Def. 4.2): head_qk_matrix()
     G_Markov        the Markov heads' layer-0 gate weight (Tabs. 5-6): markov_gate_mass()
 
-Layout: Config, the model, Markov-head quantities, the paper's pieces, train(), analyses,
-pretrained weights, plumbing. The papers publish no code; GPT2-DT names LaMo (Shi et al. 2024) as
-its implementation: "LaMo" below is its experiment-d4rl/ folder,
+Layout: dt.py's, plus Markov-head quantities and the pretrained weights. The papers publish no
+code; GPT2-DT names LaMo (Shi et al. 2024) as its implementation: "LaMo" below is its
+experiment-d4rl/ folder,
 https://github.com/srzer/LaMo-2023/tree/3e4fcc8a7e68916882033a0cef110370c0144022/experiment-d4rl
 and "kzl" is DT's code,
 https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
@@ -35,11 +34,10 @@ Departures from the paper and the official code:
  1. Full fine-tuning with linear embeddings (App. F's GPT2-DT); LaMo's run.sh trains LoRA on
     c_attn, the rest frozen, with MLP embeddings (#L43-L46) and may co-train on WikiText
     (run_cotrain.sh#L52-L53), none of it in the paper.
- 2. App. C's lr 1e-4 and weight decay 1e-4 for all but the gate (decay would pull it to uniform).
-    LaMo: lr 1e-4, weight decay 1e-5, warmup 2500 (run.sh#L5-L9), AdamW eps 1e-6 (utils.py#L61);
-    its lr 1e-5 without decay for GPT-2 (utils.py#L24-L33) reaches no weight: it seeks
-    "transformers" in module types, and LaMo's GPT-2 class is its own
-    (decision_transformer/models/trajectory_gpt2.py#L1041).
+ 2. App. C's lr 1e-4 and weight decay 1e-4, none on the gate (it would pull it to uniform). LaMo:
+    lr 1e-4, decay 1e-5, warmup 2500 (run.sh#L5-L9), AdamW eps 1e-6 (utils.py#L61); its GPT-2 lr
+    1e-5 without decay (utils.py#L24-L33) reaches no weight: it seeks "transformers" in module
+    types, and LaMo's GPT-2 class is its own (decision_transformer/models/trajectory_gpt2.py#L1041).
  3. The timestep embedding is added before embed_ln, as in kzl's DT; LaMo adds it after
     (decision_transformer/models/decision_transformer.py#L174-L176).
  4. The paper leaves the MoA gate's place, scale and init open; as in MoH (Jin et al. 2024), every
@@ -52,7 +50,7 @@ Departures from the paper and the official code:
  7. Eq. 3's sum is a mean over the real steps (kzl's and LaMo's code); Eq. 9's G_Markov a mean over
     the batch's real tokens (the paper writes it for one input).
  8. Def. 4.1's r defaults to [P-old]'s 20, not the paper's 8 (only 20 explains Tab. 1's head 9);
-    A_i is read both as C x C (Def. 4.1, Thm 4.3) and as D x D (Remark 4.7).
+    A_i is read both as C x C and as D x D (head_qk_matrix).
  9. Unstated in the paper: dropout 0.1 (kzl; LaMo's run.sh#L8) and gradient clip 0.25 (kzl;
     LaMo's decision_transformer/training/seq_trainer.py#L55), K 20 on MuJoCo and 50 on mazes
     (Tabs. 5-6's rows equal Tabs. 3-4), the data's target returns, GPT-2 small's shape for DT and
@@ -109,7 +107,7 @@ class Config:
     markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of other checkpoints")
     freeze_attention: bool = arg(False, "train only the embeddings and FFNs (GPT2-DT (part), "
                                         "Tab. 8)")
-    # App. C: every 500 steps, 20 episodes
+    # App. C
     eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
                           run=True)
     eval_episodes: int = arg(20, "episodes per target return, run in parallel", run=True)
@@ -132,7 +130,7 @@ class Config:
     target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
 
     # ---- this file's analyses ----
-    # of a run's checkpoint: a table and a PNG
+    # of a run's checkpoint
     keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", run=True)
     markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: "
                               "--init's", run=True)
@@ -146,8 +144,7 @@ class Config:
     sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded", run=True)
 
 
-# --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: dt.py's K=1 without
-# dropout (README)
+# --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: K=1, no dropout (README)
 PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300,
                        eval_every=300, eval_episodes=10, log_every=25,
                        mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
@@ -158,7 +155,7 @@ PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_ste
 class CausalSelfAttention(nn.Module):
     """GPT-2 causal self-attention, optionally with GPT2-DTMA's MoA gate (Sec. 4.2):
         Eq. 8  Head_i(e) = softmax((e W_i^q)(E W_i^k)^T / sqrt(d_k)) (E W_i^v)
-        Eq. 7  G_i(e) = softmax_i(W_g e), a weight per head and token (e: the LN1 output)
+        Eq. 7  G_i(e) = softmax_i(W_g e), a weight per head and token e
         Eq. 6  y(e) = sum_i G_i(e) Head_i(e); here times N, before c_proj (departure 4)"""
 
     def __init__(self, n_embd, n_head, dropout=0.0, moa=False):
@@ -193,7 +190,7 @@ class CausalSelfAttention(nn.Module):
             aux["probs"] = F.softmax(att.masked_fill(~allowed, float("-inf")), dim=-1)
             o = F.dropout(aux["probs"], p_drop, self.training) @ v  # (B, N, T, D)
         else:
-            # Eq. 8, d_k = the head width (departure 6)
+            # Eq. 8 (departure 6)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop,
                                                is_causal=attn_mask is None)  # (B, N, T, D)
 
@@ -202,7 +199,7 @@ class CausalSelfAttention(nn.Module):
             g = aux["gate"] = F.softmax(F.linear(x, self.gate_weight, self.gate_bias), dim=-1)
             o = o * (N * g).transpose(1, 2).unsqueeze(-1)  # (B, N, T, D)
 
-        y = o.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        y = o.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_drop(self.c_proj(y)), aux
 
 
@@ -250,14 +247,13 @@ def _init_weights(m):
 
 
 class DecisionTransformer(nn.Module):
-    """GPT2-DT(MA): DT's embeddings and action head around GPT-2 blocks (App. C), gated with
-    cfg.moa (Eqs. 6-7); cfg.n_embd, cfg.n_head: set (build_model: the checkpoint's)."""
+    """GPT2-DT(MA): DT's embeddings and action head around GPT-2 blocks (App. C), MoA-gated with
+    cfg.moa; cfg.n_embd, cfg.n_head set (build_model: the checkpoint's)."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5, activation="gelu_new"):
         super().__init__()
         C = cfg.n_embd
-        # LaMo's embeddings and head (decision_transformer/models/decision_transformer.py
-        # #L102-L135); GPT-2's wpe and wte unused
+        # LaMo's embeddings and head (decision_transformer.py#L102-L135); GPT-2's wpe, wte unused
         self.embed_timestep = nn.Embedding(max_ep_len, C)
         self.embed_return = nn.Linear(1, C)
         self.embed_state = nn.Linear(obs_dim, C)
@@ -314,7 +310,7 @@ class DecisionTransformer(nn.Module):
 
 def causal_padding_mask(mask, n):
     """(B, K) real-step mask, n tokens per step -> (B, 1, nK, nK) attention mask: causal, blind to
-    left padding; a padding query sees itself (its output is unused), so no softmax row is empty."""
+    left padding; a padding query sees itself (unused), so no softmax row is empty."""
     real = mask.bool().repeat_interleave(n, dim=1)  # (B, nK)
     T = real.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
@@ -427,8 +423,8 @@ def find_markov_heads(c_attn_weight, n_head, r=20.0):
 
 
 def markov_gate_mass(gates, mask, heads):
-    """G_Markov (Tabs. 5-6, Eq. 9): layer 0's gate (B,3K,N) summed over the Markov heads, a mean
-    over the real tokens of mask (B,K); differentiable (GPT2-P's penalty)."""
+    """G_Markov (Tabs. 5-6, Eq. 9): layer 0's gate (B,3K,N) summed over the Markov heads,
+    averaged over mask (B,K)'s real tokens; differentiable (GPT2-P's penalty)."""
     m = mask.repeat_interleave(3, dim=1).to(gates.dtype)  # (B, 3K)
     g = gates[..., list(heads)].sum(-1)  # (B, 3K)
     return (g * m).sum() / m.sum().clamp_min(1.0)
@@ -568,7 +564,7 @@ def build_model(cfg, info):
         model.load_gpt2_blocks(sd)
     model.markov_heads = tuple(info["markov_heads"])
 
-    # --freeze-attention (App. F's GPT2-DT (part)): attention and LayerNorms keep GPT-2's values
+    # --freeze-attention (App. F's GPT2-DT (part))
     frozen = ("ln_f.", ".attn.c_attn.", ".attn.c_proj.", ".ln_1.", ".ln_2.")
     for name, p in model.named_parameters():
         p.requires_grad_(not (cfg.freeze_attention and any(part in name for part in frozen)))
@@ -612,8 +608,7 @@ def loss_fn(model, batch, cfg):
     """Eq. 3's error + GPT2-P's alpha * G_Markov (Eq. 9), both means (departure 7)."""
     b = batch
     pred, aux = model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])
-    # the real steps (LaMo's decision_transformer/training/seq_trainer.py#L32-L44), their mean
-    # squared error (experiment.py#L413)
+    # the real steps (LaMo's seq_trainer.py#L32-L44), their mean squared error (experiment.py#L413)
     err = ((pred.float() - b["actions"]) ** 2).mean(-1)  # (B, K)
     loss = (err * b["mask"]).sum() / b["mask"].sum()
 
@@ -717,8 +712,8 @@ def train(cfg, run, d=None):
             sched.step()
             step += 1
 
-            # log, with G_Markov; evaluate and checkpoint, with gates.png (Fig. 9) and the early
-            # checkpoint of Figs. 1/7
+            # log with G_Markov; evaluate and checkpoint, with gates.png (Fig. 9) and the early
+            # checkpoint (Figs. 1/7)
             logged = step % cfg.log_every == 0 or step == cfg.steps
             run.log(step, loss, sched.get_last_lr()[0], **g_markov(model, logged and probe))
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -796,8 +791,8 @@ def start_model(cfg, info, device="cpu"):
 
 
 def markov_analysis(cfg, given):
-    """--markov: Def. 4.1 on the layer-0 heads at the start and after fine-tuning, A as C x C and
-    D x D, r = 8 and 20 (Tab. 1, [P-old] Tabs. 2, 8); Fig. 3."""
+    """--markov: Def. 4.1 on the layer-0 heads at the start and after fine-tuning (Tab. 1, [P-old]
+    Tabs. 2, 8); Fig. 3."""
     ran = os.path.exists(os.path.join(ev.run_folder(SCRIPT, cfg, PRESETS), "ckpt.pt"))
     if ran:
         cfg, model, d, out = load_model(cfg, given)
@@ -910,7 +905,6 @@ def attention_maps(cfg, given):
     P = {lab: attention_probs(m, b)[0].mean(0) for lab, m in (("before", start), ("after", model))}
     heads, n_head = model.markov_heads, P["before"].shape[0]  # P: (N, 3K, 3K) of layer 0
 
-    # each head's attention to the token itself
     diag = {lab: diagonal_attention_mass(p[None]).tolist() for lab, p in P.items()}
     print(f"layer-0 attention of each token to itself, {len(b['mask'])} windows of K={cfg.context}"
           f"; Markov heads {label(heads)}")
@@ -918,7 +912,7 @@ def attention_maps(cfg, given):
           [[h, diag["before"][h], diag["after"][h], "yes" if h in heads else ""]
            for h in range(n_head)])
 
-    # the maps of the Markov heads and one other (ticks: the R_t tokens)
+    # the maps of the Markov heads and one other (ticks: R_t)
     shown = [*heads, next((h for h in range(n_head) if h not in heads), 0)]
     ticks = range(0, 3 * cfg.context, 3 * max(1, cfg.context // 8))
 
@@ -938,7 +932,7 @@ def attention_distance(cfg, given):
     cfg, model, d, out = load_model(cfg, given)
     b, start = windows_and_start(cfg, model, d)
 
-    # the models by step: the start, the kept checkpoints, the run's
+    # the models by step
     models = {0: start}
     for path in glob.glob(os.path.join(out, "ckpt_step*.pt")):
         ck = ev.read_checkpoint(path, SCRIPT)
@@ -990,7 +984,7 @@ def importance_analysis(cfg, given, n_contexts=64):
 
     imp = head_importance(model, {k: v[pick.to(v.device)] for k, v in allc.items()})  # (L, N)
 
-    # the table, the five most important heads, the bars by layer
+    # the table, the top five, the bars by layer
     L, N = imp.shape
     print(f"head importance ||a' - a'_-head||_2 on {len(pick)} rollout contexts (layer x head)")
     table(["layer", *range(N)], [[layer, *imp[layer].tolist()] for layer in range(L)], fmt=".4f")
@@ -1046,7 +1040,7 @@ def text_attention(cfg, given):
     table(["head", "self", "previous", "first", "GPT-2 small's Markov head"],
           [[h, *mass[h], "yes" if h in markov else ""] for h in range(P.shape[0])])
 
-    # maps of GPT-2 small's Markov heads and head 0
+    # the maps
     heads = [h for h in (*MARKOV_HEADS, 0) if h < P.shape[0]]
     toks = [enc.decode([i]) for i in ids]
     fig, axes = ev.pyplot().subplots(1, len(heads), figsize=(3.8 * len(heads), 3.8), squeeze=False)
@@ -1070,7 +1064,7 @@ ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps,
 # --------------------------------------------------------------------------------------------------
 # the pretrained weights (GPT-2's, CLIP's text tower), read and checked by hand
 
-# CLIP ViT-B/32's text tower (HF CLIPTextConfig's defaults), GPT2Config's names
+# CLIP ViT-B/32's text tower (HF CLIPTextConfig's defaults)
 CLIP_TEXT = GPT2Config(vocab_size=49408, n_positions=77, n_embd=512, n_layer=12, n_head=8,
                        activation="quick_gelu")
 # --init's hub names (a key or a repo): cached under each repo, fetched from the first
@@ -1099,7 +1093,6 @@ def find_weights(init="gpt2", allow_download=True):
         if not allow_download:
             return None
 
-        # not cached: download it and its config.json
         repo = h["repos"][0]
         print(f"downloading {h['what']} ({repo}) once into the Hugging Face cache", flush=True)
 
@@ -1192,7 +1185,7 @@ def read_safetensors(path, keep=""):
     except OSError as e:
         raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
     with f:
-        # the header: its length, its JSON
+        # the header
         if size < 8:
             raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
         n = int.from_bytes(f.read(8), "little")
@@ -1247,7 +1240,7 @@ def read_safetensors(path, keep=""):
                 raise bad(f"file ended while reading '{name}'")
 
             t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-            if sys.byteorder == "big":  # the data are little-endian
+            if sys.byteorder == "big":
                 t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtype)
             out[name] = t.reshape(header[name]["shape"])
         return out
@@ -1273,7 +1266,7 @@ def check_tensors(sd, shapes, what):
 
 
 def block_shapes(cfg):
-    """load_checkpoint's tensors (h.<i>.*, ln_f.*, nn.Linear layout) -> shape."""
+    """load_checkpoint's tensors -> shape."""
     C = cfg.n_embd
     shapes = {"ln_f.weight": (C,), "ln_f.bias": (C,)}
     for i in range(cfg.n_layer):

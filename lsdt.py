@@ -25,9 +25,9 @@ What each flag reproduces:
     --conv dc               Table 3, Fig. 2, 6 (LSDC: DC's static filters as the short-term branch)
     --arch dc / dc_h        Tables 1-3 (the Decision Convformer baselines, Table 12)
     --fusion concat         Fig. 10 (B.3: no HFM)
-    --routing res / weight  Table 8 (B.10: LSDT-res, LSDT-weight)
-    --dropkey P             Table 6 (B.8: DropKey for attention dropout)
-    --kernel K_M            Table 7 (B.7, B.9: the kernel size)
+    --routing res / weight  Table 8 (B.10)
+    --dropkey P             Table 6 (B.8)
+    --kernel K_M            Table 7 (B.7, B.9)
     --plot-mixing           Fig. 3, 9 (attention and dynamic-kernel matrices), Fig. 11 (HFM weights)
     --plot-paths            Fig. 8 (B.1: the run's maze paths over the data's goals)
 
@@ -43,9 +43,8 @@ Glossary (paper symbol -> code name; R_t, s_t, a_t, t, B and mask as in dt.py):
     alpha  the dynamic kernels, Eq. 1                 alpha (B, L, k_m, H_c)
     g      the goal (x, y) in the state (Sec. 3.3)    the last goal_dim state entries
 
-Layout: Config -> the model (torch alone: copy it) -> the paper's pieces -> train(), the loop ->
-the analyses, and the plumbing and main() that every model file shares word for word. The
-official code (#Lnn alone: a line of its LSDT.py), built on min-decision-transformer:
+Layout: as dt.py's. The official code (#Lnn alone: a line of its LSDT.py), built on
+min-decision-transformer:
 https://github.com/WangJinCheng1998/LONG-SHORT-DECISION-TRANSFORMER/tree/1feb77acff9b4a2ab6aa889210887f7d96918b1d
 DC's: https://github.com/beanie00/Decision-ConvFormer/tree/3db9b9ecf6885b1ed9c1e7a20d5dd92aa132b1ef
 
@@ -186,7 +185,7 @@ class CausalSelfAttention(nn.Module):
             att = q @ k.transpose(-2, -1) / math.sqrt(k.size(-1))  # (B, nh, L, L) Q K^T / sqrt(d)
             att = att.masked_fill(~attn_mask, float("-inf"))
             if dropkey:
-                # B.8, DropKey (Li et al. 2022): logits dropped, never a token's own
+                # B.8, DropKey (departure 6)
                 drop = torch.rand(att.shape, device=att.device) < self.dropkey
                 own = torch.eye(T, dtype=torch.bool, device=x.device)
                 att = att.masked_fill(drop & ~own, float("-inf"))
@@ -208,14 +207,13 @@ class DynamicConv(nn.Module):
         alpha[i, h, :] = softmax(dropout(U_i W_w))   one kernel of k_m taps per token i and head h
         Y[i, c] = sum_j alpha[i, h(c), j] U[i-k_m+1+j, c] + b_c,   h(c) = c // 4
         out = Y W_2
-    Only the k_m causal taps (departure 3); taps before the sequence or on padding masked, the
-    softmax renormalising."""
+    Only the k_m causal taps (departure 3)."""
 
     def __init__(self, dim, k_m, conv_dropout):
         super().__init__()
         assert dim % 4 == 0, f"{dim} conv channels are not a multiple of 4"
         self.k = k_m
-        self.heads = dim // 4  # H_c = D_c / 4, 4 channels sharing a kernel (Table 13)
+        self.heads = dim // 4  # H_c = D_c / 4 (Table 13)
         self.p = conv_dropout
 
         self.glu_in = nn.Linear(dim, 2 * dim)  # W_1
@@ -229,7 +227,7 @@ class DynamicConv(nn.Module):
         k, H = self.k, self.heads
         u = F.glu(self.glu_in(x), dim=-1)  # (B, L, D_c), u * sigmoid(v)
 
-        # the kernels, tap j of token i reading token i-k+1+j (none before 0 or on padding)
+        # the kernels; taps before 0 or on padding masked, the softmax renormalising
         logits = F.dropout(self.w_gen(u), self.p, self.training)  # (B, L, k*H), as #L89
         logits = logits.view(B, L, k, H)  # (B, L, k, H)
         src_real = F.pad(real, (k - 1, 0)).unfold(1, k, 1)  # (B, L, k)
@@ -249,7 +247,7 @@ class DCConv(nn.Module):
     """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1; DC's
     gym/models/decision_convformer.py#L43, the code's LSDC.py#L20): three static causal depthwise
     filters of window L_w, one per token type (R, s, a), each token taking its type's (no softmax,
-    GLU or projection). LSDC's short-term branch (Sec. 4.4, D.3) and DC's mixer."""
+    GLU or projection). LSDC's short-term branch (Sec. 4.4, D.3)."""
 
     def __init__(self, dim, window, n_types):
         super().__init__()
@@ -288,7 +286,7 @@ class HybridFusion(nn.Module):
             y_att, y_conv = y.chunk(2, dim=-1)  # 2 x (B, L, D)
             out = a[..., 0, :] * y_att + a[..., 1, :] * y_conv  # (B, L, D)
         else:
-            # Eq. 4's softmax over channels (departure 2)
+            # over channels (departure 2)
             a = z.softmax(-1)  # (B, L, D) A = softmax(Z)
             out = a * y  # (B, L, D) Y_o, Eq. 4
 
@@ -323,8 +321,8 @@ class LongShortMixer(nn.Module):
         self.res_attn = nn.Linear(self.da, self.da) if res and self.attn is not None else None
         self.res_conv = nn.Linear(self.dc, self.dc) if res and self.conv is not None else None
 
-        # HFM only where both branches are, as the code (#L186-L208), so xi = 0 is DT's attention
-        # + W_O (departure 4); LSDT-weight: its "modified HFM"
+        # HFM only where both branches are, as the code (#L186-L208; departure 4); LSDT-weight:
+        # its "modified HFM"
         self.fuse = (HybridFusion(2 * D, over_branches=True) if cfg.routing == "weight" else
                      HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None)
 
@@ -333,7 +331,7 @@ class LongShortMixer(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout) if self.c_proj is not None else nn.Identity()
 
     def forward(self, x, attn_mask, real):
-        # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c); LSDT-weight: all of X (B, L, D) to both
+        # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c); LSDT-weight: X (B, L, D) to both
         x1, x2 = (x, x) if self.routing == "weight" else x.split([self.da, self.dc], dim=-1)
         if self.res_attn is not None:
             x1 = x1 + self.res_attn(x1)  # LSDT-res
@@ -393,7 +391,7 @@ class LSDT(nn.Module):
         self.embed_action = nn.Linear(act_dim, D) if cfg.action_tokens else None
 
         self.embed_ln = nn.LayerNorm(D)
-        self.drop = nn.Dropout(cfg.embd_dropout)  # none in the LSDT code; DC's GPT-2 embd_pdrop 0.1
+        self.drop = nn.Dropout(cfg.embd_dropout)
 
         self.blocks = nn.ModuleList(Block(cfg, dc) for dc in conv_dims(cfg))
         self.ln_f = nn.LayerNorm(D) if cfg.norm == "pre" else nn.Identity()  # none post-LN (#L346)
@@ -428,8 +426,8 @@ class LSDT(nn.Module):
         x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)  # (B, L, D)
         x = self.drop(self.embed_ln(x))  # (B, L, D)
 
-        # causal, no attention to left padding; a padding query sees itself (its output unused),
-        # so no row of the softmax is empty
+        # causal, no key on left padding; a padding query sees itself (its output unused), so no
+        # softmax row is empty
         real = mask.bool().repeat_interleave(n, dim=1)  # (B, L)
         causal = torch.ones(n * K, n * K, dtype=torch.bool, device=x.device).tril()
         eye = torch.eye(n * K, dtype=torch.bool, device=x.device)
@@ -460,15 +458,14 @@ CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm
 # The paper's rows: K and RTG (Table 5), the best xi (Table 14), the width (Table 13, D.2), heads,
 # batch, lr, kernel (Table 13), action tokens (D.2); keyed by D4RL names (paper_row).
 _LOCO = dict(n_embd=128, n_head=1, batch_size=64, lr=1e-4, kernel=6, action_tokens=True)
-# Table 2 (Maze2d): 4 seeds x 100 evaluations
+# Table 2 (Maze2d)
 _MAZE = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=3, action_tokens=True,
              context=20, target_return=None, eval_episodes=100)
-# Table 1 (AntMaze): 4 seeds x 100 evaluations; RTG 100 is on D4RL's 0/1 scale, where Minari's
-# pays 1 a step at the goal
+# Table 1 (AntMaze): RTG 100 is on D4RL's 0/1 scale, where Minari's pays 1 a step at the goal
 _ANT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True,
             context=10, target_return=100.0, eval_episodes=100)
-# Adroit (Table 9: 5 seeds x 20 evaluations): Table 13's column; no K, xi or RTG in the paper:
-# Config's K and xi (its "practical default"), data.py's target
+# Adroit (Table 9: 20 evaluations): Table 13's column; no K, xi or RTG in the paper: Config's K
+# and xi (its "practical default"), data.py's target
 _ADROIT = dict(n_embd=128, n_head=2, batch_size=256, lr=2e-4, kernel=6, action_tokens=True,
                eval_episodes=20)
 PAPER_TABLE = {
@@ -494,8 +491,8 @@ PAPER_TABLE = {
     **{f"{task}-{level}": dict(_ADROIT) for task in data_lib.ADROIT_TASKS
        for level in ("human", "cloned")},
 }
-# DC as the paper ran it (Table 12, DC's code): pre-LN, a conv mixer without W_O, embedding
-# dropout, a final LayerNorm, window L_w = 6; DC_h: 2-head attention in the last block.
+# DC as the paper ran it (Table 12, DC's code), window L_w = 6; DC_h: 2-head attention in the last
+# block.
 _DC = dict(conv="dc", conv_ratio=1.0, norm="pre", dropout=0.1, embd_dropout=0.1, context=8,
            kernel=6, n_embd=128, n_head=1, batch_size=64, lr=1e-4, weight_decay=1e-4)
 ARCH_DEFAULTS = {"dc": _DC, "dc_h": dict(_DC, n_head=2)}
@@ -532,8 +529,7 @@ def paper_values(cfg, given):
 
 
 def paper_settings(cfg, given):
-    """paper_values laid under the flags, then this file's checks -> cfg; it prints what it set
-    where a run is trained (not resumed)."""
+    """paper_values laid under the flags, then this file's checks -> cfg."""
     changes = paper_values(cfg, given)
     cfg = replace(cfg, **changes)
 
@@ -747,7 +743,7 @@ def mixing_maps(model, batch, layer=0, index=0):
     if mixer.attn is not None:
         maps["attention"] = mixer.attn.probs[index].mean(0).cpu()  # (L, L)
     if isinstance(mixer.conv, DynamicConv):
-        alpha = mixer.conv.alpha[index].mean(1).cpu()  # (L, k), heads averaged
+        alpha = mixer.conv.alpha[index].mean(1).cpu()  # (L, k)
         L, k = alpha.shape
         dense = torch.zeros(L, L + k - 1)
         rows = torch.arange(L)[:, None]
@@ -772,7 +768,7 @@ def plot_mixing(cfg, given):
         print("mixing maps: nothing to plot (no attention, dynamic conv or HFM)")
         return
 
-    # a panel a map, the left padding cut
+    # a panel a map
     plt = ev.pyplot()
     mixer = model.blocks[0].mixer
     n = 3 if model.action_tokens else 2

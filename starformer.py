@@ -8,8 +8,8 @@ Each timestep's group (a_{t-1}, r_{t-1}, s_t) goes through a Step Transformer (n
 per state dimension, or per image patch), which makes a StAR representation g_t^l at every layer l.
 A causal Sequence Transformer reads {g_1^l, h_1^{l-1}, ..., g_T^l, h_T^{l-1}}, where h_t is a
 whole-state token, keeps only the h tokens after each layer, and predicts a_t from the last layer's
-h_t. It conditions on the previous step-wise reward r_{t-1}, not on a return-to-go: by default
-there is no target return.
+h_t. It conditions on the step-wise reward r_{t-1}, not on a return-to-go: by default there is no
+target.
 
     python starformer.py --env hopper-expert                # Table 6's sizes (3.9M parameters)
     python starformer.py --env hopper-expert --preset code  # the official gym code's sizes (0.7M)
@@ -60,7 +60,7 @@ atari_and_dmc/starformer.py):
     (gym/training/seq_trainer.py#L28), as the official gym code; Table 6's 6e-4 / 0.1 / 1.0 are
     DT's Atari values (the paper keeps DT's settings otherwise, A.3) and serve Atari here.
  2. Gym sizes are Table 6's, which the paper does not limit to Atari; the official gym code's
-    smaller ones (gym/experiment.py#L281, #L360-L362) are --preset code.
+    smaller ones are --preset code (PRESETS).
  3. The Step group is (a, r, s^1..n) as the paper writes it; the code puts r last (#L112),
     permuting FC_l's weights.
  4. The null action and r_0 = 0 fill an episode's first group only, as in evaluation; the official
@@ -95,8 +95,8 @@ atari_and_dmc/starformer.py):
     off-by-one), fed one step late in training (group t gets R_{t-1}: run_star_atari.py#L139)
     but not in evaluation (#L211, #L249), prompted with 0 (#L175): a variant no flag here gives.
 15. Atari: the window sampler and the evaluation frames are data.py's and evaluate.py's, which say
-    how they differ from the official code (which StARformer's copies from DT's:
-    run_star_atari.py#L378-L393, #L261-L330).
+    how they differ from DT's official code (StARformer's copies: run_star_atari.py#L378-L393,
+    #L261-L330).
 """
 import math
 from dataclasses import dataclass, field
@@ -122,7 +122,7 @@ class Config:
     delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
     batch_size: int = arg(64, "windows per batch")
     context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1; Atari: 30)")
-    # Gym: DT's gym optimisation, as the gym code (departure 1)
+    # Gym: as the gym code (departure 1)
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
     warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
@@ -145,7 +145,7 @@ class Config:
     reward_input: str = arg("reward", "the reward slot: reward (r_{t-1}, the method) | rtg (R_t)")
     state_token: str = arg("conv", "Table 3, h^0: conv (the method) | none | patch")
     connection: str = arg("layerwise", "Table 4: layerwise (the method) | fusion | stack")
-    # the evaluation protocol: the gym code evaluates every 10k steps, 100 episodes a target
+    # evaluation as the gym code's: every 10k steps, 100 episodes a target
     eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
                           run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
@@ -194,8 +194,7 @@ PRESETS = {
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention (Sec. 2.1), causal only through the mask it is given: none in the
-    Step Transformer (full attention inside a group), a causal one in the Sequence Transformer."""
+    """Multi-head self-attention (Sec. 2.1), masked only by the mask it is given."""
 
     def __init__(self, width, n_head, dropout):
         super().__init__()
@@ -339,7 +338,7 @@ def sequence_mask(real, n):
 class StARformer(nn.Module):
     """obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, uint8
     frames, patch tokens). act_dim: the action dimension (continuous: Tanh head, MSE) or the number
-    of actions (discrete=True: logits, cross-entropy; the null action is the extra index, A.2)."""
+    of actions (discrete=True: logits, cross-entropy)."""
 
     def __init__(self, cfg, obs_shape, act_dim, discrete=False):
         super().__init__()
@@ -364,14 +363,13 @@ class StARformer(nn.Module):
             self.embed_patch = nn.Linear(1, d)  # FC(s_t^i): R^1 -> R^d, per dimension
             self.embed_action = nn.Linear(act_dim, d)  # Sec. 3.2.1: z_a = FC(a), the whole action
 
-        # Sec. 3.3.1: the integrated state token h^0 = Conv(s_t) (image) or FC(s_t) (vector) + e_t;
-        # Table 3 replaces it by a second patch embedding ('patch') or drops it ('none')
+        # Sec. 3.3.1: h^0's encoder; Table 3 replaces it ('patch') or drops it ('none')
         if self.state_token == "patch":
             self.embed_state = PatchState(patch_dim, n_state, d, D)
         elif self.state_token == "conv" and self.image:
             self.embed_state = NatureCNN(obs_shape, D)
         elif self.state_token == "conv":
-            # one Linear, as the gym code; --state-mlp: "multiple fully-connected layers" (dep. 9)
+            # one Linear, or --state-mlp (departure 9)
             self.embed_state = (nn.Sequential(nn.Linear(obs_shape, D), nn.GELU(), nn.Linear(D, D))
                                 if cfg.state_mlp else nn.Linear(obs_shape, D))
 
@@ -380,18 +378,17 @@ class StARformer(nn.Module):
             self.embed_reward = nn.Sequential(nn.Linear(1, d), nn.Tanh())  # z_r = Tanh(FC(r))
         self.n_tok = n_state + 1 + int(self.reward_token)  # n: a, (r), n_state state tokens
         self.e_spatial = nn.Parameter(torch.zeros(n_state, d))  # shared over t, zeros (code)
-        # Sec. 3.3.1: "exactly the same" e^temporal on g^l (every l) and h^0
+        # Sec. 3.3.1: "exactly the same" e^temporal on g^l and h^0
         self.e_temporal = nn.Parameter(torch.zeros(cfg.context, D))
         self.drop = nn.Dropout(cfg.dropout)  # on Z^0 and h^0 (code)
 
-        # the layers; Table 4 "Stack": only the last Step layer's output is projected to g
+        # the layers
         stack = self.connection == "stack"
         self.blocks = nn.ModuleList(
             StepSeqLayer(self.n_tok, d, D, cfg.step_head, cfg.n_head, cfg.dropout,
                          project=not stack or i == cfg.n_layer - 1) for i in range(cfg.n_layer))
 
-        # the head: the code's LayerNorm, then phi (Sec. 3.3.3, A.1): Linear, Tanh into [-1, 1] for
-        # continuous actions; logits for discrete ones
+        # the code's LayerNorm, then phi (Sec. 3.3.3, A.1): Linear, then Tanh for continuous actions
         self.ln_f = nn.LayerNorm(D)
         self.predict_action = nn.Sequential(nn.Linear(D, act_dim),
                                             *([] if discrete else [nn.Tanh()]))
@@ -399,15 +396,14 @@ class StARformer(nn.Module):
 
     @staticmethod
     def _init_weights(m):
-        # N(0, 0.02), zero biases (minGPT; departure 12)
+        # departure 12
         if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
     def patches(self, states):
-        """Sec. 3.2.1: s_t -> its n_state patches (B, T, n_state, patch_dim); vectors: one per
-        dimension."""
+        """Sec. 3.2.1: s_t -> its n_state patches; vectors: one per dimension."""
         if not self.image:
             return states.unsqueeze(-1)  # (B, T, C, 1)
         B, T, c, H, W = states.shape
@@ -423,15 +419,14 @@ class StARformer(nn.Module):
         if self.image:
             states = states.float() / 255.0  # uint8 frames -> [0, 1], as the code
         real = mask > 0  # (B, T)
-        # the temporal position counts from the first real step, so a left-padded window gives
-        # what the unpadded one gives (the paper's tau starts at s_1; departure 6)
+        # e^temporal counts from the first real step (the paper's tau starts at s_1; departure 6)
         pos = (real.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
         e_temp = self.e_temporal[pos]  # (B, T, D)
 
         # Sec. 3.2.1: Z_t^0 = {z_{a_{t-1}}, z_{r_{t-1}}, z_{s_t^1..n}} (the paper's order, dep. 3)
         prev_a, prev_r = step_inputs(actions, rewards, timesteps, prev_action, prev_reward,
                                      self.null_action)
-        if not self.prev_action:  # --no-prev-action: every group holds an episode's first null
+        if not self.prev_action:  # --no-prev-action: the null action in every group
             prev_a = torch.full_like(prev_a, self.null_action)
         tokens = [self.embed_action(prev_a).unsqueeze(2)]  # (B, T, 1, d)
         if self.reward_token:
@@ -457,13 +452,12 @@ class StARformer(nn.Module):
         else:
             h = self.drop(self.embed_state(states) + e_temp)  # (B, T, D)
 
-        # Eq. (2) interleaves g^l with h^{l-1}; without h^0 (Table 3 "w/o conv") and in Table 4's
-        # "Fusion" g is summed into one stream of h tokens instead
+        # Eq. (2) interleaves g^l with h^{l-1}; Table 3's "w/o conv" and Table 4's "Fusion" sum them
         interleave = self.state_token != "none" and self.connection != "fusion"
         seq_mask = sequence_mask(real, 2 if interleave else 1)  # (B, 1, 2T, 2T) or (B, 1, T, T)
         if self.connection == "stack":
-            # Table 4 "Stack" (Fig. 4b): all L Step layers first, then g^L enters the first
-            # Sequence layer only, beside h^0 (departure 11); the Sequence layers keep all tokens
+            # Table 4 "Stack" (Fig. 4b): all L Step layers, then g^L beside h^0 (departure 11)
+            # through the L Sequence layers, no token dropped
             for block in self.blocks:
                 Z = block.step_layer(Z)
             y = self.blocks[-1].star(Z, e_temp)  # g^L (B, T, D)
@@ -511,8 +505,7 @@ def paper_settings(cfg, given):
             raise data_lib.DataError(f"--{name.replace('_', '-')} must be one of {', '.join(ok)}, "
                                      f"got '{getattr(cfg, name)}'")
 
-    # the settings together (the cpu preset's Atari row reads R_t: its --no-reward-token run just
-    # has no reward slot)
+    # the settings together (the cpu preset's Atari R_t stands, unread, with --no-reward-token)
     rtg = cfg.reward_input == "rtg"
     for bad, why in (
             (cfg.step_embd % cfg.step_head,
@@ -571,8 +564,8 @@ def lr_factor(s, cfg):
 
 
 def predict(model, b):
-    """A data.py / evaluate.py batch -> a_t at every position (B, K, act). Training and evaluation
-    both come through here, so group t holds (a_{t-1}, r_{t-1}, s_t) in both."""
+    """A data.py / evaluate.py batch -> a_t at every position (B, K, act): training and evaluation
+    alike, so group t holds r_{t-1} in both (departure 5)."""
     return model(b["states"], b["actions"], b["rewards"], b["rtg"], b["timesteps"], b["mask"],
                  b["prev_action"], b["prev_reward"])
 
@@ -581,7 +574,7 @@ def loss_fn(model, batch, cfg):
     b = batch
     pred = predict(model, b)  # (B, K, act)
     if b["actions"].dtype == torch.int64:
-        # Sec. 3.4: cross-entropy for discrete actions (Atari), on the logits
+        # Sec. 3.4: cross-entropy for discrete actions (Atari)
         err = F.cross_entropy(pred.float().flatten(0, 1), b["actions"].flatten(), reduction="none")
         err = err.view_as(b["mask"])  # (B, K)
     else:

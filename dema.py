@@ -16,6 +16,7 @@ the conv and SSM states through an episode (Sec. 3.2, App. C).
     python dema.py --out <run folder> --attention      # Fig. 4: hidden attention
     python dema.py --out <run folder> --s6-ablation zero --s6-layers 0   # Fig. 5: S6 zeroed
     python dema.py --bench --env breakout-expert       # Table 7: a training step on frames
+    python dema.py --out <run folder> --target-sweep   # DT's Fig. 4 on a run
 
 Glossary (paper symbol -> code name, shape; R_t, s_t and Atari's s_t, a_t as in dt.py, b its B;
 Config: K context, E n_embd, D d_model, N d_state, W d_conv):

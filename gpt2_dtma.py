@@ -14,6 +14,7 @@ GPT2-DTMA's softmax gate over each layer's heads (Eqs. 6-8) lets fine-tuning tur
     python gpt2_dtma.py --dataset made/pointmaze/medium-dense-v0 --preset cpu
     python gpt2_dtma.py --sample "The meaning of life is" # proof that GPT-2's weights loaded
     python gpt2_dtma.py --out <run folder> --importance   # an analysis of a run
+    python gpt2_dtma.py --out <run folder> --target-sweep # DT's Fig. 4 on a run
 
 Glossary (paper symbol -> code name; R^_t, s_t, a_t: dt.py's R_t, s_t, a_t):
     a'_t            the predicted action (Eq. 2): DecisionTransformer()[0]

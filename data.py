@@ -1510,7 +1510,7 @@ def _make_breakout(seed=0, steps=None):
 # trains a linear policy in Hopper-v5, the alive bonus (1 a step) off its training returns as the
 # paper does for Hopper (modestyachts/ARS@4c8e24e code/ars.py#L399), until its noise-free eval
 # return reaches the level or the budget ends (then the best policy). Departures from the paper:
-# 1. gymnasium's Hopper-v5, not gym 0.9's Hopper-v1 (MuJoCo 1.31): the same robot and reward.
+# 1. gymnasium's Hopper-v5, not gym 0.9's Hopper-v1: the same robot and reward.
 # 2. Actions clipped to the env's [-1, 1]: the simulator clamps them alike, the control cost not.
 # 3. A run below medium after HOPPER_RESTART iterations restarts from M = 0 with new directions:
 #    Hopper's runs vary widely with the seed, and one can stall for long.

@@ -584,8 +584,7 @@ class DeMa(nn.Module):
 # <<< model: end
 
 
-# --------------------------------------------------------------------------------------------------
-# the paper's pieces: per-dataset settings, data, model, schedule, loss, policy
+# ---- the paper's pieces: per-dataset settings, data, model, schedule, loss, policy ----
 
 SCRIPT = "dema"
 LOG_COLUMNS = ()
@@ -799,8 +798,7 @@ def evaluate(model, d, cfg, device):
     model.train()
     return results
 
-# --------------------------------------------------------------------------------------------------
-# training
+# ---- training ----
 
 
 def train(cfg, run, d=None):
@@ -865,8 +863,7 @@ def train(cfg, run, d=None):
         attention_figure(model, d, cfg, os.path.join(run.out, "attention.png"))
     return run.finish(results)
 
-# --------------------------------------------------------------------------------------------------
-# this file's analyses: they never train
+# ---- this file's analyses: they never train ----
 
 
 def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
@@ -1100,8 +1097,7 @@ def param_table(cfg, given):
 ANALYSES = {"bench_scan": bench_scan, "params": param_table, "attention": attention_episode,
             "s6_ablation": s6_ablation}
 
-# --------------------------------------------------------------------------------------------------
-# the run's plumbing, the same text in every model file: --gif, --target-sweep, --bench, main()
+# ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
 
 
 def load_model(cfg, given):

@@ -8,7 +8,7 @@ from the hidden state of the s_t token. At test time the model is prompted with 
 and R_{t+1} = R_t - r_t after each step (paper Sec. 3).
 
     python dt.py --env hopper-medium                  # the paper's configuration (a GPU)
-    python dt.py --env hopper-medium --preset cpu     # a small configuration for a 2-core laptop
+    python dt.py --env hopper-medium --preset cpu     # small, for a 2-core laptop
     python dt.py --env hopper-medium --no-return-token                     # behaviour cloning (BC)
     python dt.py --env hopper-medium --no-return-token --top-fraction 0.1  # %BC: BC on the best 10%
     python data.py make breakout-mixed && python dt.py --dataset made/breakout/mixed-v0 --preset cpu
@@ -83,12 +83,12 @@ class Config:
     n_layer: int = arg(3, "transformer blocks")
     n_head: int = arg(1, "attention heads")
     dropout: float = arg(0.1, "dropout on embeddings, attention and residuals")
-    # the paper's behaviour-cloning baselines (Sec. 5.3, Table 3) and delayed rewards (Table 5)
+    # behaviour cloning (Sec. 5.3, Table 3) and delayed rewards (Table 5)
     return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. BC")
     top_fraction: float = arg(1.0, "train on the best episodes holding this share of steps (%BC)")
     delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 5)")
     state_encoder: str = arg("conv", "Atari: conv (DQN's torso) | patch (StARformer's DT with ViT)")
-    # the evaluation protocol: kzl evaluates every 10k steps, 100 episodes a target
+    # the evaluation protocol: kzl's, every 10k steps, 100 episodes a target
     eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
                           run=True)
     eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
@@ -153,7 +153,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for z in (q, k, v))  # (B, nh, T, hs)
 
-        # softmax(q k^T / sqrt(hs)) v, then the heads side by side again
+        # softmax(q k^T / sqrt(hs)) v
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -338,8 +338,7 @@ class AtariDecisionTransformer(nn.Module):
 
 # <<< model: end
 
-# --------------------------------------------------------------------------------------------------
-# the paper's pieces: data, model, schedule, loss, policy
+# ---- the paper's pieces: data, model, schedule, loss, policy ----
 
 SCRIPT = "dt"
 LOG_COLUMNS = ()
@@ -439,8 +438,7 @@ def evaluate(model, d, cfg, device):
     model.train()
     return results
 
-# --------------------------------------------------------------------------------------------------
-# training
+# ---- training ----
 
 
 def train(cfg, run, d=None):
@@ -498,8 +496,7 @@ def train(cfg, run, d=None):
     # a run resumed at --steps evaluates its checkpoint
     return run.finish(results or evaluate(model, d, cfg, device))
 
-# --------------------------------------------------------------------------------------------------
-# this file's analyses: they read a run's checkpoint and never train
+# ---- this file's analyses: they read a run's checkpoint and never train ----
 
 
 def bench_eval(cfg, given):
@@ -511,8 +508,7 @@ def bench_eval(cfg, given):
 
 ANALYSES = {"bench_eval": bench_eval}
 
-# --------------------------------------------------------------------------------------------------
-# the run's plumbing, the same text in every model file: --gif, --target-sweep, --bench, main()
+# ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
 
 
 def load_model(cfg, given):

@@ -338,7 +338,7 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
     try:
         res = evaluate(act, d, 1, target_return, seed, context, device, progress=False,
                        render_every=every, greedy=greedy)
-    except Exception as e:  # the GL errors differ by backend and library (mujoco.FatalError, ...)
+    except Exception as e:  # GL errors differ by backend and library
         if isinstance(e, DataError) or atari:
             raise
         raise DataError(
@@ -511,7 +511,7 @@ EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score",
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000  # valid numpy / gymnasium seeds; envs at once
 PROBE_STEPS = 10  # steps timed (after the first) for the run's expected length
 BENCH_MODES = [("eager", False, False), ("compiled", True, False), ("compiled + amp", True, True)]
-FAMILIES = ("mazes", "atari")  # entries of a preset that apply to one family of datasets only
+FAMILIES = ("mazes", "atari")  # a preset's entries for one family of datasets
 
 
 def parse_flags(Config, presets, argv, prog, description):
@@ -536,7 +536,7 @@ def parse_flags(Config, presets, argv, prog, description):
     if given.get("preset", "") not in ("", *presets):
         p.error(f"unknown preset '{given['preset']}'; known: {', '.join(k for k in presets if k)}")
 
-    # the flags over the preset over the paper's rows; the preset's family settings printed
+    # the flags over the preset over the paper's rows; the preset's family row printed
     name, preset = given.get("dataset") or given.get("env") or Config.env, given.get("preset", "")
     chosen = {f.name: f.default for f in dataclasses.fields(Config)} | given
     values = {**preset_values(presets, preset, name, chosen), **given}
@@ -554,9 +554,8 @@ def parse_flags(Config, presets, argv, prog, description):
 
 
 def family_setting(presets, preset, dataset, chosen=None):
-    """A preset's entry for the dataset's family ("mazes", "atari"), else {}, with the rows over it
-    that apply: a game's own ("pong"), or one for a flag's value ("mode=rnn") where `chosen`, the
-    settings the flags chose, holds that value. Preset "" is the paper's."""
+    """A preset's entry for the data's family ("mazes", "atari"), else {}, with its rows that apply
+    over it: a game's ("pong"), or a flag value's ("mode=rnn") where `chosen` holds that value."""
     family = "mazes" if is_maze(dataset) else "atari" if data_lib.is_atari(dataset) else None
     entry = presets.get(preset, {}).get(family, {}) if family else {}
 

@@ -371,8 +371,7 @@ class GPT2(nn.Module):
 
 # <<< model: end
 
-# --------------------------------------------------------------------------------------------------
-# the paper's analysis quantities (torch alone)
+# ---- the paper's analysis quantities (torch alone) ----
 
 MARKOV_HEADS = (1, 5, 10)  # GPT-2 small's layer-0 Markov heads (Tab. 1), Eq. 9's
 # [P-old] Tab. 8: CLIP's layer-0 heads at init, (i) and (ii)'s ratio
@@ -474,8 +473,7 @@ def head_importance(model, batch):
         imp[layer] = (abl.view(N, B, -1) - base[None]).norm(dim=-1).mean(dim=1).cpu()
     return imp
 
-# --------------------------------------------------------------------------------------------------
-# the paper's pieces: data, blocks, schedule, loss, policy
+# ---- the paper's pieces: data, blocks, schedule, loss, policy ----
 
 SCRIPT = "gpt2_dtma"
 LOG_COLUMNS = ("g_markov",)
@@ -657,8 +655,7 @@ def g_markov(model, probe):
     model.train()
     return {"g_markov": f"{markov_gate_mass(gates[0], b['mask'], model.markov_heads).item():.4f}"}
 
-# --------------------------------------------------------------------------------------------------
-# training
+# ---- training ----
 
 
 def train(cfg, run, d=None):
@@ -735,8 +732,7 @@ def train(cfg, run, d=None):
     # a run resumed at --steps evaluates its checkpoint
     return run.finish(results or evaluate(model, d, cfg, device))
 
-# --------------------------------------------------------------------------------------------------
-# this file's analyses: they never train
+# ---- this file's analyses: they never train ----
 
 
 def save_figure(fig, path, say=True):
@@ -1062,8 +1058,7 @@ ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps,
             "attention_distance": attention_distance, "importance": importance_analysis,
             "sample": sample_text, "text_attention": text_attention}
 
-# --------------------------------------------------------------------------------------------------
-# the pretrained weights (GPT-2's, CLIP's text tower), read and checked by hand
+# ---- the pretrained weights (GPT-2's, CLIP's text tower), read and checked by hand ----
 
 # CLIP ViT-B/32's text tower (HF CLIPTextConfig's defaults)
 CLIP_TEXT = GPT2Config(vocab_size=49408, n_positions=77, n_embd=512, n_layer=12, n_head=8,
@@ -1375,8 +1370,7 @@ def config_from_json(path):
                   f"{C}")
     return dataclasses.replace(default, **values, layer_norm_epsilon=float(eps))
 
-# --------------------------------------------------------------------------------------------------
-# the run's plumbing, the same text in every model file: --gif, --target-sweep, --bench, main()
+# ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
 
 
 def load_model(cfg, given):

@@ -447,8 +447,7 @@ class LSDT(nn.Module):
 
 # <<< model: end
 
-# --------------------------------------------------------------------------------------------------
-# the paper's pieces: the per-dataset settings, data, model, schedule, loss, policy
+# ---- the paper's pieces: the per-dataset settings, data, model, schedule, loss, policy ----
 
 SCRIPT = "lsdt"
 LOG_COLUMNS = ()
@@ -656,8 +655,7 @@ def evaluate(model, d, cfg, device):
     model.train()
     return results
 
-# --------------------------------------------------------------------------------------------------
-# training
+# ---- training ----
 
 
 def train(cfg, run, d=None):
@@ -722,8 +720,7 @@ def train(cfg, run, d=None):
     # a run resumed at --steps evaluates its checkpoint
     return run.finish(results or evaluate(model, d, cfg, device))
 
-# --------------------------------------------------------------------------------------------------
-# this file's analyses: they read a run's checkpoint and never train
+# ---- this file's analyses: they read a run's checkpoint and never train ----
 
 
 def mixing_maps(model, batch, layer=0, index=0):
@@ -854,8 +851,7 @@ def plot_paths(cfg, given):
 
 ANALYSES = {"plot_mixing": plot_mixing, "plot_paths": plot_paths}
 
-# --------------------------------------------------------------------------------------------------
-# the run's plumbing, the same text in every model file: --gif, --target-sweep, --bench, main()
+# ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
 
 
 def load_model(cfg, given):

@@ -484,8 +484,7 @@ class StARformer(nn.Module):
 
 # <<< model: end
 
-# --------------------------------------------------------------------------------------------------
-# the paper's pieces: data, model, schedule, loss, policy
+# ---- the paper's pieces: data, model, schedule, loss, policy ----
 
 SCRIPT = "starformer"
 LOG_COLUMNS = ()
@@ -614,8 +613,7 @@ def evaluate(model, d, cfg, device):
     model.train()
     return results
 
-# --------------------------------------------------------------------------------------------------
-# training
+# ---- training ----
 
 
 def train(cfg, run, d=None):
@@ -673,13 +671,11 @@ def train(cfg, run, d=None):
     # a run resumed at --steps evaluates its checkpoint
     return run.finish(results or evaluate(model, d, cfg, device))
 
-# --------------------------------------------------------------------------------------------------
-# this file's analyses: none beyond the shared ones
+# ---- this file's analyses: none beyond the shared ones ----
 
 ANALYSES = {}
 
-# --------------------------------------------------------------------------------------------------
-# the run's plumbing, the same text in every model file: --gif, --target-sweep, --bench, main()
+# ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
 
 
 def load_model(cfg, given):

@@ -9,7 +9,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIBLINGS = ["gpt2_dtma", "lsdt", "starformer", "dema"]
 RUN_FLAGS = "    # ---- the run: the same flags in every model file ----"
-PLUMBING = "# the run's plumbing, the same text in every model file"
+PLUMBING = "# ---- the run's plumbing, the same text in every model file"
 
 
 def shared_text(script):

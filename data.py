@@ -1522,7 +1522,7 @@ MAKE_NAMES.update({"hopper-medium": "mujoco/hopper/medium-v0",
 # original paper"
 HOPPER_ARS = dict(alpha=0.01, nu=0.025, directions=8, top=4)
 HOPPER_LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
-HOPPER_ITERATIONS = {"medium": 1000, "expert": 300}  # at most; set from measured runs (README)
+HOPPER_ITERATIONS = {"medium": 1000, "expert": 300}  # at most; set from measured runs (RESULTS.md)
 HOPPER_RESTART, HOPPER_EVAL_EPISODES, HOPPER_NOISE, HOPPER_STEPS = 200, 5, 0.05, 300_000
 HOPPER_HELP = ("hopper-*: ARS trains a linear policy in Hopper-v5 to a third of D4RL's expert "
                f"return\n(expert: all, or the best in {HOPPER_ITERATIONS['expert']} iterations); "

@@ -139,7 +139,7 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     real = evaluate.evaluate
 
     def terminated(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # (to this thread: delivered at once)
         return real(*args, **kwargs)
     previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("SIGTERM reached the caller's handler"))
     try:
@@ -155,7 +155,7 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     def replace(src, dst):
         real_replace(src, dst)
         if dst.endswith("target_sweep.csv"):
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # (to this thread: delivered at once)
     monkeypatch.setattr(os, "replace", replace)
     err = one_sentence(capsys, dt.main, sweep, code=130)
     after = files(out)

@@ -1518,8 +1518,7 @@ def _make_breakout(seed=0, steps=None):
 MAKE_NAMES.update({"hopper-medium": "mujoco/hopper/medium-v0",
                    "hopper-medium-replay": "D4RL's hopper-medium-replay-v2",
                    "hopper-expert": "mujoco/hopper/expert-v0"})
-# Hopper's step size, noise, directions and top b as RL Zoo's ars.yml gives them, "closest to the
-# original paper"
+# ARS's Hopper settings as RL Zoo's ars.yml gives them ("closest to the original paper")
 HOPPER_ARS = dict(alpha=0.01, nu=0.025, directions=8, top=4)
 HOPPER_LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
 HOPPER_ITERATIONS = {"medium": 1000, "expert": 300}  # at most; set from measured runs (RESULTS.md)

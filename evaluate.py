@@ -71,7 +71,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
     """
     n, H = episodes, d.horizon
 
-    # reset: s_0 and R_0 (the prompt, scaled); a list of envs (a vector env would auto-reset)
+    # reset: s_0 and R_0 (the prompt, scaled); a list of envs (vector envs auto-reset)
     envs = [d.make_env(render=render_every > 0 and i == 0) for i in range(n)]
     samplers = [np.random.default_rng(seed + i) for i in range(n)]  # env i's draws (discrete)
     contexts = Contexts(d, n, context)
@@ -98,7 +98,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
         with torch.no_grad():
             out = _as_numpy(act({k: v.to(device) for k, v in batch.items()}, live))
 
-        # a NaN action would turn the env's state and every later return to NaN
+        # a NaN action would make the env's state and every later return NaN
         if not np.isfinite(out).all():
             j = int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])
             raise DataError(
@@ -106,7 +106,7 @@ def evaluate(act, d, episodes, target_return, seed, context, device="cpu", progr
                 f"(target {target_return}); the run's weights or its return-to-go prompt are out "
                 f"of range")
 
-        # Atari: choose() from the logits; else clipped to the action space
+        # Atari: choose() from the logits; else clipped
         actions = (np.array([choose(o, samplers[i], greedy) for o, i in zip(out, live)])
                    if d.discrete else
                    np.clip(out, envs[0].action_space.low, envs[0].action_space.high))
@@ -313,7 +313,8 @@ def _analyse(fn, names, args, kwargs):
     out = inspect.signature(fn).bind(*args, **kwargs).arguments["out"]
     paths = [os.path.join(out, name) for name in names]
     before = [os.path.exists(p) and os.stat(p).st_ino for p in paths]  # (renamed in: new inodes)
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Ctrl-C and SIGTERM: KeyboardInterrupt, whatever the caller's handlers
+    previous = {s: signal.signal(s, signal.default_int_handler) for s in STOPS}
 
     try:
         return fn(*args, **kwargs)
@@ -323,7 +324,8 @@ def _analyse(fn, names, args, kwargs):
               + ("written" if done else "not written (any previous copy kept)"), file=sys.stderr)
         raise SystemExit(130) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @analysis("episode.gif")
@@ -510,6 +512,7 @@ EVAL_FIELDS = ["target", "eval_return", "eval_return_std", "normalized_score",
                "normalized_score_std", "success_rate", "steps_to_goal", "greedy", "wall_time"]
 MAX_SEED, MAX_EVAL_EPISODES = 2 ** 31 - 1, 10_000  # valid numpy / gymnasium seeds; envs at once
 PROBE_STEPS = 10  # steps timed (after the first) for the run's expected length
+STOPS = (signal.SIGINT, signal.SIGTERM)
 BENCH_MODES = [("eager", False, False), ("compiled", True, False), ("compiled + amp", True, True)]
 FAMILIES = ("mazes", "atari")  # a preset's entries for one family of datasets
 
@@ -842,8 +845,7 @@ def write_atomic(path, write, *more):
 
         # renamed together, Ctrl-C and SIGTERM held meanwhile, then passed on
         caught = []
-        held = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+        held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOPS}
         try:
             for p, _ in pairs:
                 os.replace(p + ".tmp", p)
@@ -892,8 +894,7 @@ class StopSignal:
     def __enter__(self):
         self.signum, self.previous = 0, {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle)
-                             for s in (signal.SIGINT, signal.SIGTERM)}
+            self.previous = {s: signal.signal(s, self.handle) for s in STOPS}
         return self
 
     def handle(self, signum, frame):

@@ -1238,8 +1238,8 @@ def make(name, dataset_id=None, seed=0, steps=None):
     t0 = time.time()
     if name == "breakout-mixed":
         buffers, write_kwargs, behaviour = _make_breakout(seed, steps)
-    elif name.startswith("hopper-"):
-        buffers, write_kwargs, behaviour = _make_hopper(name, seed, steps)
+    elif name.split("-")[0] in LOCOMOTION:
+        buffers, write_kwargs, behaviour = _make_locomotion(name, seed, steps)
     else:
         buffers, write_kwargs, behaviour = _make_pointmaze(name, seed, steps)
     command = ["make", name, dataset_id, *(["--seed", seed] if seed else []),
@@ -1504,29 +1504,50 @@ def _make_breakout(seed=0, steps=None):
     return buffers, write_kwargs, behaviour
 
 
-# Hopper, made offline (make hopper-*)
+# Locomotion, made offline (make hopper-*, halfcheetah-*)
 #
 # D4RL's recipe with Augmented Random Search (Mania, Guy and Recht 2018) in place of SAC: ARS V2-t
-# trains a linear policy in Hopper-v5, the alive bonus (1 a step) off its training returns as the
-# paper does for Hopper (modestyachts/ARS@4c8e24e code/ars.py#L399), until its noise-free eval
-# return reaches the level or the budget ends (then the best policy). Departures from the paper:
-# 1. gymnasium's Hopper-v5, not gym 0.9's Hopper-v1: the same robot and reward.
+# trains a linear policy in the robot's gymnasium v5 env, the alive bonus (1 a step) off its
+# training returns as the paper does (modestyachts/ARS@4c8e24e code/ars.py#L399), until its
+# noise-free eval return reaches the level or the budget ends (then the best policy). Departures
+# from the paper and from D4RL:
+# 1. gymnasium's v5 robots, not gym 0.9's v1: the same robots and rewards.
 # 2. Actions clipped to the env's [-1, 1]: the simulator clamps them alike, the control cost not.
-# 3. A run below medium after HOPPER_RESTART iterations restarts from M = 0 with new directions:
+# 3. A run below medium after ARS_RESTART iterations restarts from M = 0 with new directions:
 #    Hopper's runs vary widely with the seed, and one can stall for long.
+# 4. medium-replay: ARS runs to medium, one after another from new streams, until their rollouts
+#    hold --steps, then a uniform draw of whole rollouts down to --steps (D4RL keeps one SAC run's
+#    whole replay): one ARS run's rollouts vary 3x in number with the seed (Hopper), or run to
+#    millions of steps (HalfCheetah's 64 rollouts an iteration).
+# 5. medium-expert: `make <robot>-medium`'s data, then `make <robot>-expert`'s, at the same seed
+#    (D4RL's recipe, both datasets whole).
+# Walker2d is not made, nor HalfCheetah's expert: ARS, with RL Zoo's settings for the robot, does
+# not reach the level within the make's budget (RESULTS.md).
 
-MAKE_NAMES.update({"hopper-medium": "mujoco/hopper/medium-v0",
-                   "hopper-medium-replay": "D4RL's hopper-medium-replay-v2",
-                   "hopper-expert": "mujoco/hopper/expert-v0"})
-# ARS's Hopper settings as RL Zoo's ars.yml gives them ("closest to the original paper")
-HOPPER_ARS = dict(alpha=0.01, nu=0.025, directions=8, top=4)
-HOPPER_LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
-HOPPER_ITERATIONS = {"medium": 1000, "expert": 300}  # at most; set from measured runs (RESULTS.md)
-HOPPER_RESTART, HOPPER_EVAL_EPISODES, HOPPER_NOISE, HOPPER_STEPS = 200, 5, 0.05, 300_000
-HOPPER_HELP = ("hopper-*: ARS trains a linear policy in Hopper-v5 to a third of D4RL's expert "
-               f"return\n(expert: all, or the best in {HOPPER_ITERATIONS['expert']} iterations); "
-               f"data: its rollouts, N(0, {HOPPER_NOISE}^2) on each action\n(medium-replay: "
-               "every rollout of training to medium).")
+# robot: its env, ARS's settings and the alive bonus off a training return as RL Zoo's ars.yml
+# gives them ("closest to the original paper"), and the most iterations to each level (set from
+# measured runs: RESULTS.md)
+LOCOMOTION = {
+    "hopper": dict(env="Hopper-v5", ars=dict(alpha=0.01, nu=0.025, directions=8, top=4),
+                   alive=1.0, iterations={"medium": 1000, "expert": 300}),
+    "halfcheetah": dict(env="HalfCheetah-v5", ars=dict(alpha=0.02, nu=0.03, directions=32, top=4),
+                        alive=0.0, iterations={"medium": 120}),
+}
+LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
+ARS_RESTART, ARS_EVAL_EPISODES, LOCOMOTION_NOISE, LOCOMOTION_STEPS = 200, 5, 0.05, 300_000
+for _robot, _s in LOCOMOTION.items():
+    MAKE_NAMES[f"{_robot}-medium"] = f"mujoco/{_robot}/medium-v0"
+    MAKE_NAMES[f"{_robot}-medium-replay"] = f"D4RL's {_robot}-medium-replay-v2"
+    if "expert" in _s["iterations"]:
+        MAKE_NAMES[f"{_robot}-expert"] = f"mujoco/{_robot}/expert-v0"
+        MAKE_NAMES[f"{_robot}-medium-expert"] = f"D4RL's {_robot}-medium-expert-v2"
+LOCOMOTION_HELP = (
+    "hopper-*, halfcheetah-*: ARS trains a linear policy in the v5 robot to a third of D4RL's "
+    "expert\nreturn (expert: all, or the best in "
+    f"{LOCOMOTION['hopper']['iterations']['expert']} iterations); data: its rollouts, "
+    f"N(0, {LOCOMOTION_NOISE}^2) on\neach action (medium-replay: the rollouts of ARS runs to "
+    "medium, a uniform draw of them;\nmedium-expert: the medium data, then the expert data). "
+    "Walker2d: ARS does not reach medium\nin the make's budget (RESULTS.md).")
 
 
 def ars(rollout, shape, rng, alpha, nu, directions, top):
@@ -1557,17 +1578,27 @@ def ars(rollout, shape, rng, alpha, nu, directions, top):
         yield M, mu, std, [run[2] for run in runs]
 
 
-def _make_hopper(name, seed, steps):
-    """ARS to the level `name` names, then its noisy rollouts, or for medium-replay every rollout
-    ARS ran. -> (buffers, _write_dataset's kwargs, behaviour line)."""
+def _make_locomotion(name, seed, steps):
+    """ARS to the level `name` names, then its noisy rollouts; medium-replay: rollouts of ARS runs
+    to medium; medium-expert: medium's data, then expert's. -> (buffers, _write_dataset's kwargs,
+    behaviour line)"""
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
-    level, (low, high), t0 = name.removeprefix("hopper-"), D4RL_REF_SCORES["Hopper"], time.time()
-    env, noise_rng = gym.make("Hopper-v5"), np.random.default_rng([seed, 0])
-    _check_make(env, steps or HOPPER_STEPS)
+    robot, level = name.split("-", 1)
+    if level == "medium-expert":
+        parts = [_make_locomotion(f"{robot}-{part}", seed, steps) for part in ("medium", "expert")]
+        kwargs = parts[0][1] | dict(description=f"stands in for {MAKE_NAMES[name]}: the medium "
+                                    f"data, then the expert data, seed {seed}")
+        return (parts[0][0] + parts[1][0], kwargs,
+                f"medium: {parts[0][2]}\nexpert: {parts[1][2]}")
+    settings, t0 = LOCOMOTION[robot], time.time()
+    (low, high), steps = D4RL_REF_SCORES[settings["env"].split("-")[0]], steps or LOCOMOTION_STEPS
+    env, noise_rng = gym.make(settings["env"]), np.random.default_rng([seed, 0])
+    shape = env.action_space.shape + env.observation_space.shape                      # (p, n)
+    _check_make(env, steps)
     env.reset(seed=seed)
 
-    def rollout(M, mu, std, shift=1.0, noise=0.0, limit=None):
+    def rollout(M, mu, std, alive=settings["alive"], noise=0.0, limit=None):
         obs, _ = env.reset()
         states, actions, rewards = [obs], [], []
         while True:
@@ -1581,42 +1612,63 @@ def _make_hopper(name, seed, steps):
         ends = [False] * (len(actions) - 1)
         episode = EpisodeBuffer(observations=np.stack(states), actions=np.stack(actions),
                                 rewards=rewards, terminations=ends + [term],
-                                truncations=ends + [not term], infos={})        # (T + 1, 11) states
-        return sum(rewards) - shift * len(rewards), np.stack(states[:-1]), episode
+                                truncations=ends + [not term], infos={})        # (T + 1, n) states
+        return sum(rewards) - alive * len(rewards), np.stack(states[:-1]), episode
 
-    # train; (re)start a run at first, and where it is below medium HOPPER_RESTART iterations on
-    stop = level.removesuffix("-replay")
-    medium, target = (low + HOPPER_LEVELS[k] * (high - low) for k in ("medium", stop))
-    replay, best, start, runs = [], (-np.inf,), 0, 0
-    for it in range(1, HOPPER_ITERATIONS[stop] + 1):
-        if it == start + 1 and best[0] < medium:
-            training = ars(rollout, (3, 11), np.random.default_rng([seed, it]), **HOPPER_ARS)
-            start, runs = it - 1 + HOPPER_RESTART, runs + 1
-        M, mu, std, episodes = next(training)
-        replay += episodes
-        score = np.mean([rollout(M, mu, std, 0.0)[0] for _ in range(HOPPER_EVAL_EPISODES)])
-        best = max(best, (score, it, M, mu, std), key=lambda b: b[0])
-        if score >= target:
-            break
+    def train(stop, stream):
+        """ARS until the eval return reaches `stop`'s level or the budget ends; (re)start a run at
+        first, and where it is below medium ARS_RESTART iterations on. -> (best (score, iteration,
+        M, mu, std), every training rollout, runs)"""
+        medium, target = (low + LEVELS[k] * (high - low) for k in ("medium", stop))
+        replay, best, start, runs = [], (-np.inf,), 0, 0
+        for it in range(1, settings["iterations"][stop] + 1):
+            if it == start + 1 and best[0] < medium:
+                training = ars(rollout, shape, np.random.default_rng([seed, it, *stream]),
+                               **settings["ars"])
+                start, runs = it - 1 + ARS_RESTART, runs + 1
+            M, mu, std, episodes = next(training)
+            replay += episodes
+            score = np.mean([rollout(M, mu, std, 0.0)[0] for _ in range(ARS_EVAL_EPISODES)])
+            best = max(best, (score, it, M, mu, std), key=lambda b: b[0])
+            if score >= target:
+                break
+        if best[0] < medium:
+            raise DataError(f"ARS did not reach {robot}'s medium level (an eval return of "
+                            f"{medium:.0f}) in {it} iterations of {runs} run(s) at --seed {seed} "
+                            f"(its best: {best[0]:.0f}); try another --seed")
+        return best, replay, runs
 
-    # the data: noisy rollouts until `steps`, the last cut there, or the newest training rollouts
-    score, it, M, mu, std = best
-    lengths = np.cumsum([len(e.rewards) for e in replay[::-1]])          # steps of the newest k
-    buffers = replay[-max((lengths <= steps).sum(), 1):] if steps else replay
-    if level != "medium-replay":
-        buffers, total, steps = [], 0, steps or HOPPER_STEPS
-        while total < steps:
-            buffers.append(rollout(M, mu, std, noise=HOPPER_NOISE, limit=steps - total)[2])
-            total += len(buffers[-1].rewards)
-
+    # train, then the data: noisy rollouts of the best policy until `steps`, the last cut there
     norm = lambda r: f"{r:.1f} (normalised {100 * (r - low) / (high - low):.1f})"
-    behaviour = (f"mean return {norm(np.mean([sum(e.rewards) for e in buffers]))}; the policy's "
-                 f"eval return {norm(score)}, level {norm(target)}, at ARS iteration {it} of "
-                 f"{runs} run(s), {lengths[-1]:,} training steps, {time.time() - t0:.0f} s")
+    if level != "medium-replay":
+        (score, it, M, mu, std), replay, runs = train(level, ())
+        buffers, total = [], 0
+        while total < steps:
+            buffers.append(rollout(M, mu, std, noise=LOCOMOTION_NOISE, limit=steps - total)[2])
+            total += len(buffers[-1].rewards)
+        trained = (f"the policy's eval return {norm(score)}, at ARS iteration {it} of {runs} "
+                   f"run(s), {sum(len(e.rewards) for e in replay):,} training steps")
+
+    # medium-replay: runs to medium from new streams until `steps`, then a uniform draw to `steps`
+    else:
+        replay, scores = [], []
+        while sum(len(e.rewards) for e in replay) < steps:
+            best, episodes, _ = train("medium", (len(scores),) if scores else ())
+            replay, scores = replay + episodes, scores + [best[0]]
+        order = np.random.default_rng([seed, 1]).permutation(len(replay))
+        lengths = np.cumsum([len(replay[i].rewards) for i in order])
+        buffers = [replay[i] for i in np.sort(order[:max((lengths <= steps).sum(), 1)])]
+        trained = (f"{len(scores)} ARS run(s) to medium (eval returns "
+                   f"{', '.join(f'{s:.0f}' for s in scores)}), "
+                   f"{sum(len(e.rewards) for e in replay):,} training steps")
+
+    returns = [sum(e.rewards) for e in buffers]
+    behaviour = (f"mean return {norm(np.mean(returns))}, best {norm(max(returns))}; {trained}, "
+                 f"{time.time() - t0:.0f} s")
     write_kwargs = dict(
         env=env.spec, eval_env=env.spec, observation_space=env.observation_space,
         action_space=env.action_space, ref_min_score=low, ref_max_score=high,
-        algorithm_name=f"ARS V2-t, N(0, {HOPPER_NOISE}^2) action noise (data.py make)",
+        algorithm_name=f"ARS V2-t, N(0, {LOCOMOTION_NOISE}^2) action noise (data.py make)",
         description=f"stands in for {MAKE_NAMES[name]}: {behaviour}, seed {seed}")
     return buffers, write_kwargs, behaviour
 
@@ -1894,9 +1946,10 @@ def main(argv=None):
 
     p_make = sub.add_parser(
         "make", help="make a dataset offline: PointMaze by Minari's method, Breakout by a scripted "
-        "player, Hopper by ARS", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "player, Hopper and HalfCheetah by ARS",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Make a local Minari dataset offline, seeded. NAME, and what it stands in "
-        "for:\n" + "".join(f"  {n:24}{what}\n" for n, what in MAKE_NAMES.items())
+        "for:\n" + "".join(f"  {n:27}{what}\n" for n, what in MAKE_NAMES.items())
         + "PointMaze, by Minari's method: a continuing task, a planner (value iteration over the "
         "maze's\ncells) steering a PD controller, N(0, 0.5^2) noise on every action, episodes cut "
         "at each goal\nreached, Minari's eval env and reference returns (random actions, the "
@@ -1904,20 +1957,20 @@ def main(argv=None):
         "console's RAM and keeps the paddle\nunder it, each action random with an episode-wide "
         f"probability eps, eps from 0 to 1 across\n{BREAKOUT_EPISODES} episodes, in the env the "
         "project evaluates in (no sticky actions, unlike DQN-replay's);\nframes lossless.\n"
-        + HOPPER_HELP)
+        + LOCOMOTION_HELP)
 
     p_make.add_argument("name", metavar="NAME", help=", ".join(MAKE_NAMES))
     p_make.add_argument("dataset_id", nargs="?", default=None,
                         help="the new dataset's Minari id (default: "
                              "made/pointmaze/<maze>[-dense]-v0, made/breakout/mixed-v0, "
-                             "made/hopper/<level>-v0)")
+                             "made/<robot>/<level>-v0)")
     p_make.add_argument("--seed", type=int, default=0,
                         help="the seed of everything random (default: %(default)s)")
     p_make.add_argument("--steps", type=_positive, default=None, metavar="N",
                         help="steps to collect (default: PointMaze umaze / medium / large "
                              + " / ".join(f"{n:,}" for n in MAZE_STEPS.values())
-                             + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes; hopper: "
-                             f"{HOPPER_STEPS:,}, medium-replay: all)")
+                             + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes; locomotion: "
+                             f"{LOCOMOTION_STEPS:,})")
 
     # python data.py NAME: short for info NAME
     argv = sys.argv[1:] if argv is None else list(argv)

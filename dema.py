@@ -159,7 +159,7 @@ class Config:
     s6_layers: str = arg("all", "--s6-ablation's layers: all, or 0-based indices (0,2)", run=True)
     s6_donor: str = arg("", "swap: another DeMa's run folder or ckpt.pt (same sizes)", run=True)
     bench_scan: bool = arg(False, "time the two scans (forward + backward)", run=True)
-    params: bool = arg(False, "parameter counts at the paper's settings, dt.py's too", run=True)
+    params: bool = arg(False, "parameter counts at the paper's settings (Table 7)", run=True)
 
 
 # Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
@@ -1060,8 +1060,8 @@ def bench_scan(cfg, given):
 
 
 def param_table(cfg, given):
-    """--params: DeMa's (pre and post blocks) and dt.py's. Hopper: Table 7's 175.5K / 500.0K,
-    Table 17's 431.5K, less departure 6's heads; Atari: Table 7's 1.7M."""
+    """--params: DeMa's (pre and post blocks). Hopper: Table 7's 175.5K / 500.0K, Table 17's
+    431.5K, less departure 6's heads; Atari: Table 7's 1.7M (tests/test_dema.py counts DT's)."""
     hopper, atari = (11, 3, 1000, False), (4 * 84 * 84, 4, 1000, True)
     paper = dict(n_embd=256, d_model=64)  # hopper-medium's (D.1)
     sizes = {k: ATARI[k] for k in ("n_embd", "d_model", "d_state", "n_layer")}
@@ -1082,16 +1082,6 @@ def param_table(cfg, given):
         n = [sum(p.numel() for p in DeMa(Config(**kw, residual=r), obs, act, max_ep_len,
                                          discrete).parameters()) for r in ("pre", "post")]
         print(f"{'dema ' + label:58s} {n[0]:>12,} {n[1]:>23,}")
-
-    # dt.py's models (imported here, not above)
-    import dt
-    for atari, env in ((False, "hopper-medium"), (True, "breakout-expert")):
-        for preset in ("", "cpu"):
-            c = dt.Config(**ev.preset_values(dt.PRESETS, preset, env))
-            model = (dt.AtariDecisionTransformer(c, 4, 1000) if atari else
-                     dt.DecisionTransformer(c, 11, 3, 1000))
-            label = f"dt{' Atari' * atari} {'--preset cpu' if preset else 'paper'}"
-            print(f"{label:58s} {sum(p.numel() for p in model.parameters()):>12,}")
 
 
 ANALYSES = {"bench_scan": bench_scan, "params": param_table, "attention": attention_episode,

@@ -586,8 +586,6 @@ class DeMa(nn.Module):
 
 # ---- the paper's pieces: per-dataset settings, data, model, schedule, loss, policy ----
 
-SCRIPT = "dema"
-LOG_COLUMNS = ()
 CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), residual=("pre", "post"),
                scan=("auto", "sequential", "parallel"), s6_ablation=("", "zero", "random", "swap"))
 WINDOW = ("states", "actions", "rtg", "timesteps", "mask", "prev_action")  # DeMa.forward's order
@@ -675,12 +673,6 @@ def build_model(cfg, info):
     """DeMa for the data's spaces (discrete actions: Atari's)."""
     return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"],
                 discrete=info.get("discrete", False))
-
-
-def batch_tokens(cfg):
-    """Tokens in one training batch, for --bench's tokens/s (RNN mode: of --bench's episodes)."""
-    steps = min(max(200, 2 * cfg.context), cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context
-    return (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
 
 
 def param_groups(model, cfg):
@@ -790,7 +782,8 @@ def targets(cfg, d):
 
 
 def evaluate(model, d, cfg, device):
-    """DT's Alg. 1 in the data's env, --eval-episodes in parallel a target -> [(target, result)]."""
+    """policy() at each of targets(), --eval-episodes in parallel in the data's env ->
+    [(target, results)]."""
     model.eval()
     act = policy(model, cfg)
     results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
@@ -1087,7 +1080,22 @@ def param_table(cfg, given):
 ANALYSES = {"bench_scan": bench_scan, "params": param_table, "attention": attention_episode,
             "s6_ablation": s6_ablation}
 
+# ---- what the plumbing needs that no paper says: the script, its log's columns, its tokens ----
+
+SCRIPT = "dema"
+LOG_COLUMNS = ()
+
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s (RNN mode: of --bench's episodes)."""
+    steps = min(max(200, 2 * cfg.context), cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context
+    return (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
+
 # ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
+# It calls 13 names that every model file defines above it: the paper's Config, PRESETS,
+# paper_settings, load_dataset, build_model, train, policy, rollout, targets and ANALYSES, and the
+# run's SCRIPT, LOG_COLUMNS and batch_tokens (just above); besides them only ev, data_lib and the
+# docstring's second paragraph (the --help text).
 
 
 def load_model(cfg, given):

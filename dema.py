@@ -159,7 +159,7 @@ class Config:
     s6_layers: str = arg("all", "--s6-ablation's layers: all, or 0-based indices (0,2)", run=True)
     s6_donor: str = arg("", "swap: another DeMa's run folder or ckpt.pt (same sizes)", run=True)
     bench_scan: bool = arg(False, "time the two scans (forward + backward)", run=True)
-    params: bool = arg(False, "parameter counts at the paper's settings, dt.py's too", run=True)
+    params: bool = arg(False, "parameter counts at the paper's settings (Table 7)", run=True)
 
 
 # Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
@@ -586,8 +586,6 @@ class DeMa(nn.Module):
 
 # ---- the paper's pieces: per-dataset settings, data, model, schedule, loss, policy ----
 
-SCRIPT = "dema"
-LOG_COLUMNS = ()
 CHOICES = dict(mode=("transformer", "rnn"), token_layout=("b3ld", "bl3d"), residual=("pre", "post"),
                scan=("auto", "sequential", "parallel"), s6_ablation=("", "zero", "random", "swap"))
 WINDOW = ("states", "actions", "rtg", "timesteps", "mask", "prev_action")  # DeMa.forward's order
@@ -675,12 +673,6 @@ def build_model(cfg, info):
     """DeMa for the data's spaces (discrete actions: Atari's)."""
     return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"],
                 discrete=info.get("discrete", False))
-
-
-def batch_tokens(cfg):
-    """Tokens in one training batch, for --bench's tokens/s (RNN mode: of --bench's episodes)."""
-    steps = min(max(200, 2 * cfg.context), cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context
-    return (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
 
 
 def param_groups(model, cfg):
@@ -790,7 +782,8 @@ def targets(cfg, d):
 
 
 def evaluate(model, d, cfg, device):
-    """DT's Alg. 1 in the data's env, --eval-episodes in parallel a target -> [(target, result)]."""
+    """policy() at each of targets(), --eval-episodes in parallel in the data's env ->
+    [(target, results)]."""
     model.eval()
     act = policy(model, cfg)
     results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
@@ -1060,8 +1053,8 @@ def bench_scan(cfg, given):
 
 
 def param_table(cfg, given):
-    """--params: DeMa's (pre and post blocks) and dt.py's. Hopper: Table 7's 175.5K / 500.0K,
-    Table 17's 431.5K, less departure 6's heads; Atari: Table 7's 1.7M."""
+    """--params: DeMa's (pre and post blocks). Hopper: Table 7's 175.5K / 500.0K, Table 17's
+    431.5K, less departure 6's heads; Atari: Table 7's 1.7M (tests/test_dema.py counts DT's)."""
     hopper, atari = (11, 3, 1000, False), (4 * 84 * 84, 4, 1000, True)
     paper = dict(n_embd=256, d_model=64)  # hopper-medium's (D.1)
     sizes = {k: ATARI[k] for k in ("n_embd", "d_model", "d_state", "n_layer")}
@@ -1083,21 +1076,26 @@ def param_table(cfg, given):
                                          discrete).parameters()) for r in ("pre", "post")]
         print(f"{'dema ' + label:58s} {n[0]:>12,} {n[1]:>23,}")
 
-    # dt.py's models (imported here, not above)
-    import dt
-    for atari, env in ((False, "hopper-medium"), (True, "breakout-expert")):
-        for preset in ("", "cpu"):
-            c = dt.Config(**ev.preset_values(dt.PRESETS, preset, env))
-            model = (dt.AtariDecisionTransformer(c, 4, 1000) if atari else
-                     dt.DecisionTransformer(c, 11, 3, 1000))
-            label = f"dt{' Atari' * atari} {'--preset cpu' if preset else 'paper'}"
-            print(f"{label:58s} {sum(p.numel() for p in model.parameters()):>12,}")
-
 
 ANALYSES = {"bench_scan": bench_scan, "params": param_table, "attention": attention_episode,
             "s6_ablation": s6_ablation}
 
+# ---- what the plumbing needs that no paper says: the script, its log's columns, its tokens ----
+
+SCRIPT = "dema"
+LOG_COLUMNS = ()
+
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s (RNN mode: of --bench's episodes)."""
+    steps = min(max(200, 2 * cfg.context), cfg.rnn_max_len) if cfg.mode == "rnn" else cfg.context
+    return (1 if cfg.token_layout == "bl3d" else 3) * steps * cfg.batch_size
+
 # ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
+# It calls 13 names that every model file defines above it: the paper's Config, PRESETS,
+# paper_settings, load_dataset, build_model, train, policy, rollout, targets and ANALYSES, and the
+# run's SCRIPT, LOG_COLUMNS and batch_tokens (just above); besides them only ev, data_lib and the
+# docstring's second paragraph (the --help text).
 
 
 def load_model(cfg, given):

@@ -340,9 +340,6 @@ class AtariDecisionTransformer(nn.Module):
 
 # ---- the paper's pieces: data, model, schedule, loss, policy ----
 
-SCRIPT = "dt"
-LOG_COLUMNS = ()
-
 
 def paper_settings(cfg, given):
     """This file's flags checked (the paper's own rows are PRESETS) -> cfg."""
@@ -366,11 +363,6 @@ def build_model(cfg, info):
     if info.get("discrete"):
         return AtariDecisionTransformer(cfg, info["act_dim"], info["max_ep_len"])
     return DecisionTransformer(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
-
-
-def batch_tokens(cfg):
-    """Tokens in one training batch, for --bench's tokens/s."""
-    return (3 if cfg.return_token else 2) * cfg.context * cfg.batch_size
 
 
 def param_groups(model, cfg):
@@ -430,7 +422,8 @@ def targets(cfg, d):
 
 
 def evaluate(model, d, cfg, device):
-    """Alg. 1 in the dataset's env, --eval-episodes in parallel a target -> [(target, results)]."""
+    """policy() at each of targets(), --eval-episodes in parallel in the data's env ->
+    [(target, results)]."""
     model.eval()
     act = policy(model, cfg)
     results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
@@ -508,7 +501,21 @@ def bench_eval(cfg, given):
 
 ANALYSES = {"bench_eval": bench_eval}
 
+# ---- what the plumbing needs that no paper says: the script, its log's columns, its tokens ----
+
+SCRIPT = "dt"
+LOG_COLUMNS = ()
+
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s."""
+    return (3 if cfg.return_token else 2) * cfg.context * cfg.batch_size
+
 # ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
+# It calls 13 names that every model file defines above it: the paper's Config, PRESETS,
+# paper_settings, load_dataset, build_model, train, policy, rollout, targets and ANALYSES, and the
+# run's SCRIPT, LOG_COLUMNS and batch_tokens (just above); besides them only ev, data_lib and the
+# docstring's second paragraph (the --help text).
 
 
 def load_model(cfg, given):

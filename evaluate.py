@@ -21,8 +21,6 @@ import copy
 import csv
 import dataclasses
 import errno
-import functools
-import inspect
 import io
 import json
 import math
@@ -303,21 +301,17 @@ def compare_with_sequential(act, d, episodes, target_return, seed, context):
 GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would fill memory)
 
 
-def analysis(*names):
-    """Decorates an analysis writing `names` into its `out` (together: write_atomic): SIGTERM stops
-    it as Ctrl-C does, and a stop says if they were written."""
-    return lambda fn: functools.wraps(fn)(lambda *args, **kwargs: _analyse(fn, names, args, kwargs))
-
-
-def _analyse(fn, names, args, kwargs):
-    out = inspect.signature(fn).bind(*args, **kwargs).arguments["out"]
+@contextlib.contextmanager
+def analysis(out, *names):
+    """The with-block of an analysis writing `names` into `out` (together: write_atomic): SIGTERM
+    stops it as Ctrl-C does, and a stop says if they were written."""
     paths = [os.path.join(out, name) for name in names]
     before = [os.path.exists(p) and os.stat(p).st_ino for p in paths]  # (renamed in: new inodes)
     # Ctrl-C and SIGTERM: KeyboardInterrupt, whatever the caller's handlers
     previous = {s: signal.signal(s, signal.default_int_handler) for s in STOPS}
 
     try:
-        return fn(*args, **kwargs)
+        yield
     except KeyboardInterrupt:
         done = [os.path.exists(p) and os.stat(p).st_ino for p in paths] != before
         print(f"\nstopped: {' and '.join(names)} in {out} "
@@ -328,59 +322,59 @@ def _analyse(fn, names, args, kwargs):
             signal.signal(s, handler)
 
 
-@analysis("episode.gif")
 def episode_gif(act, d, target_return, seed, context, device, out, title, greedy=False):
     """--gif: one evaluation episode -> <out>/episode.gif, the title, step and return on each frame:
     MuJoCo at most 152 frames of 240 x 240, Atari the colour screen every second step, at most
     GIF_FRAMES; at the env's own speed. -> evaluate()'s result."""
-    from PIL import Image, ImageDraw, ImageFont
-    atari, path = d.family == "atari", os.path.join(out, "episode.gif")
-    backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
+    with analysis(out, "episode.gif"):
+        from PIL import Image, ImageDraw, ImageFont
+        atari, path = d.family == "atari", os.path.join(out, "episode.gif")
+        backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
 
-    try:
-        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False,
-                       render_every=every, greedy=greedy)
-    except Exception as e:  # GL errors differ by backend and library
-        if isinstance(e, DataError) or atari:
-            raise
-        raise DataError(
-            f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset "
-            f"MUJOCO_GL to let the script find a backend, or set it to egl or osmesa with that "
-            f"library installed (Debian's libegl1 or libosmesa6)") from None
+        try:
+            res = evaluate(act, d, 1, target_return, seed, context, device, progress=False,
+                           render_every=every, greedy=greedy)
+        except Exception as e:  # GL errors differ by backend and library
+            if isinstance(e, DataError) or atari:
+                raise
+            raise DataError(
+                f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset "
+                f"MUJOCO_GL to let the script find a backend, or set it to egl or osmesa with that "
+                f"library installed (Debian's libegl1 or libosmesa6)") from None
 
-    # the words on each frame
-    font = ImageFont.load_default(size=13)
-    images = []
-    for step, ret, rgb in res["frames"]:
-        img = Image.fromarray(rgb)
-        lines = wrap_text(
-            f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
-            (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
+        # the words on each frame
+        font = ImageFont.load_default(size=13)
+        images = []
+        for step, ret, rgb in res["frames"]:
+            img = Image.fromarray(rgb)
+            lines = wrap_text(
+                f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
+                (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
 
-        # Atari: the 210 x 160 screen doubled, kept sharp, under a band for the words
+            # Atari: the 210 x 160 screen doubled, kept sharp, under a band for the words
+            if atari:
+                game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
+                img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
+                img.paste(game, (0, img.height - game.height))
+            ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white",
+                                     stroke_width=2, stroke_fill="black")
+            images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
+
+        # at the env's speed: a step's seconds of play (Atari) or simulated time
         if atari:
-            game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
-            img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
-            img.paste(game, (0, img.height - game.height))
-        ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white", stroke_width=2,
-                                 stroke_fill="black")
-        images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
+            dt = data_lib.atari_frame_skip(d.env_spec) / 60
+        else:
+            env = d.make_env()
+            dt = getattr(env.unwrapped, "dt", 0.01)
+            env.close()
 
-    # at the env's speed: a step's seconds of play (Atari) or simulated time
-    if atari:
-        dt = data_lib.atari_frame_skip(d.env_spec) / 60
-    else:
-        env = d.make_env()
-        dt = getattr(env.unwrapped, "dt", 0.01)
-        env.close()
-
-    write_atomic(path, lambda tmp: images[0].save(
-        tmp, format="GIF", save_all=True, append_images=images[1:], loop=0, optimize=True,
-        duration=max(20, int(round(every * dt * 100)) * 10)))
-    cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
-    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, "
-          f"{os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
-    return res
+        write_atomic(path, lambda tmp: images[0].save(
+            tmp, format="GIF", save_all=True, append_images=images[1:], loop=0, optimize=True,
+            duration=max(20, int(round(every * dt * 100)) * 10)))
+        cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
+        print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, "
+              f"{os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
+        return res
 
 
 def wrap_text(text, font, width):
@@ -417,90 +411,92 @@ def pick_gl():
 SWEEP_TARGETS = 8  # --target-sweep's targets
 
 
-@analysis("target_sweep.png", "target_sweep.csv")
 def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=False):
     """--target-sweep, the DT paper's Fig. 4: the return got (mean +-1 std, mazes' success rate)
     against the target at SWEEP_TARGETS targets, `episodes` episodes each (the same seeds), in
     target_sweep.csv and .png in `out`. DQN-replay's returns count rewards clipped to +-1, the
     env's do not. -> [(target, evaluate()'s result)]"""
-    check_envs(d, episodes)
+    with analysis(out, "target_sweep.png", "target_sweep.csv"):
+        check_envs(d, episodes)
 
-    # the targets (raw returns) and the figure's units
-    worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
-    targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
-    # where the data's episodes end at a goal (PointMaze's) so do these: raw returns (the
-    # reference returns are the horizon's)
-    to_goal = d.goal_reaching and np.median([len(e["actions"]) for e in d.episodes]) < d.horizon
-    if to_goal:
-        d = copy.copy(d)
-        d.ref_min = d.ref_max = math.nan
+        # the targets (raw returns) and the figure's units
+        worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
+        targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
+        # where the data's episodes end at a goal (PointMaze's) so do these: raw returns (the
+        # reference returns are the horizon's)
+        to_goal = d.goal_reaching and np.median([len(e["actions"]) for e in d.episodes]) < d.horizon
+        if to_goal:
+            d = copy.copy(d)
+            d.ref_min = d.ref_max = math.nan
 
-    scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
-    norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
+        scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
+        norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
 
-    # the checkpoint's step, for the title (memory-mapped: only it is read)
-    step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True,
-                          mmap=True)["step"])
-    print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} (the "
-          f"data's lowest episode return) to {targets[-1]:.1f} (its best, {best:.1f}, and a "
-          f"quarter more), {episodes} episodes each", flush=True)
+        # the checkpoint's step, for the title (memory-mapped: only it is read)
+        step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True,
+                              mmap=True)["step"])
+        print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} "
+              f"(the data's lowest episode return) to {targets[-1]:.1f} (its best, {best:.1f}, "
+              f"and a quarter more), {episodes} episodes each", flush=True)
 
-    # each target: a line and a csv row
-    results, rows = [], []
-    for g in targets:
-        res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy,
-                       until_goal=to_goal)
-        results.append((float(g), res))
-        print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "")
-              + f": {summarize(res)}", flush=True)
-        rows.append(dict(target=f"{g:.2f}", target_normalized=score(d.normalize_score(g)),
-                         eval_return=f"{res['returns'].mean():.2f}",
-                         eval_return_std=f"{res['returns'].std():.2f}",
-                         normalized_score=score(res["normalized"].mean()),
-                         normalized_score_std=score(res["normalized"].std()),
-                         success_rate=f"{res['success'].mean():.3f}" if "success" in res else "",
-                         episodes=episodes))
+        # each target: a line and a csv row
+        results, rows = [], []
+        for g in targets:
+            res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy,
+                           until_goal=to_goal)
+            results.append((float(g), res))
+            print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "")
+                  + f": {summarize(res)}", flush=True)
+            rows.append(dict(target=f"{g:.2f}", target_normalized=score(d.normalize_score(g)),
+                             eval_return=f"{res['returns'].mean():.2f}",
+                             eval_return_std=f"{res['returns'].std():.2f}",
+                             normalized_score=score(res["normalized"].mean()),
+                             normalized_score_std=score(res["normalized"].std()),
+                             success_rate=(f"{res['success'].mean():.3f}" if "success" in res
+                                           else ""),
+                             episodes=episodes))
 
-    # the figure: the return got against the target
-    plt = pyplot()
-    x = norm(targets)  # (8,)
-    y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
-    sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
-    unit = (f"normalised: 0 = random, 100 = {'a human gamer' if d.family == 'atari' else 'expert'}"
-            if scored else "raw, until the goal" if to_goal else "raw: no reference returns")
+        # the figure: the return got against the target
+        plt = pyplot()
+        x = norm(targets)  # (8,)
+        y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
+        sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
+        hundred = "a human gamer" if d.family == "atari" else "expert"
+        unit = (f"normalised: 0 = random, 100 = {hundred}" if scored
+                else "raw, until the goal" if to_goal else "raw: no reference returns")
 
-    # both axes alike: the diagonal at 45 degrees
-    lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
-    lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))
+        # both axes alike: the diagonal at 45 degrees
+        lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
+        lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))
 
-    # the return got (mean, band +-1 std), the return asked for, the data's best
-    fig, ax = plt.subplots(figsize=(5.6, 5.6))
-    ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
-    ax.plot(x, y, "o-", color="tab:blue", ms=4,
-            label=f"achieved: mean of {episodes} episodes, band ±1 std"
-                  + ("; under each, the % that reached the goal" if d.goal_reaching else ""))
-    if d.goal_reaching:
-        for xi, yi, (_, res) in zip(x, y, results):
-            ax.annotate(f"{100 * res['success'].mean():.0f}%", (xi, yi), xytext=(0, -12),
-                        textcoords="offset points", ha="center", fontsize=7, color="tab:blue")
-    ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
-    ax.axhline(norm(best), ls=":", color="tab:red",
-               label=f"best episode in the data (return {best:.4g})")
+        # the return got (mean, band +-1 std), the return asked for, the data's best
+        fig, ax = plt.subplots(figsize=(5.6, 5.6))
+        ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
+        ax.plot(x, y, "o-", color="tab:blue", ms=4,
+                label=f"achieved: mean of {episodes} episodes, band ±1 std"
+                      + ("; under each, the % that reached the goal" if d.goal_reaching else ""))
+        if d.goal_reaching:
+            for xi, yi, (_, res) in zip(x, y, results):
+                ax.annotate(f"{100 * res['success'].mean():.0f}%", (xi, yi), xytext=(0, -12),
+                            textcoords="offset points", ha="center", fontsize=7, color="tab:blue")
+        ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
+        ax.axhline(norm(best), ls=":", color="tab:red",
+                   label=f"best episode in the data (return {best:.4g})")
 
-    ax.set(xlim=lim, ylim=lim, aspect="equal",
-           xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
-    ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, "
-                 f"checkpoint at step {step}", fontsize=9)
-    # the legend under the axes (bbox_inches: kept whole)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+        ax.set(xlim=lim, ylim=lim, aspect="equal",
+               xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
+        ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, "
+                     f"checkpoint at step {step}", fontsize=9)
+        # the legend under the axes (bbox_inches: kept whole)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
 
-    path = os.path.join(out, "target_sweep")  # .csv and .png, renamed into place together
-    write_atomic(path + ".csv", lambda tmp: write_csv(tmp, list(rows[0]), rows), path + ".png",
-                 lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
-    plt.close(fig)
+        path = os.path.join(out, "target_sweep")  # .csv and .png, renamed into place together
+        write_atomic(path + ".csv", lambda tmp: write_csv(tmp, list(rows[0]), rows), path + ".png",
+                     lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+        plt.close(fig)
 
-    print(f"target_sweep.png and target_sweep.csv -> {out}")
-    return results
+        print(f"target_sweep.png and target_sweep.csv -> {out}")
+        return results
 
 # ---- the run record ----
 

@@ -475,8 +475,6 @@ def head_importance(model, batch):
 
 # ---- the paper's pieces: data, blocks, schedule, loss, policy ----
 
-SCRIPT = "gpt2_dtma"
-LOG_COLUMNS = ("g_markov",)
 GPTJ_NAMES = ("gptj", "gpt-j", "gpt-j-6b", "eleutherai/gpt-j-6b")  # GPTJ-DT's (Tab. 7)
 
 
@@ -578,11 +576,6 @@ def shape_of(cfg):
                 eps=g.layer_norm_epsilon, activation=g.activation)
 
 
-def batch_tokens(cfg):
-    """Tokens in one training batch, for --bench's tokens/s."""
-    return 3 * cfg.context * cfg.batch_size
-
-
 def param_groups(model):
     """AdamW's groups of trained parameters, the gate's without decay (departure 2)."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -635,7 +628,8 @@ def targets(cfg, d):
 
 
 def evaluate(model, d, cfg, device):
-    """Eq. 2 in the data's env, --eval-episodes in parallel a target -> [(target, results)]."""
+    """policy() at each of targets(), --eval-episodes in parallel in the data's env ->
+    [(target, results)]."""
     model.eval()
     act = policy(model, cfg)
     results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
@@ -1370,7 +1364,21 @@ def config_from_json(path):
                   f"{C}")
     return dataclasses.replace(default, **values, layer_norm_epsilon=float(eps))
 
+# ---- what the plumbing needs that no paper says: the script, its log's columns, its tokens ----
+
+SCRIPT = "gpt2_dtma"
+LOG_COLUMNS = ("g_markov",)
+
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s."""
+    return 3 * cfg.context * cfg.batch_size
+
 # ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
+# It calls 13 names that every model file defines above it: the paper's Config, PRESETS,
+# paper_settings, load_dataset, build_model, train, policy, rollout, targets and ANALYSES, and the
+# run's SCRIPT, LOG_COLUMNS and batch_tokens (just above); besides them only ev, data_lib and the
+# docstring's second paragraph (the --help text).
 
 
 def load_model(cfg, given):

@@ -449,8 +449,6 @@ class LSDT(nn.Module):
 
 # ---- the paper's pieces: the per-dataset settings, data, model, schedule, loss, policy ----
 
-SCRIPT = "lsdt"
-LOG_COLUMNS = ()
 CHOICES = dict(arch=("lsdt", "dc", "dc_h"), conv=("dynamic", "dc"), fusion=("hfm", "concat"),
                norm=("post", "pre"), routing=("split", "res", "weight"))
 
@@ -593,11 +591,6 @@ def build_model(cfg, info):
                 info["act_dim"], info["max_ep_len"])
 
 
-def batch_tokens(cfg):
-    """Tokens in one training batch, for --bench's tokens/s."""
-    return (3 if cfg.action_tokens else 2) * cfg.context * cfg.batch_size
-
-
 def lr_factor(s, cfg):
     """Multiplier of --lr at step s: warmup ((s + 1) / warmup, both codes), then LSDT: a cosine to
     0 at --steps (Table 13; scripts/train.py#L28-L34), DC and DC_h: constant (Table 12; DC's
@@ -647,7 +640,8 @@ def targets(cfg, d):
 
 
 def evaluate(model, d, cfg, device):
-    """Alg. 1 in the dataset's env, --eval-episodes in parallel a target -> [(target, results)]."""
+    """policy() at each of targets(), --eval-episodes in parallel in the data's env ->
+    [(target, results)]."""
     model.eval()
     act = policy(model, cfg)
     results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
@@ -851,7 +845,21 @@ def plot_paths(cfg, given):
 
 ANALYSES = {"plot_mixing": plot_mixing, "plot_paths": plot_paths}
 
+# ---- what the plumbing needs that no paper says: the script, its log's columns, its tokens ----
+
+SCRIPT = "lsdt"
+LOG_COLUMNS = ()
+
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s."""
+    return (3 if cfg.action_tokens else 2) * cfg.context * cfg.batch_size
+
 # ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
+# It calls 13 names that every model file defines above it: the paper's Config, PRESETS,
+# paper_settings, load_dataset, build_model, train, policy, rollout, targets and ANALYSES, and the
+# run's SCRIPT, LOG_COLUMNS and batch_tokens (just above); besides them only ev, data_lib and the
+# docstring's second paragraph (the --help text).
 
 
 def load_model(cfg, given):

@@ -486,8 +486,6 @@ class StARformer(nn.Module):
 
 # ---- the paper's pieces: data, model, schedule, loss, policy ----
 
-SCRIPT = "starformer"
-LOG_COLUMNS = ()
 CHOICES = dict(reward_input=("reward", "rtg"), state_token=("conv", "none", "patch"),  # Tables 2, 3
                connection=("layerwise", "fusion", "stack"))  # Table 4
 
@@ -547,11 +545,6 @@ def build_model(cfg, info):
     return StARformer(cfg, info["obs_dim"], info["act_dim"])
 
 
-def batch_tokens(cfg):
-    """Tokens in one training batch, for --bench's tokens/s: the Sequence Transformer's g_t, h_t."""
-    return 2 * cfg.context * cfg.batch_size
-
-
 def lr_factor(s, cfg):
     """Multiplier of --lr at step s: linear warmup, then constant (gym/experiment.py#L309-L312),
     or with --lr-decay a cosine down to 0.1 (dt.py's; the Atari code's is max(0.1, (1 + cos) / 2),
@@ -605,7 +598,8 @@ def targets(cfg, d):
 
 
 def evaluate(model, d, cfg, device):
-    """Sec. 3.4 in the data's env, --eval-episodes in parallel a target -> [(target, results)]."""
+    """policy() at each of targets(), --eval-episodes in parallel in the data's env ->
+    [(target, results)]."""
     model.eval()
     act = policy(model, cfg)
     results = [(g, ev.evaluate(act, d, cfg.eval_episodes, g, cfg.seed + 10_000, device=device,
@@ -675,7 +669,21 @@ def train(cfg, run, d=None):
 
 ANALYSES = {}
 
+# ---- what the plumbing needs that no paper says: the script, its log's columns, its tokens ----
+
+SCRIPT = "starformer"
+LOG_COLUMNS = ()
+
+
+def batch_tokens(cfg):
+    """Tokens in one training batch, for --bench's tokens/s: the Sequence Transformer's g_t, h_t."""
+    return 2 * cfg.context * cfg.batch_size
+
 # ---- the run's plumbing, the same text in every model file: gif, sweep, bench, main ----
+# It calls 13 names that every model file defines above it: the paper's Config, PRESETS,
+# paper_settings, load_dataset, build_model, train, policy, rollout, targets and ANALYSES, and the
+# run's SCRIPT, LOG_COLUMNS and batch_tokens (just above); besides them only ev, data_lib and the
+# docstring's second paragraph (the --help text).
 
 
 def load_model(cfg, given):

@@ -356,20 +356,19 @@ def test_parameter_counts_match_the_official_model():
     assert n_params(dema.DeMa(dema.Config(token_layout="bl3d"), 11, 3, 1000)) - base == 2 * 256 * 64
 
 
-def test_params_prints_dt_py_counts(capsys):
-    """--params prints the parameters of dt.py's own models (imported by the analysis, not by
-    DeMa's model block) at dt.py's paper and cpu settings, hopper and Atari, in that order."""
+def test_table_7_counts_dt_py_beside_dema(capsys):
+    """Table 7's comparison: dt.py's models at its paper settings against DeMa's (--params prints DeMa's rows only,
+    so that no model file imports another)."""
     import dt
     dema.main(["--params"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("dt")]
-    expected = []
-    for atari, env in ((False, "hopper-medium"), (True, "breakout-expert")):
-        for preset in ("", "cpu"):
-            cfg = dt.Config(**ev.preset_values(dt.PRESETS, preset, env))
-            model = dt.AtariDecisionTransformer(cfg, 4, 1000) if atari else dt.DecisionTransformer(cfg, 11, 3, 1000)
-            expected.append(n_params(model))
-    assert [int(r[-1].replace(",", "")) for r in rows] == expected
-    assert expected[0] == 726_019                                  # Table 7's 726.2K
+    out = capsys.readouterr().out.splitlines()
+    assert all(line.startswith("dema ") for line in out[1:])
+    hopper = dt.Config(**ev.preset_values(dt.PRESETS, "", "hopper-medium"))
+    atari = dt.Config(**ev.preset_values(dt.PRESETS, "", "breakout-expert"))
+    assert n_params(dt.DecisionTransformer(hopper, 11, 3, 1000)) == 726_019          # Table 7's 726.2K
+    assert n_params(dema.DeMa(dema.Config(), 11, 3, 1000)) == 174_723                # against DeMa's 175.5K
+    assert n_params(dt.AtariDecisionTransformer(atari, 4, 1000)) == 1_810_208
+    assert n_params(dema.DeMa(dema.Config(**dema.ATARI), 4 * 84 * 84, 4, 1000, discrete=True)) == 1_713_184
 
 
 def test_init_follows_the_official_code():
@@ -615,7 +614,7 @@ def test_no_run_flags(capsys, monkeypatch):
     assert lines[0].startswith("selective scan") and all(line.endswith("sequential") for line in lines[2:])
     dema.main(["--params"])
     out = capsys.readouterr().out
-    assert "174,723" in out and "430,723" in out and "726,019" in out
+    assert "174,723" in out and "430,723" in out and "726,019" not in out
     assert "1,713,184" in out and "1,836,960" in out      # Atari: the official code's sizes (Table 7) and Table 9's
     assert math.isfinite(dema.time_scan(dema.selective_scan_sequential, 1, 4, 5, 2, reps=1))
 

@@ -1515,10 +1515,9 @@ def _make_breakout(seed=0, steps=None):
 # 2. Actions clipped to the env's [-1, 1]: the simulator clamps them alike, the control cost not.
 # 3. A run below medium after ARS_RESTART iterations restarts from M = 0 with new directions:
 #    Hopper's runs vary widely with the seed, and one can stall for long.
-# 4. medium-replay: ARS runs to medium, one after another from new streams, until their rollouts
-#    hold --steps, then a uniform draw of whole rollouts down to --steps (D4RL keeps one SAC run's
-#    whole replay): one ARS run's rollouts vary 3x in number with the seed (Hopper), or run to
-#    millions of steps (HalfCheetah's 64 rollouts an iteration).
+# 4. medium-replay: noisy rollouts of the ARS run's policy after each of its updates, from the
+#    first to medium, --steps shared evenly between them (D4RL keeps SAC's replay, the rollouts
+#    of its policy as it learns): the size is --steps at any seed, however many updates ARS took.
 # 5. medium-expert: `make <robot>-medium`'s data, then `make <robot>-expert`'s, at the same seed
 #    (D4RL's recipe, both datasets whole).
 # Walker2d is not made, nor HalfCheetah's expert: ARS, with RL Zoo's settings for the robot, does
@@ -1545,9 +1544,9 @@ LOCOMOTION_HELP = (
     "hopper-*, halfcheetah-*: ARS trains a linear policy in the v5 robot to a third of D4RL's "
     "expert\nreturn (expert: all, or the best in "
     f"{LOCOMOTION['hopper']['iterations']['expert']} iterations); data: its rollouts, "
-    f"N(0, {LOCOMOTION_NOISE}^2) on\neach action (medium-replay: the rollouts of ARS runs to "
-    "medium, a uniform draw of them;\nmedium-expert: the medium data, then the expert data). "
-    "Walker2d: ARS does not reach medium\nin the make's budget (RESULTS.md).")
+    f"N(0, {LOCOMOTION_NOISE}^2) on\neach action (medium-replay: those of its policy after each "
+    "update on the way to medium,\nin equal shares; medium-expert: the medium data, then the "
+    "expert data). Walker2d: ARS does\nnot reach medium in the make's budget (RESULTS.md).")
 
 
 def ars(rollout, shape, rng, alpha, nu, directions, top):
@@ -1579,9 +1578,9 @@ def ars(rollout, shape, rng, alpha, nu, directions, top):
 
 
 def _make_locomotion(name, seed, steps):
-    """ARS to the level `name` names, then its noisy rollouts; medium-replay: rollouts of ARS runs
-    to medium; medium-expert: medium's data, then expert's. -> (buffers, _write_dataset's kwargs,
-    behaviour line)"""
+    """ARS to the level `name` names, then its noisy rollouts; medium-replay: those of each policy
+    on the way to medium; medium-expert: medium's data, then expert's. -> (buffers,
+    _write_dataset's kwargs, behaviour line)"""
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
     robot, level = name.split("-", 1)
@@ -1615,19 +1614,20 @@ def _make_locomotion(name, seed, steps):
                                 truncations=ends + [not term], infos={})        # (T + 1, n) states
         return sum(rewards) - alive * len(rewards), np.stack(states[:-1]), episode
 
-    def train(stop, stream):
+    def train(stop):
         """ARS until the eval return reaches `stop`'s level or the budget ends; (re)start a run at
         first, and where it is below medium ARS_RESTART iterations on. -> (best (score, iteration,
-        M, mu, std), every training rollout, runs)"""
+        M, mu, std), the last run's policies (M, mu, std) in order, training steps, runs)"""
         medium, target = (low + LEVELS[k] * (high - low) for k in ("medium", stop))
-        replay, best, start, runs = [], (-np.inf,), 0, 0
+        best, start, runs, seen = (-np.inf,), 0, 0, 0
         for it in range(1, settings["iterations"][stop] + 1):
             if it == start + 1 and best[0] < medium:
-                training = ars(rollout, shape, np.random.default_rng([seed, it, *stream]),
+                training = ars(rollout, shape, np.random.default_rng([seed, it]),
                                **settings["ars"])
-                start, runs = it - 1 + ARS_RESTART, runs + 1
+                start, runs, policies = it - 1 + ARS_RESTART, runs + 1, []
             M, mu, std, episodes = next(training)
-            replay += episodes
+            policies.append((M, mu, std))
+            seen += sum(len(e.rewards) for e in episodes)
             score = np.mean([rollout(M, mu, std, 0.0)[0] for _ in range(ARS_EVAL_EPISODES)])
             best = max(best, (score, it, M, mu, std), key=lambda b: b[0])
             if score >= target:
@@ -1636,35 +1636,27 @@ def _make_locomotion(name, seed, steps):
             raise DataError(f"ARS did not reach {robot}'s medium level (an eval return of "
                             f"{medium:.0f}) in {it} iterations of {runs} run(s) at --seed {seed} "
                             f"(its best: {best[0]:.0f}); try another --seed")
-        return best, replay, runs
+        return best, policies, seen, runs
 
-    # train, then the data: noisy rollouts of the best policy until `steps`, the last cut there
-    norm = lambda r: f"{r:.1f} (normalised {100 * (r - low) / (high - low):.1f})"
+    # train; the data: noisy rollouts until `steps`, the last cut there, of the best policy, or
+    # (medium-replay) of the run's policy after each update, `steps` shared evenly between them
+    (score, it, M, mu, std), policies, seen, runs = train(level.removesuffix("-replay"))
     if level != "medium-replay":
-        (score, it, M, mu, std), replay, runs = train(level, ())
-        buffers, total = [], 0
-        while total < steps:
-            buffers.append(rollout(M, mu, std, noise=LOCOMOTION_NOISE, limit=steps - total)[2])
+        policies = [(M, mu, std)]
+    buffers, total = [], 0
+    for k, (M_k, mu_k, std_k) in enumerate(policies):
+        while total < steps * (k + 1) // len(policies):
+            buffers.append(rollout(M_k, mu_k, std_k, noise=LOCOMOTION_NOISE,
+                                   limit=steps - total)[2])
             total += len(buffers[-1].rewards)
-        trained = (f"the policy's eval return {norm(score)}, at ARS iteration {it} of {runs} "
-                   f"run(s), {sum(len(e.rewards) for e in replay):,} training steps")
 
-    # medium-replay: runs to medium from new streams until `steps`, then a uniform draw to `steps`
-    else:
-        replay, scores = [], []
-        while sum(len(e.rewards) for e in replay) < steps:
-            best, episodes, _ = train("medium", (len(scores),) if scores else ())
-            replay, scores = replay + episodes, scores + [best[0]]
-        order = np.random.default_rng([seed, 1]).permutation(len(replay))
-        lengths = np.cumsum([len(replay[i].rewards) for i in order])
-        buffers = [replay[i] for i in np.sort(order[:max((lengths <= steps).sum(), 1)])]
-        trained = (f"{len(scores)} ARS run(s) to medium (eval returns "
-                   f"{', '.join(f'{s:.0f}' for s in scores)}), "
-                   f"{sum(len(e.rewards) for e in replay):,} training steps")
-
+    norm = lambda r: f"{r:.1f} (normalised {100 * (r - low) / (high - low):.1f})"
     returns = [sum(e.rewards) for e in buffers]
-    behaviour = (f"mean return {norm(np.mean(returns))}, best {norm(max(returns))}; {trained}, "
-                 f"{time.time() - t0:.0f} s")
+    behaviour = (f"mean return {norm(np.mean(returns))}, best {norm(max(returns))}; the policy's "
+                 f"eval return {norm(score)}, at ARS iteration {it} of {runs} run(s), {seen:,} "
+                 f"training steps" + (f", the data from its {len(policies)} policies"
+                                     if level == "medium-replay" else "")
+                 + f", {time.time() - t0:.0f} s")
     write_kwargs = dict(
         env=env.spec, eval_env=env.spec, observation_space=env.observation_space,
         action_space=env.action_space, ref_min_score=low, ref_max_score=high,

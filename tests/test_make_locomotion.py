@@ -55,7 +55,7 @@ def tiny(monkeypatch, tmp_path):
     """A fresh MINARI_DATASETS_PATH, ARS cut to 3 iterations (a restart after 2; HalfCheetah: 1
     direction), 1 eval episode, levels every return reaches, and a check of each training rollout:
     its return is the env's less the alive bonus (1 a step on Hopper, none on HalfCheetah). -> the
-    folder and every training rollout made, in order."""
+    folder and every update's policy (M, mu, std), in order."""
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
     monkeypatch.setitem(data.LOCOMOTION, "hopper", data.LOCOMOTION["hopper"]
                         | dict(iterations={"medium": 3, "expert": 3}))
@@ -78,10 +78,11 @@ def tiny(monkeypatch, tmp_path):
             alive = len(episode.rewards) if hopper else 0
             assert ret == pytest.approx(sum(episode.rewards) - alive)
             np.testing.assert_array_equal(states, episode.observations[:-1])
-            made.append(episode)
             return ret, states, episode
 
-        return real_ars(checked, shape, rng, **settings)
+        for M, mu, std, episodes in real_ars(checked, shape, rng, **settings):
+            made.append((M, mu, std))
+            yield M, mu, std, episodes
 
     monkeypatch.setattr(data, "ars", checked_ars)
     return tmp_path, made
@@ -91,17 +92,14 @@ def test_tiny_makes_load_and_dt_trains_on_one(tiny, capsys):
     import dt
     tmp_path, made = tiny
 
-    # one make of each kind (medium-replay: a few runs to medium, drawn down to --steps)
-    for name in ("hopper-medium", "hopper-expert"):
+    # one make of each kind (the level is reached at the first update, so medium-replay's
+    # policies are that one policy)
+    for name in ("hopper-medium", "hopper-expert", "hopper-medium-replay"):
         data.main(["make", name, "--steps", "300"])
-    made.clear()
-    data.main(["make", "hopper-medium-replay", "--steps", "3000"])
-    training = list(made)
     data.main(["make", "hopper-medium-expert", "--steps", "300"])
     out = capsys.readouterr().out
-    assert out.count("at ARS iteration 1 of 1 run(s), ") == 4     # medium and expert, twice
-    runs = int(out.split(" ARS run(s) to medium")[0].rsplit(" ", 1)[1])
-    assert runs == len(training) // 16 and runs > 1                 # 1 iteration a run, 16 rollouts
+    assert out.count("at ARS iteration 1 of 1 run(s), ") == 5     # medium-expert: two of them
+    assert "training steps, the data from its 1 policies" in out
 
     # each: Minari's metadata, D4RL's reference returns, Hopper-v5, whole or cut episodes, loaded
     made = {name: minari.load_dataset(f"made/hopper/{name}-v0")
@@ -109,8 +107,7 @@ def test_tiny_makes_load_and_dt_trains_on_one(tiny, capsys):
     for name, ds in made.items():
         meta = ds.storage.metadata
         assert meta["data_py_command"] == (f"python data.py make hopper-{name} "
-                                           f"made/hopper/{name}-v0 --steps "
-                                           + ("3000" if "replay" in name else "300"))
+                                           f"made/hopper/{name}-v0 --steps 300")
         assert meta["stands_in_for"] == {"medium": "mujoco/hopper/medium-v0",
                                          "medium-replay": "D4RL's hopper-medium-replay-v2",
                                          "expert": "mujoco/hopper/expert-v0",
@@ -125,21 +122,17 @@ def test_tiny_makes_load_and_dt_trains_on_one(tiny, capsys):
         d = data.load_data(f"made/hopper/{name}-v0", download=False)
         assert d.family == "mujoco" and (d.obs_dim, d.act_dim) == (11, 3)
         assert (d.ref_min, d.ref_max) == data.D4RL_REF_SCORES["Hopper"]
-        steps = sum(len(e.actions) for e in episodes)
-        if name == "medium-replay":      # whole training rollouts, in order, at most --steps
-            assert all(e.terminations[-1] for e in episodes)
-            assert 3000 - max(len(e.actions) for e in training) < steps <= 3000
-            kept = iter(training)
-            assert all(any(np.array_equal(e.actions, t.actions) for t in kept) for e in episodes)
-        else:                            # the behaviour's rollouts, the last cut at --steps
-            assert steps == (600 if name == "medium-expert" else 300)
-            assert episodes[-1].truncations[-1]
+        # the behaviour's rollouts, the last cut at --steps
+        assert sum(len(e.actions) for e in episodes) == (600 if name == "medium-expert" else 300)
+        assert episodes[-1].truncations[-1]
 
-    # medium and expert end at the same policy from the same seed, so hold the same noisy
-    # rollouts; medium-expert is medium's data, then expert's
-    medium, expert, both = ([e.actions for e in made[n].iterate_episodes()]
-                            for n in ("medium", "expert", "medium-expert"))
-    assert all(np.array_equal(a, b) for a, b in zip(medium, expert))
+    # medium, expert and medium-replay end at the same policy from the same seed, so hold the
+    # same noisy rollouts; medium-expert is medium's data, then expert's
+    medium, expert, replay, both = ([e.actions for e in made[n].iterate_episodes()]
+                                    for n in ("medium", "expert", "medium-replay", "medium-expert"))
+    assert len(medium) == len(expert) == len(replay)
+    assert all(np.array_equal(a, b) and np.array_equal(a, c)
+               for a, b, c in zip(medium, expert, replay))
     assert len(both) == len(medium) + len(expert)
     assert all(np.array_equal(a, b) for a, b in zip(both, medium + expert))
 
@@ -154,22 +147,18 @@ def test_tiny_halfcheetah_makes_load_and_dt_trains_on_one(tiny, capsys):
     import dt
     tmp_path, made = tiny
 
-    # medium: 1000-step rollouts, the last cut; medium-replay: one run's 2 rollouts, drawn to 1
-    data.main(["make", "halfcheetah-medium", "--steps", "1500"])
-    made.clear()
-    data.main(["make", "halfcheetah-medium-replay", "--steps", "1500"])
-    assert len(made) == 2 and "1 ARS run(s) to medium" in capsys.readouterr().out
-    for name, lengths in (("medium", [1000, 500]), ("medium-replay", [1000])):
+    # 1000-step rollouts, the last cut at --steps
+    for name in ("halfcheetah-medium", "halfcheetah-medium-replay"):
+        data.main(["make", name, "--steps", "1500"])
+    for name in ("medium", "medium-replay"):
         ds = minari.load_dataset(f"made/halfcheetah/{name}-v0")
         assert ds.env_spec.id == "HalfCheetah-v5"
         episodes = list(ds.iterate_episodes())
-        assert [len(e.actions) for e in episodes] == lengths
+        assert [len(e.actions) for e in episodes] == [1000, 500]
         assert not any(e.terminations.any() for e in episodes)         # a cheetah never falls
         d = data.load_data(f"made/halfcheetah/{name}-v0", download=False)
         assert (d.obs_dim, d.act_dim) == (17, 6)
         assert (d.ref_min, d.ref_max) == data.D4RL_REF_SCORES["HalfCheetah"]
-    replay = next(minari.load_dataset("made/halfcheetah/medium-replay-v0").iterate_episodes())
-    assert any(np.array_equal(replay.actions, e.actions) for e in made)
 
     dt.main(["--dataset", "made/halfcheetah/medium-v0", "--n-embd", "16", "--n-layer", "1",
              "--context", "4", "--batch-size", "8", "--steps", "2", "--eval-every", "2",

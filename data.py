@@ -1516,8 +1516,9 @@ def _make_breakout(seed=0, steps=None):
 # 3. A run below medium after ARS_RESTART iterations restarts from M = 0 with new directions:
 #    Hopper's runs vary widely with the seed, and one can stall for long.
 # 4. medium-replay: noisy rollouts of the ARS run's policy after each of its updates, from the
-#    first to medium, --steps shared evenly between them (D4RL keeps SAC's replay, the rollouts
-#    of its policy as it learns): the size is --steps at any seed, however many updates ARS took.
+#    first to medium, an episode of each in turn until --steps, so that each update's share
+#    follows its episodes' length, as in a learner's replay (D4RL keeps SAC's): the size is
+#    --steps at any seed, however many updates ARS took.
 # 5. medium-expert: `make <robot>-medium`'s data, then `make <robot>-expert`'s, at the same seed
 #    (D4RL's recipe, both datasets whole).
 # Walker2d is not made, nor HalfCheetah's expert: ARS, with RL Zoo's settings for the robot, does
@@ -1545,8 +1546,9 @@ LOCOMOTION_HELP = (
     "expert\nreturn (expert: all, or the best in "
     f"{LOCOMOTION['hopper']['iterations']['expert']} iterations); data: its rollouts, "
     f"N(0, {LOCOMOTION_NOISE}^2) on\neach action (medium-replay: those of its policy after each "
-    "update on the way to medium,\nin equal shares; medium-expert: the medium data, then the "
-    "expert data). Walker2d: ARS does\nnot reach medium in the make's budget (RESULTS.md).")
+    "update on the way to medium,\nan episode of each in turn; medium-expert: the medium data, "
+    "then the expert data). Walker2d:\nARS does not reach medium in the make's budget "
+    "(RESULTS.md).")
 
 
 def ars(rollout, shape, rng, alpha, nu, directions, top):
@@ -1639,16 +1641,21 @@ def _make_locomotion(name, seed, steps):
         return best, policies, seen, runs
 
     # train; the data: noisy rollouts until `steps`, the last cut there, of the best policy, or
-    # (medium-replay) of the run's policy after each update, `steps` shared evenly between them
+    # (medium-replay) of the run's policy after each update, an episode of each in turn
     (score, it, M, mu, std), policies, seen, runs = train(level.removesuffix("-replay"))
     if level != "medium-replay":
         policies = [(M, mu, std)]
-    buffers, total = [], 0
-    for k, (M_k, mu_k, std_k) in enumerate(policies):
-        while total < steps * (k + 1) // len(policies):
-            buffers.append(rollout(M_k, mu_k, std_k, noise=LOCOMOTION_NOISE,
-                                   limit=steps - total)[2])
-            total += len(buffers[-1].rewards)
+    rounds, total = [], 0
+    while total < steps:
+        rounds.append([])
+        for M_k, mu_k, std_k in policies:
+            rounds[-1].append(rollout(M_k, mu_k, std_k, noise=LOCOMOTION_NOISE,
+                                      limit=steps - total)[2])
+            total += len(rounds[-1][-1].rewards)
+            if total == steps:
+                break
+    # (in the order of the policies, as a learner's replay)
+    buffers = [r[k] for k in range(len(policies)) for r in rounds if k < len(r)]
 
     norm = lambda r: f"{r:.1f} (normalised {100 * (r - low) / (high - low):.1f})"
     returns = [sum(e.rewards) for e in buffers]

@@ -49,14 +49,20 @@ Departures from the paper and the official code:
     max(0.1, (1 + cos) / 2), higher through the middle of training, counted in tokens and clipped
     from about step 18.6k of 19.5k (atari/mingpt/trainer_atari.py#L116-L124,
     atari/run_dt_atari.py#L85-L86).
+ 6. The gym model draws every Linear and Embedding weight from N(0, 0.02), biases 0, and the
+    residual projections (attn.c_proj, mlp.2) from N(0, 0.02 / sqrt(2 n_layer)): GPT-2's init as
+    nanoGPT writes it. kzl's gym DT initialises only its GPT-2 blocks, N(0, 0.02) without residual
+    scaling (gym/decision_transformer/models/trajectory_gpt2.py#L356-L366, called at #L526); its
+    embeddings and head (gym/decision_transformer/models/decision_transformer.py#L40-L51) keep
+    PyTorch's defaults, the timestep embedding N(0, 1). Kept: it is the rule gpt2_dtma.py gives
+    its new weights too, and the README's dt.py rows were measured with it. The Atari model
+    follows kzl's atari/ code: minGPT's N(0, 0.02), no residual scaling, on the blocks and head,
+    applied before the encoders are built (atari/mingpt/model_atari.py#L143, #L162-L169), which
+    keep PyTorch's defaults but the action table's N(0, 0.02) (#L149-L157).
 """
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import data as data_lib
 import evaluate as ev
@@ -135,7 +141,26 @@ PRESETS = {
                            dropout=0.1)),
 }
 
-# >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
+# >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DTConfig:
+    """The model's settings, the paper's gym defaults (build_model fills it from Config)."""
+    n_embd: int = 128  # C, the token width
+    n_layer: int = 3
+    n_head: int = 1
+    dropout: float = 0.1  # on embeddings, attention and residuals
+    return_token: bool = True  # False: (s, a) tokens only, behaviour cloning (Sec. 5.3)
+    # Atari's model alone
+    context: int = 30  # K: the per-token-position embedding holds 3K
+    state_encoder: str = "conv"  # DQN's conv torso | patch (StARformer's "DT with ViT")
 
 
 class CausalSelfAttention(nn.Module):
@@ -180,6 +205,9 @@ class Block(nn.Module):
 
 
 class DecisionTransformer(nn.Module):
+    """DT on vector states (Sec. 3; kzl's gym DT): cfg a DTConfig, the spaces' sizes, and the
+    longest episode (one timestep embedding each)."""
+
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
         super().__init__()
         C = cfg.n_embd
@@ -202,7 +230,8 @@ class DecisionTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(C)
         self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions in [-1, 1]
 
-        # GPT-2's init, the residual projections scaled by 1/sqrt(2 * n_layer)
+        # GPT-2's init as nanoGPT writes it, on every module, the residual projections scaled by
+        # 1/sqrt(2 * n_layer) (departure 6: kzl's reaches the blocks alone, unscaled)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
@@ -360,9 +389,10 @@ def load_dataset(cfg):
 
 def build_model(cfg, info):
     """The model the data's spaces call for: Atari's for discrete actions, else the gym one."""
+    model_cfg = DTConfig(**{f.name: getattr(cfg, f.name) for f in fields(DTConfig)})
     if info.get("discrete"):
-        return AtariDecisionTransformer(cfg, info["act_dim"], info["max_ep_len"])
-    return DecisionTransformer(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
+        return AtariDecisionTransformer(model_cfg, info["act_dim"], info["max_ep_len"])
+    return DecisionTransformer(model_cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"])
 
 
 def param_groups(model, cfg):

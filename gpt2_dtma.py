@@ -57,11 +57,17 @@ Departures from the paper and the official code:
     (Tabs. 5-6's rows equal Tabs. 3-4), the data's target returns, GPT-2 small's shape for DT and
     DTMA (--init random).
 10. CLIP-DT takes CLIP's text-tower layers and final LayerNorm only; GPTJ-DT (6B) is refused.
+11. DT's embeddings and action head start, as new blocks do (--init random), from GPT-2's init as
+    nanoGPT writes it: N(0, 0.02), biases 0, c_proj weights N(0, 0.02 / sqrt(2 n_layer)). LaMo's
+    new blocks get the same (decision_transformer/models/trajectory_gpt2.py#L503-L538), but its
+    embeddings and head keep PyTorch's defaults, the timestep embedding N(0, 1)
+    (decision_transformer/models/decision_transformer.py#L102-L113, #L129-L135), as kzl's do
+    (dt.py's departure 6). Kept: one rule for every weight that no checkpoint gives, dt.py's, and
+    the README's rows were measured with it.
 """
 import dataclasses
 import glob
 import json
-import math
 import os
 import shutil
 import socket
@@ -71,9 +77,6 @@ from dataclasses import dataclass, field
 
 import huggingface_hub.constants
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
 import data as data_lib
@@ -150,7 +153,25 @@ PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_ste
                        eval_every=300, eval_episodes=10, log_every=25,
                        mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
-# >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
+# >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPT2Config:
+    """The blocks' shape: GPT-2 small's (CLIP_TEXT below: CLIP's text tower's)."""
+    vocab_size: int = 50257  # the language model's alone (GPT2)
+    n_positions: int = 1024  # the language model's alone (GPT2)
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+    activation: str = "gelu_new"  # the MLP's: GPT-2's tanh GELU, or CLIP's quick_gelu
 
 
 class CausalSelfAttention(nn.Module):
@@ -204,24 +225,25 @@ class CausalSelfAttention(nn.Module):
         return self.resid_drop(self.c_proj(y)), aux
 
 
+class QuickGELU(nn.Module):
+    """CLIP's activation, x * sigmoid(1.702 x)."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
 class MLP(nn.Module):
-    """The 4x wide feed-forward layer: GPT-2's tanh GELU, or CLIP's x * sigmoid(1.702 x)."""
+    """The 4x wide feed-forward layer: GPT-2's tanh GELU ('gelu_new'), or CLIP's 'quick_gelu'."""
 
     def __init__(self, n_embd, dropout=0.0, activation="gelu_new"):
         super().__init__()
-        assert activation in ("gelu_new", "quick_gelu"), activation
-        self.activation = activation
         self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.act = {"gelu_new": nn.GELU(approximate="tanh"), "quick_gelu": QuickGELU()}[activation]
         self.c_proj = nn.Linear(4 * n_embd, n_embd)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        h = self.c_fc(x)
-        if self.activation == "gelu_new":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            h = h * torch.sigmoid(1.702 * h)
-        return self.drop(self.c_proj(h))
+        return self.drop(self.c_proj(self.act(self.c_fc(x))))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -248,30 +270,31 @@ def _init_weights(m):
 
 
 class DecisionTransformer(nn.Module):
-    """GPT2-DT(MA): DT's embeddings and action head around GPT-2 blocks (App. C), MoA-gated with
-    cfg.moa; cfg.n_embd, cfg.n_head set (build_model: the checkpoint's)."""
+    """GPT2-DT(MA): DT's embeddings and action head around GPT-2 blocks of the shape gpt (a
+    GPT2Config; build_model: the checkpoint's) (App. C), MoA-gated with moa (GPT2-DTMA)."""
 
-    def __init__(self, cfg, obs_dim, act_dim, max_ep_len, eps=1e-5, activation="gelu_new"):
+    def __init__(self, gpt, obs_dim, act_dim, max_ep_len, dropout=0.1, moa=True):
         super().__init__()
-        C = cfg.n_embd
+        C, eps = gpt.n_embd, gpt.layer_norm_epsilon
         # LaMo's embeddings and head (decision_transformer.py#L102-L135); GPT-2's wpe, wte unused
         self.embed_timestep = nn.Embedding(max_ep_len, C)
         self.embed_return = nn.Linear(1, C)
         self.embed_state = nn.Linear(obs_dim, C)
         self.embed_action = nn.Linear(act_dim, C)
         self.embed_ln = nn.LayerNorm(C)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = nn.Dropout(dropout)
 
-        self.blocks = nn.ModuleList([Block(C, cfg.n_head, cfg.dropout, eps, cfg.moa, activation)
-                                     for _ in range(cfg.n_layer)])
+        self.blocks = nn.ModuleList([Block(C, gpt.n_head, dropout, eps, moa, gpt.activation)
+                                     for _ in range(gpt.n_layer)])
         self.ln_f = nn.LayerNorm(C, eps=eps)
         self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions in [-1, 1]
 
-        # GPT-2's init
+        # GPT-2's init as nanoGPT writes it (LaMo's for new blocks), on DT's embeddings and head too
+        # (departure 11: LaMo's keep PyTorch's)
         self.apply(_init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * gpt.n_layer))
 
     @torch.no_grad()
     def load_gpt2_blocks(self, sd):
@@ -317,18 +340,6 @@ def causal_padding_mask(mask, n):
     causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
     eye = torch.eye(T, dtype=torch.bool, device=mask.device)
     return (causal & (real[:, None, :] | eye))[:, None]  # (B, 1, nK, nK)
-
-
-@dataclass
-class GPT2Config:
-    """GPT-2 small's (CLIP_TEXT below: CLIP's)."""
-    vocab_size: int = 50257
-    n_positions: int = 1024
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    layer_norm_epsilon: float = 1e-5
-    activation: str = "gelu_new"  # the MLP's
 
 
 class GPT2(nn.Module):
@@ -554,9 +565,10 @@ def build_model(cfg, info):
 
     # the model of that shape (a run from before CLIP-DT: GPT-2's activation)
     s = info["shape"]
-    shaped = dataclasses.replace(cfg, n_embd=s["n_embd"], n_head=s["n_head"], n_layer=s["n_layer"])
-    model = DecisionTransformer(shaped, info["obs_dim"], info["act_dim"], info["max_ep_len"],
-                                eps=s["eps"], activation=s.get("activation", "gelu_new"))
+    gpt = GPT2Config(n_embd=s["n_embd"], n_head=s["n_head"], n_layer=s["n_layer"],
+                     layer_norm_epsilon=s["eps"], activation=s.get("activation", "gelu_new"))
+    model = DecisionTransformer(gpt, info["obs_dim"], info["act_dim"], info["max_ep_len"],
+                                dropout=cfg.dropout, moa=cfg.moa)
     if sd is not None:
         model.load_gpt2_blocks(sd)
     model.markov_heads = tuple(info["markov_heads"])

@@ -99,12 +99,9 @@ atari_and_dmc/starformer.py):
     #L261-L330).
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import data as data_lib
 import evaluate as ev
@@ -190,7 +187,33 @@ PRESETS = {
     "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
 }
 
-# >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
+# >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class StARConfig:
+    """The model's settings: Table 6's sizes, the method's choices (build_model: from Config)."""
+    context: int = 20  # T: the rows of e^temporal (Sec. 5.1; Atari: 30)
+    n_layer: int = 6  # L, Step and Sequence layers, paired
+    n_embd: int = 192  # D, the Sequence Transformer's width
+    n_head: int = 8  # the Sequence Transformer's heads
+    step_embd: int = 64  # d, the Step Transformer's width
+    step_head: int = 4
+    dropout: float = 0.1  # on tokens, attention and residuals
+    state_mlp: bool = False  # h^0 = a 2-layer MLP(s_t), not one Linear (departure 9)
+    reward_scale: float = 1.0  # the reward slot gets Tanh(FC(reward_scale * r)); 1: raw (code)
+    patch_size: int = 7  # image states: p x p patches
+    # the variants (Tables 1-4)
+    reward_token: bool = True  # False: Table 1's imitation, the group (a_{t-1}, s_t)
+    prev_action: bool = True  # False: the null action in every group
+    reward_input: str = "reward"  # the reward slot: reward (r_{t-1}) | rtg (Table 2's R_t)
+    state_token: str = "conv"  # Table 3, h^0: conv (the method) | none | patch
+    connection: str = "layerwise"  # Table 4: layerwise (the method) | fusion | stack
 
 
 class SelfAttention(nn.Module):
@@ -235,13 +258,42 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Interleave:
+    """Eq. (2): the Sequence Transformer reads g_1, h_1, g_2, h_2, ...; Sec. 3.3.2 keeps h_t, the
+    output's 2t-th token, and drops the g slots."""
+    n = 2  # Sequence tokens per step
+
+    @staticmethod
+    def join(g, h):
+        return torch.stack([g, h], dim=2).flatten(1, 2)  # (B, T, D) x 2 -> (B, 2T, D)
+
+    @staticmethod
+    def split(y):
+        return y[:, 1::2]  # (B, 2T, D) -> (B, T, D)
+
+
+class Fuse:
+    """Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): the Sequence Transformer reads
+    h^{l-1} + g^l, T tokens, g^l with its e_t (departure 10)."""
+    n = 1
+
+    @staticmethod
+    def join(g, h):
+        return h + g  # (B, T, D)
+
+    @staticmethod
+    def split(y):
+        return y  # (B, T, D)
+
+
 class StepSeqLayer(nn.Module):
     """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a; the code's
-    #L138-L186). project=False: a Step layer whose output reaches no Sequence layer (--connection
-    stack, all but the last)."""
+    #L138-L186); tokens: how g^l meets h^{l-1} (Interleave or Fuse). project=False: a Step layer
+    whose output reaches no Sequence layer (--connection stack, all but the last)."""
 
-    def __init__(self, n_tok, d, D, step_head, seq_head, dropout, project=True):
+    def __init__(self, n_tok, d, D, step_head, seq_head, dropout, tokens=Interleave, project=True):
         super().__init__()
+        self.tokens = tokens
         self.step = Block(d, step_head, dropout)  # F_step^l: full attention inside a group
         if project:
             self.ln_tok = nn.LayerNorm(d)  # the LayerNorms around FC: departure 8
@@ -259,24 +311,18 @@ class StepSeqLayer(nn.Module):
         B, T, n, d = Z.shape
         return self.ln_g(self.fc(self.ln_tok(Z).reshape(B, T, n * d))) + e_temp
 
-    def forward(self, Z, h, e_temp, seq_mask, interleave=True):
+    def forward(self, Z, h, e_temp, seq_mask):
         """Z (B, T, n, d), h and e_temp (B, T, D), seq_mask (B, 1, S, S) -> Z^l, h^l."""
         Z = self.step_layer(Z)
         g = self.star(Z, e_temp)  # (B, T, D)
-        if not interleave:
-            # Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): h^l = F_seq^l(h^{l-1} + g^l),
-            # g^l with its e_t (departure 10)
-            return Z, self.seq(h + g, seq_mask)
 
-        # Eq. (2): g_1, h_1, g_2, h_2, ...; Sec. 3.3.2: h_t^l = y_out;2t^l, the g slots dropped
-        y = torch.stack([g, h], dim=2).reshape(g.shape[0], -1, g.shape[2])  # (B, 2T, D)
-        y = self.seq(y, seq_mask)
-        return Z, y[:, 1::2]  # (B, T, D)
+        # Sec. 3.3.2: h^l = F_seq^l(g^l, h^{l-1}) joined as Eq. (2) (or Fusion) says
+        return Z, self.tokens.split(self.seq(self.tokens.join(g, h), seq_mask))  # (B, T, D)
 
 
 class NatureCNN(nn.Module):
     """Mnih et al. (2015)'s encoder for image h^0 (Sec. 3.3.1), ending in Tanh as the code's
-    #L91-L94."""
+    #L91-L94; one frame stack per timestep."""
 
     def __init__(self, image_shape, D):
         super().__init__()
@@ -287,8 +333,12 @@ class NatureCNN(nn.Module):
             flat = self.conv(torch.zeros(1, c, H, W)).shape[1]  # 3136 for 4x84x84
         self.fc = nn.Sequential(nn.Linear(flat, D), nn.Tanh())
 
-    def forward(self, x):
-        return self.fc(self.conv(x))  # (N, c, H, W) -> (N, D)
+    def forward(self, frames):
+        """(B, T, c, H, W) in [0, 1] -> (B, T, D)."""
+        B, T = frames.shape[:2]
+        # channels-last: the same values, faster convolutions
+        x = frames.reshape(B * T, *frames.shape[2:]).contiguous(memory_format=torch.channels_last)
+        return self.fc(self.conv(x)).reshape(B, T, -1)  # (B, T, D)
 
 
 class PatchState(nn.Module):
@@ -336,9 +386,9 @@ def sequence_mask(real, n):
 
 
 class StARformer(nn.Module):
-    """obs_shape: int (vector states, one token per dimension) or (c, H, W) (image states, uint8
-    frames, patch tokens). act_dim: the action dimension (continuous: Tanh head, MSE) or the number
-    of actions (discrete=True: logits, cross-entropy)."""
+    """cfg: a StARConfig. obs_shape: int (vector states, one token per dimension) or (c, H, W)
+    (image states, uint8 frames, patch tokens). act_dim: the action dimension (continuous: Tanh
+    head, MSE) or the number of actions (discrete=True: logits, cross-entropy)."""
 
     def __init__(self, cfg, obs_shape, act_dim, discrete=False):
         super().__init__()
@@ -347,7 +397,6 @@ class StARformer(nn.Module):
         self.reward_scale, self.patch_size = cfg.reward_scale, cfg.patch_size
         self.null_action = act_dim if discrete else NULL_ACTION
         self.prev_action = cfg.prev_action
-        self.state_token, self.connection = cfg.state_token, cfg.connection
         d, D = cfg.step_embd, cfg.n_embd
 
         # Sec. 3.2.1: state tokens z_{s_t^i} = FC(s_t^i) + e_i^spatial, one FC for all patches and t
@@ -364,14 +413,16 @@ class StARformer(nn.Module):
             self.embed_action = nn.Linear(act_dim, d)  # Sec. 3.2.1: z_a = FC(a), the whole action
 
         # Sec. 3.3.1: h^0's encoder; Table 3 replaces it ('patch') or drops it ('none')
-        if self.state_token == "patch":
+        if cfg.state_token == "patch":
             self.embed_state = PatchState(patch_dim, n_state, d, D)
-        elif self.state_token == "conv" and self.image:
+        elif cfg.state_token == "conv" and self.image:
             self.embed_state = NatureCNN(obs_shape, D)
-        elif self.state_token == "conv":
+        elif cfg.state_token == "conv":
             # one Linear, or --state-mlp (departure 9)
             self.embed_state = (nn.Sequential(nn.Linear(obs_shape, D), nn.GELU(), nn.Linear(D, D))
                                 if cfg.state_mlp else nn.Linear(obs_shape, D))
+        h0 = dict(conv=self.h0_conv, patch=self.h0_patch, none=self.h0_none)  # forward's h^0
+        self.initial_h = h0[cfg.state_token]
 
         # the reward token, absent in imitation (Table 1), and the embeddings
         if self.reward_token:
@@ -382,11 +433,15 @@ class StARformer(nn.Module):
         self.e_temporal = nn.Parameter(torch.zeros(cfg.context, D))
         self.drop = nn.Dropout(cfg.dropout)  # on Z^0 and h^0 (code)
 
-        # the layers
-        stack = self.connection == "stack"
+        # the layers: Eq. (2) interleaves g^l with h^{l-1}, Table 3's "w/o conv" and Table 4's
+        # "Fusion" sum them; Table 4's "Stack" runs all Step layers before the Sequence layers
+        fuse = cfg.state_token == "none" or cfg.connection == "fusion"
+        self.tokens = Fuse if fuse else Interleave
+        stack = cfg.connection == "stack"
         self.blocks = nn.ModuleList(
-            StepSeqLayer(self.n_tok, d, D, cfg.step_head, cfg.n_head, cfg.dropout,
+            StepSeqLayer(self.n_tok, d, D, cfg.step_head, cfg.n_head, cfg.dropout, self.tokens,
                          project=not stack or i == cfg.n_layer - 1) for i in range(cfg.n_layer))
+        self.run_layers = self.stacked if stack else self.layerwise
 
         # the code's LayerNorm, then phi (Sec. 3.3.3, A.1): Linear, then Tanh for continuous actions
         self.ln_f = nn.LayerNorm(D)
@@ -415,7 +470,6 @@ class StARformer(nn.Module):
         """One data.py window, its keys in its order (model(**batch) works; shapes as in
         step_inputs, rtg (B, T, 1)) -> a_t for every t, (B, T, act) (discrete: logits). Position t
         sees s_1..s_t, a_0..a_{t-1}, r_0..r_{t-1} (or R_1..R_t) only."""
-        B, T = states.shape[:2]
         if self.image:
             states = states.float() / 255.0  # uint8 frames -> [0, 1], as the code
         real = mask > 0  # (B, T)
@@ -439,40 +493,43 @@ class StARformer(nn.Module):
         Z = torch.cat([*tokens, self.embed_patch(patches) + self.e_spatial], dim=2)
         Z = self.drop(Z)  # (B, T, n, d)
 
-        # Sec. 3.3.1: the integrated state tokens h^0_t = Conv(s_t) (or FC(s_t)) + e_t^temporal
-        if self.state_token == "none":  # Table 3 "w/o conv": no h^0, the stream starts at 0
-            h = torch.zeros_like(e_temp)
-        elif self.state_token == "patch":  # Table 3 "conv -> ViT"
-            h = self.drop(self.embed_state(patches) + e_temp)
-        elif self.image:
-            # channels-last: the same values, faster convolutions
-            frames = states.reshape(B * T, *states.shape[2:])
-            frames = frames.contiguous(memory_format=torch.channels_last)
-            h = self.drop(self.embed_state(frames).reshape(B, T, -1) + e_temp)  # (B, T, D)
-        else:
-            h = self.drop(self.embed_state(states) + e_temp)  # (B, T, D)
+        # Sec. 3.3.1: the integrated state tokens h^0 (Table 3: from patches, or none)
+        h = self.initial_h(states, patches, e_temp)  # (B, T, D)
 
-        # Eq. (2) interleaves g^l with h^{l-1}; Table 3's "w/o conv" and Table 4's "Fusion" sum them
-        interleave = self.state_token != "none" and self.connection != "fusion"
-        seq_mask = sequence_mask(real, 2 if interleave else 1)  # (B, 1, 2T, 2T) or (B, 1, T, T)
-        if self.connection == "stack":
-            # Table 4 "Stack" (Fig. 4b): all L Step layers, then g^L beside h^0 (departure 11)
-            # through the L Sequence layers, no token dropped
-            for block in self.blocks:
-                Z = block.step_layer(Z)
-            y = self.blocks[-1].star(Z, e_temp)  # g^L (B, T, D)
-            if interleave:
-                y = torch.stack([y, h], dim=2).reshape(B, 2 * T, -1)  # g_1^L, h_1^0, ...
-            for block in self.blocks:
-                y = block.seq(y, seq_mask)
-            h = y[:, 1::2] if interleave else y  # (B, T, D)
-        else:
-            # layer-wise (Fig. 2a): Step layer l feeds Sequence layer l
-            for block in self.blocks:
-                Z, h = block(Z, h, e_temp, seq_mask, interleave)
+        # Sec. 3.3.2: L layers, the Sequence Transformer causal over the steps
+        seq_mask = sequence_mask(real, self.tokens.n)  # (B, 1, 2T, 2T), Fuse: (B, 1, T, T)
+        h = self.run_layers(Z, h, e_temp, seq_mask)  # h^L (B, T, D)
 
         # Sec. 3.3.3: a_t = phi(h_t^L)
         return self.predict_action(self.ln_f(h))  # (B, T, act)
+
+    def h0_conv(self, states, patches, e_temp):
+        """Sec. 3.3.1: h_t^0 = Conv(s_t) (vectors: FC(s_t)) + e_t^temporal."""
+        return self.drop(self.embed_state(states) + e_temp)  # (B, T, D)
+
+    def h0_patch(self, states, patches, e_temp):
+        """Table 3 "conv -> ViT": h^0 from a second patch embedding."""
+        return self.drop(self.embed_state(patches) + e_temp)  # (B, T, D)
+
+    def h0_none(self, states, patches, e_temp):
+        """Table 3 "w/o conv": no h^0, the Sequence stream starts at 0."""
+        return torch.zeros_like(e_temp)  # (B, T, D)
+
+    def layerwise(self, Z, h, e_temp, seq_mask):
+        """Fig. 2a: Step layer l feeds Sequence layer l (Table 4 "Fusion" too, with Fuse)."""
+        for block in self.blocks:
+            Z, h = block(Z, h, e_temp, seq_mask)
+        return h  # (B, T, D)
+
+    def stacked(self, Z, h, e_temp, seq_mask):
+        """Table 4 "Stack" (Fig. 4b): all L Step layers, then g^L beside h^0 (departure 11) through
+        the L Sequence layers, no token dropped between them."""
+        for block in self.blocks:
+            Z = block.step_layer(Z)
+        y = self.tokens.join(self.blocks[-1].star(Z, e_temp), h)  # g_1^L, h_1^0, ...: (B, 2T, D)
+        for block in self.blocks:
+            y = block.seq(y, seq_mask)
+        return self.tokens.split(y)  # (B, T, D)
 
     def optim_groups(self, weight_decay):
         """AdamW's groups: decay on Linear and Conv2d weights only, not on biases, LayerNorms or
@@ -540,9 +597,10 @@ def load_dataset(cfg):
 
 def build_model(cfg, info):
     """The model the data's spaces call for: Atari's for discrete actions, else the gym one."""
+    model_cfg = StARConfig(**{f.name: getattr(cfg, f.name) for f in fields(StARConfig)})
     if info.get("discrete"):
-        return StARformer(cfg, tuple(info["obs_shape"]), info["act_dim"], discrete=True)
-    return StARformer(cfg, info["obs_dim"], info["act_dim"])
+        return StARformer(model_cfg, tuple(info["obs_shape"]), info["act_dim"], discrete=True)
+    return StARformer(model_cfg, info["obs_dim"], info["act_dim"])
 
 
 def lr_factor(s, cfg):

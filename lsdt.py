@@ -72,14 +72,10 @@ Departures from the paper and the official code:
 10. A run keeps its last checkpoint; the code also saves the best of its 200 evaluations on the
     test env (scripts/train.py#L266-L269), the checkpoint its README evaluates.
 """
-import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import data as data_lib
 import evaluate as ev
@@ -151,7 +147,34 @@ class Config:
 PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000,
                        eval_every=2000, eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
 
-# >>> model: begin (needs only torch, math and dataclasses: copy it, with Config and arg above)
+# >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class LSDTConfig:
+    """The model's settings, the paper's defaults (Table 13; build_model fills it from Config)."""
+    arch: str = "lsdt"  # lsdt | dc (Decision Convformer) | dc_h (DC, attention in the last block)
+    n_layer: int = 3
+    n_embd: int = 128  # D, the token width
+    n_head: int = 1  # N_h, the attention branch's heads
+    conv_ratio: float = 0.5  # xi: the conv branch's share of D (Sec. 3.2.1)
+    kernel: int = 6  # k_m, the conv branch's causal taps (DC: its window L_w)
+    conv: str = "dynamic"  # the short-term branch: dynamic (DynamicConv) | dc (DC's filters, LSDC)
+    fusion: str = "hfm"  # hfm (App. B.3) | concat
+    routing: str = "split"  # App. B.10: split (LSDT) | res (LSDT-res) | weight (LSDT-weight)
+    norm: str = "post"  # post (the official code) | pre (the paper's Figure 1, and DC)
+    dropout: float = 0.25  # after W_O and after the MLP
+    attn_dropout: float = 0.1  # on the attention output P V
+    conv_dropout: float = 0.2  # on the dynamic-kernel logits
+    embd_dropout: float = 0.0  # on the token embeddings (DC: 0.1)
+    dropkey: float = 0.0  # DropKey's probability (B.8), in place of attn_dropout
+    action_tokens: bool = True  # False: (R_t, s_t) tokens only (D.2)
 
 
 def conv_dims(cfg):
@@ -163,15 +186,14 @@ def conv_dims(cfg):
 
 class CausalSelfAttention(nn.Module):
     """The long-term branch (Sec. 3.2.1): causal multi-head attention on D_a channels (W_O is the
-    mixer's); P explicit for the analysis (Fig. 3) and DropKey, else torch's fused kernel."""
+    mixer's); P explicit for the analysis (Fig. 3), else torch's fused kernel."""
 
-    def __init__(self, dim, n_head, attn_dropout, dropkey):
+    def __init__(self, dim, n_head, attn_dropout):
         super().__init__()
         assert dim % n_head == 0, f"{dim} attention channels do not split into {n_head} heads"
-        self.n_head, self.dropkey = n_head, dropkey
+        self.n_head = n_head
         self.c_attn = nn.Linear(dim, 3 * dim)  # W_Q || W_K || W_V, the code's three Linears fused
-        # on P V, not on P (#L238); DropKey replaces it (B.8)
-        self.drop = nn.Dropout(0.0 if dropkey else attn_dropout)
+        self.drop = nn.Dropout(attn_dropout)  # on P V, not on P (#L238)
         self.keep, self.probs = False, None  # analysis: keep the last P
 
     def forward(self, x, attn_mask):
@@ -179,25 +201,42 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, L, D_a)
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for z in (q, k, v))  # (B, nh, L, hs)
-
-        dropkey = self.training and self.dropkey > 0
-        if self.keep or dropkey:
-            att = q @ k.transpose(-2, -1) / math.sqrt(k.size(-1))  # (B, nh, L, L) Q K^T / sqrt(d)
-            att = att.masked_fill(~attn_mask, float("-inf"))
-            if dropkey:
-                # B.8, DropKey (departure 6)
-                drop = torch.rand(att.shape, device=att.device) < self.dropkey
-                own = torch.eye(T, dtype=torch.bool, device=x.device)
-                att = att.masked_fill(drop & ~own, float("-inf"))
-            att = att.softmax(-1)  # (B, nh, L, L) P
-            if self.keep:
-                self.probs = att.detach()
-            y = att @ v  # (B, nh, L, hs)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, nh, L, hs)
-
+        y = self.attend(q, k, v, attn_mask)  # (B, nh, L, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, L, D_a)
         return self.drop(y)
+
+    def attend(self, q, k, v, attn_mask):
+        """softmax(Q K^T / sqrt(d)) V: torch's fused kernel, or P explicit for the analysis."""
+        if not self.keep:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.weigh(self.logits(q, k, attn_mask), v)
+
+    def logits(self, q, k, attn_mask):
+        att = q @ k.transpose(-2, -1) / math.sqrt(k.size(-1))  # (B, nh, L, L) Q K^T / sqrt(d)
+        return att.masked_fill(~attn_mask, float("-inf"))
+
+    def weigh(self, att, v):
+        att = att.softmax(-1)  # (B, nh, L, L) P
+        if self.keep:
+            self.probs = att.detach()
+        return att @ v  # (B, nh, L, hs)
+
+
+class DropKeyAttention(CausalSelfAttention):
+    """B.8, DropKey (Li et al. 2022; departure 6): in training, each logit set to -inf with
+    probability p, never a token's own; it replaces the dropout on P V."""
+
+    def __init__(self, dim, n_head, p):
+        super().__init__(dim, n_head, attn_dropout=0.0)
+        self.p = p
+
+    def attend(self, q, k, v, attn_mask):
+        if not self.training:
+            return super().attend(q, k, v, attn_mask)
+        att = self.logits(q, k, attn_mask)  # (B, nh, L, L)
+        drop = torch.rand(att.shape, device=att.device) < self.p
+        own = torch.eye(att.shape[-1], dtype=torch.bool, device=att.device)
+        return self.weigh(att.masked_fill(drop & ~own, float("-inf")), v)  # (B, nh, L, hs)
 
 
 class DynamicConv(nn.Module):
@@ -266,120 +305,200 @@ class DCConv(nn.Module):
         return y + self.bias[types]
 
 
+def long_term_branch(cfg, dim):
+    """Attention on dim channels; DropKey's under cfg.dropkey (B.8, Table 6)."""
+    if cfg.dropkey:
+        return DropKeyAttention(dim, cfg.n_head, cfg.dropkey)
+    return CausalSelfAttention(dim, cfg.n_head, cfg.attn_dropout)
+
+
+def short_term_branch(cfg, dim):
+    """DynamicConv on dim channels; DC's filters under cfg.conv == 'dc' (LSDC, Sec. 4.4), one per
+    token type: (R, s) and a_t where there are action tokens."""
+    if cfg.conv == "dc":
+        return DCConv(dim, cfg.kernel, n_types=2 + cfg.action_tokens)
+    return DynamicConv(dim, cfg.kernel, cfg.conv_dropout)
+
+
+class NoBranch(nn.Module):
+    """The branch xi = 0 or 1 leaves no channels: its empty slice (B, L, 0) passes through."""
+
+    def forward(self, x, *context):
+        return x
+
+
 class HybridFusion(nn.Module):
     """The Hybrid Fusion Module (App. B.3, Eqs. 2-4): Y_o = softmax(MLP(Y)) * Y, MLP W -> W/2 -> W,
-    on Y = concat(Y_att, Y_conv) (B, L, W). over_branches: LSDT-weight's "modified version of our
-    HFM module" (B.10, no equations), here a softmax over the two branches a token and channel on
-    the 2D-wide concat: Y = A_att * Y_att + A_conv * Y_conv (B, L, D)."""
+    on Y = concat(Y_att, Y_conv) (B, L, W)."""
 
-    def __init__(self, width, over_branches=False):
+    def __init__(self, width):
         super().__init__()
         self.reduce = nn.Linear(width, width // 2)  # Eq. 2, W_f
         self.expand = nn.Linear(width // 2, width)  # Eq. 3, W_f1 || W_f2 as one Linear
-        self.over_branches = over_branches
         self.keep, self.weights = False, None  # analysis: keep the last A
 
-    def forward(self, y):
-        z = self.expand(F.relu(self.reduce(y)))  # (B, L, W) Z, Eqs. 2-3
-        if self.over_branches:
-            a = z.view(*z.shape[:-1], 2, -1).softmax(-2)  # (B, L, 2, D) A over {att, conv}
-            y_att, y_conv = y.chunk(2, dim=-1)  # 2 x (B, L, D)
-            out = a[..., 0, :] * y_att + a[..., 1, :] * y_conv  # (B, L, D)
-        else:
-            # over channels (departure 2)
-            a = z.softmax(-1)  # (B, L, D) A = softmax(Z)
-            out = a * y  # (B, L, D) Y_o, Eq. 4
+    def mlp(self, y):
+        return self.expand(F.relu(self.reduce(y)))  # (B, L, W) Z, Eqs. 2-3
 
+    def forward(self, y):
+        a = self.mlp(y).softmax(-1)  # (B, L, D) A = softmax(Z), over channels (departure 2)
         if self.keep:
-            # (B, L, D) A, or LSDT-weight's A_att = 1 - A_conv
-            self.weights = (a[..., 0, :] if self.over_branches else a).detach()
-        return out
+            self.weights = a.detach()
+        return a * y  # (B, L, D) Y_o, Eq. 4
+
+
+class BranchWeights(HybridFusion):
+    """LSDT-weight's "modified version of our HFM module" (B.10, no equations): HFM's MLP on the
+    2D-wide concat, a softmax over the two branches a token and channel:
+    Y = A_att * Y_att + A_conv * Y_conv (B, L, D)."""
+
+    def forward(self, y):
+        z = self.mlp(y)  # (B, L, 2D)
+        a = z.view(*z.shape[:-1], 2, -1).softmax(-2)  # (B, L, 2, D) A over {att, conv}
+        if self.keep:
+            self.weights = a[..., 0, :].detach()  # (B, L, D) A_att; A_conv = 1 - A_att
+        y_att, y_conv = y.chunk(2, dim=-1)  # 2 x (B, L, D)
+        return a[..., 0, :] * y_att + a[..., 1, :] * y_conv  # (B, L, D)
+
+
+# --routing (App. B.10): what each branch reads of X (B, L, D), and the widths D_a, D_c it gives
+
+class Split(nn.Module):
+    """LSDT (Sec. 3.2.1): X_1 = X[..., :D_a] to attention, X_2 = X[..., D_a:] to the conv."""
+
+    def __init__(self, da, dc):
+        super().__init__()
+        self.sizes = [da, dc]
+
+    @staticmethod
+    def widths(D, conv_dim):
+        return D - conv_dim, conv_dim
+
+    def forward(self, x):
+        return x.split(self.sizes, dim=-1)  # (B, L, D_a), (B, L, D_c)
+
+
+class ResidualSplit(Split):
+    """LSDT-res: "two separate linear projections with residual connections" (no equations):
+    X_1 + W_r1 X_1, X_2 + W_r2 X_2, on the split's parts."""
+
+    def __init__(self, da, dc):
+        super().__init__(da, dc)
+        self.res_attn, self.res_conv = (nn.Linear(d, d) if d else NoBranch() for d in (da, dc))
+
+    def forward(self, x):
+        x1, x2 = super().forward(x)  # (B, L, D_a), (B, L, D_c)
+        return x1 + self.res_attn(x1), x2 + self.res_conv(x2)
+
+
+class Shared(nn.Module):
+    """LSDT-weight: "the full embedding is fed into both branches instead of a subset"."""
+
+    def __init__(self, da, dc):
+        super().__init__()
+
+    @staticmethod
+    def widths(D, conv_dim):
+        return D, D
+
+    def forward(self, x):
+        return x, x  # 2 x (B, L, D)
+
+
+ROUTES = {"split": Split, "res": ResidualSplit, "weight": Shared}
 
 
 class LongShortMixer(nn.Module):
     """The Masked Long-Short token mixer (Sec. 3.2.1, Fig. 4, the figure atop this file; #L182),
-    then dropout; --routing's variants (App. B.10) marked."""
+    then dropout; --routing's variants (App. B.10) route X to the branches and join them."""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
-        D = cfg.n_embd
-        self.routing = cfg.routing
-        # B.10, LSDT-weight: "the full embedding is fed into both branches instead of a subset"
-        self.dc, self.da = (D, D) if cfg.routing == "weight" else (conv_dim, D - conv_dim)
-        self.attn = None
-        if self.da:
-            self.attn = CausalSelfAttention(self.da, cfg.n_head, cfg.attn_dropout, cfg.dropkey)
-
-        self.conv = None
-        if self.dc:
-            self.conv = (DynamicConv(self.dc, cfg.kernel, cfg.conv_dropout) if cfg.conv == "dynamic"
-                         else DCConv(self.dc, cfg.kernel, 3 if cfg.action_tokens else 2))
-
-        # B.10, LSDT-res: "two separate linear projections with residual connections" (no
-        # equations): X_1 + W_r1 X_1, X_2 + W_r2 X_2
-        res = cfg.routing == "res"
-        self.res_attn = nn.Linear(self.da, self.da) if res and self.attn is not None else None
-        self.res_conv = nn.Linear(self.dc, self.dc) if res and self.conv is not None else None
+        D, route = cfg.n_embd, ROUTES[cfg.routing]
+        self.da, self.dc = route.widths(D, conv_dim)
+        self.attn = long_term_branch(cfg, self.da) if self.da else NoBranch()
+        self.conv = short_term_branch(cfg, self.dc) if self.dc else NoBranch()
+        self.route = route(self.da, self.dc)
 
         # HFM only where both branches are, as the code (#L186-L208; departure 4); LSDT-weight:
         # its "modified HFM"
-        self.fuse = (HybridFusion(2 * D, over_branches=True) if cfg.routing == "weight" else
-                     HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else None)
-
-        # DC's conv mixer has neither W_O nor dropout (DC's decision_convformer.py#L101-L102)
-        self.c_proj = None if (cfg.arch in ("dc", "dc_h") and not self.da) else nn.Linear(D, D)
-        self.resid_drop = nn.Dropout(cfg.dropout) if self.c_proj is not None else nn.Identity()
+        self.fuse = (BranchWeights(2 * D) if cfg.routing == "weight" else
+                     HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else
+                     nn.Identity())
+        self.c_proj = nn.Linear(D, D)  # W_O
+        self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, attn_mask, real):
-        # Sec. 3.2.1: X_1 (B, L, D_a) | X_2 (B, L, D_c); LSDT-weight: X (B, L, D) to both
-        x1, x2 = (x, x) if self.routing == "weight" else x.split([self.da, self.dc], dim=-1)
-        if self.res_attn is not None:
-            x1 = x1 + self.res_attn(x1)  # LSDT-res
-        if self.res_conv is not None:
-            x2 = x2 + self.res_conv(x2)  # LSDT-res
+        x1, x2 = self.route(x)  # Sec. 3.2.1: X_1 (B, L, D_a), X_2 (B, L, D_c); B.10's variants
+        y_att = self.attn(x1, attn_mask)  # (B, L, D_a) the long-term branch
+        y_conv = self.conv(x2, real)  # (B, L, D_c) the short-term branch
+        y = self.fuse(torch.cat([y_att, y_conv], dim=-1))  # (B, L, D) HFM, Eqs. 2-4, or concat
+        return self.resid_drop(self.c_proj(y))  # (B, L, D) W_O
 
-        # the branches, attention first (Eq. 2), HFM and W_O
-        ys = []
-        if self.attn is not None:
-            ys.append(self.attn(x1, attn_mask))  # (B, L, D_a) the long-term branch
-        if self.conv is not None:
-            ys.append(self.conv(x2, real))  # (B, L, D_c) the short-term branch
-        y = torch.cat(ys, dim=-1)  # (B, L, D); LSDT-weight: (B, L, 2D)
-        if self.fuse is not None:
-            y = self.fuse(y)  # (B, L, D); LSDT-weight: the branches' weighted sum
-        if self.c_proj is not None:
-            y = self.c_proj(y)  # W_O
-        return self.resid_drop(y)
+
+class ConvMixer(nn.Module):
+    """Decision Convformer's token mixer: the conv alone, with neither W_O nor dropout (DC's
+    decision_convformer.py#L101-L102)."""
+
+    def __init__(self, cfg, conv_dim):
+        super().__init__()
+        self.da, self.dc = 0, conv_dim
+        self.conv = short_term_branch(cfg, conv_dim)
+
+    def forward(self, x, attn_mask, real):
+        return self.conv(x, real)  # (B, L, D)
 
 
 class Block(nn.Module):
-    """One layer. 'post', the official code's (#L265-L268): x = LN(x + mixer(x)), LN(x + MLP(x)).
-    'pre' (the paper's Figure 1, dt.py's GPT-2 block, DC): x = x + mixer(LN(x)), x + MLP(LN(x))."""
+    """One layer, 'post' as the official code (#L265-L268): x = LN(x + mixer(x)), LN(x + MLP(x)).
+    DC's conv-only blocks take DC's mixer, every other LSDT's."""
 
     def __init__(self, cfg, conv_dim):
         super().__init__()
         D = cfg.n_embd
-        self.pre = cfg.norm == "pre"
         self.ln_1 = nn.LayerNorm(D)
-        self.mixer = LongShortMixer(cfg, conv_dim)
+        dc_conv = cfg.arch != "lsdt" and conv_dim == D
+        self.mixer = (ConvMixer if dc_conv else LongShortMixer)(cfg, conv_dim)
         self.ln_2 = nn.LayerNorm(D)
         # GELU (Table 13; DT's gym code has ReLU)
         self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D),
                                  nn.Dropout(cfg.dropout))
 
     def forward(self, x, attn_mask, real):
-        if self.pre:
-            x = x + self.mixer(self.ln_1(x), attn_mask, real)
-            return x + self.mlp(self.ln_2(x))
-
         x = self.ln_1(x + self.mixer(x, attn_mask, real))
         return self.ln_2(x + self.mlp(x))
 
 
+class PreLNBlock(Block):
+    """'pre', the paper's Figure 1 (dt.py's GPT-2 block, DC): x + mixer(LN(x)), x + MLP(LN(x))."""
+
+    def forward(self, x, attn_mask, real):
+        x = x + self.mixer(self.ln_1(x), attn_mask, real)
+        return x + self.mlp(self.ln_2(x))
+
+
+def xavier_init(model):
+    """LSDT: Xavier-uniform weights and zero biases, every Linear and Embedding (#L312-L321)."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.xavier_uniform_(m.weight)
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.bias)
+
+
+def gpt2_block_init(model):
+    """DC: GPT-2's N(0, 0.02) and zero biases in the blocks' Linears alone, PyTorch's defaults
+    elsewhere (DC's decision_convformer.py#L123-L130, applied at #L145)."""
+    for m in model.blocks.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(m.bias)
+
+
 class LSDT(nn.Module):
     """dt.py's DecisionTransformer with LongShortMixer blocks: (R_1, s_1, a_1, R_2, ...), or
-    (R_t, s_t) (D.2) -> a_t = tanh(W h(s_t)); DC and DC_h (--arch) differ in mixers, norm and init.
-    obs_dim: the goal's included."""
+    (R_t, s_t) (D.2) -> a_t = tanh(W h(s_t)); DC and DC_h (arch) differ in mixers, norm and init.
+    cfg an LSDTConfig; obs_dim: the goal's included."""
 
     def __init__(self, cfg, obs_dim, act_dim, max_ep_len):
         super().__init__()
@@ -393,24 +512,12 @@ class LSDT(nn.Module):
         self.embed_ln = nn.LayerNorm(D)
         self.drop = nn.Dropout(cfg.embd_dropout)
 
-        self.blocks = nn.ModuleList(Block(cfg, dc) for dc in conv_dims(cfg))
-        self.ln_f = nn.LayerNorm(D) if cfg.norm == "pre" else nn.Identity()  # none post-LN (#L346)
+        # post-LN and no final LN (#L346), or pre-LN and a final LN
+        block, ln_f = (PreLNBlock, nn.LayerNorm(D)) if cfg.norm == "pre" else (Block, nn.Identity())
+        self.blocks = nn.ModuleList(block(cfg, dc) for dc in conv_dims(cfg))
+        self.ln_f = ln_f
         self.predict_action = nn.Sequential(nn.Linear(D, act_dim), nn.Tanh())  # actions in [-1, 1]
-
-        if cfg.arch == "lsdt":
-            # Xavier-uniform weights and zero biases, every Linear and Embedding (#L312-L321)
-            for m in self.modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
-                    nn.init.xavier_uniform_(m.weight)
-                if isinstance(m, nn.Linear):
-                    nn.init.zeros_(m.bias)
-        else:
-            # DC: GPT-2's N(0, 0.02) and zero biases in the blocks' Linears alone, PyTorch's
-            # defaults elsewhere (DC's decision_convformer.py#L123-L130, applied at #L145)
-            for m in self.blocks.modules():
-                if isinstance(m, nn.Linear):
-                    nn.init.normal_(m.weight, mean=0.0, std=0.02)
-                    nn.init.zeros_(m.bias)
+        (xavier_init if cfg.arch == "lsdt" else gpt2_block_init)(self)
 
     def forward(self, states, actions, rtg, timesteps, mask):
         """states (B,K,obs), actions (B,K,act), rtg (B,K,1), timesteps (B,K), mask (B,K) -> actions
@@ -587,7 +694,8 @@ def load_dataset(cfg):
 def build_model(cfg, info):
     """The state embedded: the observation ++ the goal (Sec. 3.3; data.py puts it last), the goal
     cut by --no-goal-state."""
-    return LSDT(cfg, info["obs_dim"] - (0 if cfg.goal_state else info["goal_dim"]),
+    model_cfg = LSDTConfig(**{f.name: getattr(cfg, f.name) for f in fields(LSDTConfig)})
+    return LSDT(model_cfg, info["obs_dim"] - (0 if cfg.goal_state else info["goal_dim"]),
                 info["act_dim"], info["max_ep_len"])
 
 
@@ -731,7 +839,7 @@ def mixing_maps(model, batch, layer=0, index=0):
 
     mixer = model.blocks[layer].mixer
     maps = {}
-    if mixer.attn is not None:
+    if mixer.da:
         maps["attention"] = mixer.attn.probs[index].mean(0).cpu()  # (L, L)
     if isinstance(mixer.conv, DynamicConv):
         alpha = mixer.conv.alpha[index].mean(1).cpu()  # (L, k)
@@ -740,8 +848,9 @@ def mixing_maps(model, batch, layer=0, index=0):
         rows = torch.arange(L)[:, None]
         dense[rows, rows + torch.arange(k)[None, :]] = alpha  # tap j of row i -> token i-k+1+j
         maps["kernel"] = dense[:, k - 1:]  # (L, L); taps before 0 dropped
-    if mixer.fuse is not None:
-        maps["hfm"] = mixer.fuse.weights[index].cpu()  # (L, D)
+    fuse = getattr(mixer, "fuse", None)  # DC's ConvMixer has none
+    if isinstance(fuse, HybridFusion):
+        maps["hfm"] = fuse.weights[index].cpu()  # (L, D)
     return maps
 
 
@@ -764,7 +873,8 @@ def plot_mixing(cfg, given):
     mixer = model.blocks[0].mixer
     n = 3 if model.action_tokens else 2
     real = int(b["mask"][index].sum().item()) * n
-    weighted = mixer.routing == "weight"  # LSDT-weight (B.10)
+    fuse = getattr(mixer, "fuse", None)  # DC's ConvMixer has none
+    weighted = isinstance(fuse, BranchWeights)  # LSDT-weight (B.10)
     text = {"attention": ("long-term branch: attention", "P", "key token"),
             "kernel": ("short-term branch: dynamic kernels", "alpha", "key token"),
             "hfm": ("LSDT-weight's branch weights", "A_att (conv: 1 - A_att)", "channel")
@@ -788,10 +898,10 @@ def plot_mixing(cfg, given):
         fig.colorbar(im, ax=ax, label=bar)
 
     # why a panel is missing
-    if mixer.attn is None or mixer.conv is None:  # xi = 1 or 0
-        fig.suptitle(f"no {'attention' if mixer.attn is None else 'kernel'} or HFM panel: xi = "
+    if not (mixer.da and mixer.dc):  # xi = 1 or 0
+        fig.suptitle(f"no {'attention' if not mixer.da else 'kernel'} or HFM panel: xi = "
                      f"{mixer.dc / cfg.n_embd:g} leaves one branch", fontsize=8)
-    elif mixer.fuse is None:
+    elif not isinstance(fuse, HybridFusion):
         fig.suptitle("no HFM panel: --fusion concat", fontsize=8)
 
     fig.tight_layout()

@@ -316,7 +316,7 @@ def test_hidden_attention_equals_explicit_materialisation():
     mask = torch.ones(2, 9, dtype=torch.float64)
     mask[1, :3] = 0
     alpha = mixer.hidden_attention(h, mask)                                    # (b, di, T, T)
-    x, z, delta, A, B, C = mixer.ssm_inputs(h, mask)
+    x, delta, A, B, C = mixer.ssm_inputs(mixer.s6_input(h), mask)
     T = h.shape[1]
     # explicit: column j of alpha is the scan's response to a unit input at position j (alpha is linear in x)
     explicit = torch.stack([dema.selective_scan_sequential(F.one_hot(torch.tensor(j), T).double().expand_as(x),
@@ -727,7 +727,7 @@ def test_post_block_parameters_by_hand(D, N, expand):
             + D * 4 * D + 4 * D + 4 * D * D + D)                     # MLP: D -> 4D -> D
     di, R_pre = expand * D, math.ceil(D / 16)
     pre = 3 * D * di + di * (W + 3 + 2 * R_pre + 3 * N) + D
-    assert n_params(dema.Block(dema.Config(d_model=D, d_state=N, expand=expand, residual="post"))) == post
+    assert n_params(dema.PostBlock(cfg)) == post
     assert n_params(dema.Block(cfg)) == pre
     if (D, N) == (128, 128):
         assert (pre, post) == (202_624, 183_296)
@@ -874,24 +874,6 @@ def test_bench_on_atari_frames(tmp_path, capsys, monkeypatch):
     assert lines[0].startswith("bench dema") and "96 tokens per batch" in lines[0]
     assert lines[1].split()[0] == "eager" and "ms/step" in lines[1]
     assert os.listdir(tmp_path) == []
-
-
-def test_atari_model_block_runs_alone():
-    """The '# >>> model' block, exec'd with only torch, math and dataclasses, builds and runs the Atari DeMa with
-    either residual block, in both modes: nothing it needs lives outside the block."""
-    from dataclasses import dataclass, field
-    from test_harness import marked
-    ns = dict(torch=torch, nn=torch.nn, F=F, math=math, dataclass=dataclass, field=field, Config=dema.Config,
-              arg=dema.arg)
-    exec(compile(marked("dema.py", "model"), "dema.py:model", "exec"), ns)
-    b = atari_window(K=3, dtype=torch.float32)
-    for residual in ("pre", "post"):
-        model = ns["DeMa"](tiny_cfg(residual=residual), 4 * 84 * 84, 4, 20, discrete=True).eval()
-        with torch.no_grad():
-            y = model(*window_args(b))
-            z, _ = model.step(b["states"][:, 0], b["prev_action"], b["rtg"][:, 0], b["timesteps"][:, 0],
-                              model.init_cache(2))
-        assert y.shape == (2, 3, 4) and torch.allclose(z, y[:, 0], atol=1e-5)
 
 
 def test_cpu_preset_rnn_row_on_atari_yields_to_the_flags():

@@ -1,12 +1,11 @@
 """Tests for lsdt.py. Every check compares against something computed independently: explicit loops over taps,
 torch's own conv1d / scaled_dot_product_attention, dt.py's block, hand-computed values and parameter counts,
 perturbation of future inputs, overfitting, and short CLI runs on the tiny datasets from conftest.py."""
+import dataclasses
 import json
 import math
 import os
-import re
 import signal
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -148,10 +147,11 @@ def test_branch_channel_split_and_xi_extremes():
     m = build(make_cfg(conv_ratio=0.25)).blocks[0].mixer
     assert (m.da, m.dc) == (24, 8) and m.attn.c_attn.in_features == 24 and m.conv.glu_in.in_features == 8
     m0 = build(make_cfg(conv_ratio=0.0)).blocks[0].mixer
-    assert m0.conv is None and m0.fuse is None and m0.attn is not None
+    none, plain = lsdt.NoBranch, torch.nn.Identity
+    assert isinstance(m0.conv, none) and isinstance(m0.fuse, plain) and m0.da == 32
     m1 = build(make_cfg(conv_ratio=1.0)).blocks[0].mixer
-    assert m1.attn is None and m1.fuse is None and m1.conv is not None
-    assert build(make_cfg(fusion="concat")).blocks[0].mixer.fuse is None
+    assert isinstance(m1.attn, none) and isinstance(m1.fuse, plain) and m1.dc == 32
+    assert isinstance(build(make_cfg(fusion="concat")).blocks[0].mixer.fuse, plain)
     with pytest.raises(lsdt.data_lib.DataError, match="multiple of 4"):
         check_model(make_cfg(conv_ratio=0.3))                   # 9.6 -> 10 conv channels
     with pytest.raises(lsdt.data_lib.DataError, match=r"\[0, 1\]"):
@@ -179,7 +179,7 @@ def test_xi0_mixer_is_dt_attention():
 def test_dropkey_masks_logits_with_probability_p_and_never_a_whole_row():
     torch.manual_seed(9)
     B, L, p = 16, 24, 0.3
-    attn = lsdt.CausalSelfAttention(16, 2, 0.1, p)
+    attn = lsdt.DropKeyAttention(16, 2, p)
     assert attn.drop.p == 0.0                            # B.8: DropKey replaces the dropout on P V
     attn.keep = True
     x = torch.randn(B, L, 16)
@@ -273,7 +273,7 @@ def test_xi0_block_matches_dt_block():
     import dt
     torch.manual_seed(7)
     cfg = make_cfg(conv_ratio=0.0, norm="pre", n_head=4)
-    ours = lsdt.Block(cfg, 0).eval()
+    ours = lsdt.PreLNBlock(cfg, 0).eval()
     ours.mlp[1] = torch.nn.ReLU()
     ref = dt.Block(dt.Config(n_embd=cfg.n_embd, n_head=4)).eval()
     names = {"mixer.attn.c_attn": "attn.c_attn", "mixer.c_proj": "attn.c_proj"}
@@ -337,19 +337,11 @@ def test_parameter_count_matches_official_code(dc, millions):
     assert round((ours + dead_taps + unused_heads) / 1e6, 3) == millions
 
 
-def test_model_block_runs_alone():
-    """The marked model block needs only torch, nn, F, math, dataclass, field and Config / arg."""
-    text = open(os.path.join(ROOT, "lsdt.py")).read()
-    block = re.search(r"^# >>> model: begin.*?^# <<< model: end", text, re.S | re.M).group(0)
-    ns = dict(torch=torch, nn=torch.nn, F=F, math=math, dataclass=dataclass, field=field, Config=lsdt.Config,
-              arg=lsdt.arg)
-    exec(compile(block, "lsdt.py:model", "exec"), ns)
-    for routing in lsdt.CHOICES["routing"]:
-        model = ns["LSDT"](lsdt.Config(n_embd=32, n_layer=2, context=5, routing=routing), 11, 3, 100)
-        B, K = 2, 5
-        b = dict(states=torch.randn(B, K, 11), actions=torch.zeros(B, K, 3), rtg=torch.randn(B, K, 1),
-                 timesteps=torch.arange(K).repeat(B, 1), mask=torch.ones(B, K))
-        assert model(b["states"], b["actions"], b["rtg"], b["timesteps"], b["mask"]).shape == (B, K, 3)
+def test_model_config_defaults_are_the_papers_config():
+    """LSDTConfig (the model block's own) starts from Config's defaults, field for field."""
+    model_cfg = lsdt.LSDTConfig()
+    for f in dataclasses.fields(lsdt.LSDTConfig):
+        assert getattr(model_cfg, f.name) == getattr(lsdt.Config(), f.name), f.name
 
 
 # ---------------------------------------------------------------------------------------------------- routing (B.10)
@@ -450,14 +442,16 @@ def test_res_routing_is_the_split_on_projected_parts():
     res = lsdt.LongShortMixer(cfg, 16).eval()
     split = lsdt.LongShortMixer(make_cfg(), 16).eval()
     missing, unexpected = split.load_state_dict(res.state_dict(), strict=False)
-    assert not missing and sorted(unexpected) == [f"res_{b}.{p}" for b in ("attn", "conv") for p in ("bias", "weight")]
-    assert res.res_attn.weight.shape == (16, 16) and res.res_conv.weight.shape == (16, 16)
+    assert not missing and sorted(unexpected) == [f"route.res_{b}.{p}" for b in ("attn", "conv")
+                                                  for p in ("bias", "weight")]
+    r = res.route
+    assert r.res_attn.weight.shape == (16, 16) and r.res_conv.weight.shape == (16, 16)
     x, allowed, real = block_inputs()
-    for p in (res.res_attn.bias, res.res_conv.bias):
+    for p in (r.res_attn.bias, r.res_conv.bias):
         torch.nn.init.normal_(p)                                          # the model zeroes biases at init
     x1, x2 = x.split([16, 16], -1)
-    moved = torch.cat([x1 + F.linear(x1, res.res_attn.weight, res.res_attn.bias),
-                       x2 + F.linear(x2, res.res_conv.weight, res.res_conv.bias)], -1)
+    moved = torch.cat([x1 + F.linear(x1, r.res_attn.weight, r.res_attn.bias),
+                       x2 + F.linear(x2, r.res_conv.weight, r.res_conv.bias)], -1)
     torch.testing.assert_close(res(x, allowed, real), split(moved, allowed, real))
 
     plain = build(make_cfg()).eval()
@@ -472,14 +466,14 @@ def test_res_routing_is_the_split_on_projected_parts():
 
 
 def test_res_routing_has_one_projection_per_branch():
-    m1 = build(make_cfg(routing="res", conv_ratio=1.0)).blocks[0].mixer
-    assert m1.res_attn is None and m1.res_conv.in_features == 32
-    m0 = build(make_cfg(routing="res", conv_ratio=0.0)).blocks[0].mixer
-    assert m0.res_conv is None and m0.res_attn.in_features == 32
-    m = build(make_cfg(routing="res", conv_ratio=0.25)).blocks[0].mixer
+    m1 = build(make_cfg(routing="res", conv_ratio=1.0)).blocks[0].mixer.route
+    assert isinstance(m1.res_attn, lsdt.NoBranch) and m1.res_conv.in_features == 32
+    m0 = build(make_cfg(routing="res", conv_ratio=0.0)).blocks[0].mixer.route
+    assert isinstance(m0.res_conv, lsdt.NoBranch) and m0.res_attn.in_features == 32
+    m = build(make_cfg(routing="res", conv_ratio=0.25)).blocks[0].mixer.route
     assert (m.res_attn.in_features, m.res_conv.in_features) == (24, 8)
     plain = build(make_cfg()).blocks[0].mixer
-    assert plain.res_attn is None and plain.res_conv is None and isinstance(plain.fuse, lsdt.HybridFusion)
+    assert type(plain.route) is lsdt.Split and isinstance(plain.fuse, lsdt.HybridFusion)
 
 
 def test_routing_checks():
@@ -755,7 +749,8 @@ def test_cli_routing_res_run_and_resume_refuses_another_routing(tiny_hopper, tmp
     assert cfg["routing"] == "res"
     assert cfg["variant"] == "batch-size16_context5_warmup-steps10_n-layer2_n-embd32_routingres"
     model = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
-    assert model["blocks.1.mixer.res_attn.weight"].shape == model["blocks.1.mixer.res_conv.weight"].shape == (16, 16)
+    res = "blocks.1.mixer.route.res_"
+    assert model[res + "attn.weight"].shape == model[res + "conv.weight"].shape == (16, 16)
     with pytest.raises(SystemExit) as e:
         lsdt.main(["--out", str(tmp_path), "--resume", "--steps", "6", "--routing", "weight"])
     err = capsys.readouterr().err

@@ -1269,11 +1269,22 @@ def _check_make(env, steps):
     seconds = (time.time() - t0) / 100 * steps
 
     spaces = env.observation_space, env.action_space
-    need = steps * (sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces) + 128)
+    step = sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces)
+    need = steps * (step + 128)
     cost = f"about {gb(need)} of memory and {duration(seconds)} of env steps"
     if need > (free := available_memory() or need):
         raise DataError(f"--steps {steps:,} would take {cost}, more than the {gb(free)} free; use "
                         f"--steps {int(steps * free / need):,} or fewer")
+
+    # the disk: the arrays, a reward and two flags a step, in Minari's uncompressed file
+    root = dataset_folder("")  # (the datasets folder)
+    disk = int(1.1 * steps * (step + 10)) + DISK_MARGIN
+    if disk > (free := shutil.disk_usage(root).free):
+        fit = int(steps * (free - DISK_MARGIN) / (disk - DISK_MARGIN))
+        fix = f"use --steps {fit:,} or fewer" if fit > 0 else "free some space"
+        raise DataError(f"--steps {steps:,} would write about {gb(disk)} to {root}, more than the "
+                        f"{gb(free)} free there; {fix}, or set MINARI_DATASETS_PATH to a folder "
+                        f"with room")
     print(f"{steps:,} steps: {cost}", flush=True)
 
 
@@ -1630,8 +1641,11 @@ def _make_hopper(name, seed, steps):
 # from the write's end to the cleanup's end.
 
 PARTIAL_PREFIX = ".data.py-partial-"
-# signals caught; the dataset in place; signals held; HDF5 failed (it would crash at the exit)
+# signals caught; the dataset in place; signals held; HDF5 writing (after a failed write it can
+# crash where it closes the file or at the exit: such a command ends by os._exit)
 STOP = dict(signals=[], in_place=False, hold=False, hdf5=False)
+DISK_MARGIN = 2 ** 20  # bytes kept free beyond a dataset's estimate (metadata, the lock)
+HDF5_ARRAY_BYTES = 4096  # an array's headers and chunk index in Minari's file, with a margin
 
 
 def _new_dataset_folder(dataset_id):
@@ -1696,11 +1710,26 @@ def _clean_partial(root):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _disk_need(buffers):
+    """Bytes of Minari's uncompressed file of `buffers` (the most the disk holds at once:
+    _gzip_hdf5 replaces it): their arrays and a tenth, HDF5_ARRAY_BYTES an array, DISK_MARGIN."""
+    def size(x):  # -> (bytes, arrays); an episode's list holds entries of one shape
+        if isinstance(x, dict):
+            return tuple(map(sum, zip((0, 0), *map(size, x.values()))))
+        return (0, 0) if x is None or not len(x) else (len(x) * np.asarray(x[0]).nbytes, 1)
+
+    keys = ("observations", "actions", "rewards", "terminations", "truncations", "infos")
+    nbytes, arrays = map(sum, zip((0, 0), *(size(getattr(b, k)) for b in buffers for k in keys)))
+    return int(1.1 * nbytes) + HDF5_ARRAY_BYTES * arrays + DISK_MARGIN
+
+
 def _gzip_hdf5(path):
     """Rewrite Minari's HDF5 file with each array gzip-compressed in one chunk (Minari writes them
-    uncompressed; h5py reads both alike)."""
+    uncompressed; h5py reads both alike). The copy is made in memory and written by Python, so the
+    disk holds one of the two at a time and a full disk is an OSError, not HDF5's."""
     import h5py
-    with h5py.File(path, "r") as src, h5py.File(path + ".gz", "w", libver="latest") as dst:
+    with h5py.File(path, "r") as src, h5py.File(path + ".gz", "w", driver="core",
+                                                backing_store=False, libver="latest") as dst:
         dst.attrs.update(src.attrs)
 
         def copy(name, obj):
@@ -1714,7 +1743,11 @@ def _gzip_hdf5(path):
                 out.attrs.update(obj.attrs)
 
         src.visititems(copy)
-    os.replace(path + ".gz", path)
+        dst.flush()
+        image = dst.id.get_file_image()
+    os.remove(path)
+    with open(path, "wb") as f:
+        f.write(image)
 
 
 def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
@@ -1731,6 +1764,10 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
 
     folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
+    if (need := _disk_need(buffers)) > (free := shutil.disk_usage(root).free):
+        raise DataError(f"the dataset '{dataset_id}' would take about {gb(need)} in {root} while "
+                        f"it is written, more than the {gb(free)} free there; free some space, "
+                        f"or set MINARI_DATASETS_PATH to a folder with room")
 
     tmp = None
     _hold(True)
@@ -1750,6 +1787,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
             # (HDF5 prints a traceback per object it fails to write: said once, below)
             with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")), \
                     contextlib.redirect_stderr(io.StringIO()):
+                STOP["hdf5"] = True
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice: author, code permalink, ...
                     ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
@@ -1757,6 +1795,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
                 written = dataset_folder(dataset_id)
                 _gzip_hdf5(os.path.join(written, "data", "main_data.hdf5"))
+                STOP["hdf5"] = False
 
             # renamed into place, unless a stop signal came; then its namespace recorded
             _hold(True)
@@ -1773,11 +1812,11 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 create_namespace(parse_dataset_id(dataset_id)[0])
 
     # a full disk, a quota, a permission: one sentence; the empty folders made for it removed
-    except (OSError, RuntimeError) as e:  # (HDF5's failed writes: RuntimeErrors naming the errno)
+    # (HDF5's failed writes: OSErrors, or RuntimeErrors and ValueErrors naming the errno)
+    except (OSError, RuntimeError, ValueError) as e:
         code = getattr(e, "errno", None) or int((re.findall(r"errno = (\d+)", str(e)) or [0])[0])
         if not code or STOP["in_place"]:
             raise
-        STOP["hdf5"] = isinstance(e, RuntimeError)
         with contextlib.suppress(OSError):
             os.removedirs(os.path.dirname(folder))
         raise DataError(f"could not write the dataset '{dataset_id}' in {os.path.dirname(folder)} "
@@ -1962,7 +2001,8 @@ def main(argv=None):
             if not isinstance(e, DataError):
                 raise
             print(f"error: {e}", file=sys.stderr)
-            if STOP["hdf5"] and __name__ == "__main__":
+            if STOP["hdf5"] and __name__ == "__main__":  # (HDF5's objects never finalised)
+                sys.stdout.flush()
                 os._exit(1)
             raise SystemExit(1)
 

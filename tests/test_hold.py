@@ -33,24 +33,94 @@ def no_work(*args):
 # 1. a dataset write that fails: one sentence naming the folder and the cause, nothing left
 
 
+HDF5_FULL = "(file write failed: time = ..., errno = 28, error message = 'No space left on device')"
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   RuntimeError("Can't decrement id ref count (file write failed: time = ..., "
-                                                "errno = 28, error message = 'No space left on device')")])
-def test_a_full_disk_during_a_write_is_one_sentence_and_leaves_nothing(error, tmp_path, minari_tmp, monkeypatch,
-                                                                        capsys):
-    """The OS's words, or HDF5's (a RuntimeError naming the errno, as h5py raises it on a full disk)."""
+                                   RuntimeError(f"Can't decrement id ref count {HDF5_FULL}"),
+                                   ValueError(f"Unable to synchronously create group {HDF5_FULL}")])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_full_disk_during_a_write_is_one_sentence_and_leaves_nothing(error, where, tmp_path, minari_tmp,
+                                                                        monkeypatch, capsys):
+    """The OS's words, or HDF5's (h5py raises a RuntimeError or a ValueError naming the errno on a full disk),
+    before Minari's first group or after its file."""
     import minari
     path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
     real = minari.create_dataset_from_buffers
 
-    def full(*args, **kwargs):  # the file written, then the disk is full
-        real(*args, **kwargs)
+    def full(*args, **kwargs):
+        if where == "after":
+            real(*args, **kwargs)
         raise error
     monkeypatch.setattr(minari, "create_dataset_from_buffers", full)
     err = one_sentence(capsys, data.main, ["convert-d4rl", path, "d4rl/hopper/full-v0"])
     assert err == f"error: could not write the dataset 'd4rl/hopper/full-v0' in {minari_tmp / 'd4rl' / 'hopper'} " \
                   f"(No space left on device); nothing of it is left"
     assert os.listdir(minari_tmp) == []
+
+
+FULL_AT_EXIT = """
+import atexit, errno, runpy, sys
+import minari
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+minari.create_dataset_from_buffers = full
+atexit.register(lambda: print("finalised", file=sys.stderr))
+sys.argv = ["data.py", "convert-d4rl", {path!r}, "d4rl/hopper/full-v0"]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_a_failed_write_ends_the_command_before_hdf5_is_finalised(tmp_path, minari_tmp):
+    """HDF5 can crash where it closes or finalises a file whose write failed: `python data.py` says its sentence
+    and exits 1 without finalising anything, whatever the error's type."""
+    import subprocess
+    import sys
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    r = subprocess.run([sys.executable, "-c", FULL_AT_EXIT.format(path=path, script=data.__file__)],
+                       capture_output=True, text=True, env=dict(os.environ, MINARI_DATASETS_PATH=str(minari_tmp)),
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == \
+        f"error: could not write the dataset 'd4rl/hopper/full-v0' in {minari_tmp / 'd4rl' / 'hopper'} (No space " \
+        f"left on device); nothing of it is left", r.stderr
+    assert os.listdir(minari_tmp) == []
+
+
+def test_a_dataset_that_cannot_fit_on_the_disk_is_refused_before_it_is_written(tmp_path, minari_tmp, monkeypatch,
+                                                                              capsys):
+    """The free space against the file Minari writes (uncompressed: the most the disk holds at once), and that
+    estimate against the real file."""
+    import minari
+    import shutil
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    sizes, real_gzip = [], data._gzip_hdf5
+    monkeypatch.setattr(data, "_gzip_hdf5", lambda p: sizes.append(os.path.getsize(p)) or real_gzip(p))
+    real_need = data._disk_need
+    monkeypatch.setattr(data, "_disk_need", lambda buffers: sizes.append(real_need(buffers)) or sizes[-1])
+    data.convert_d4rl(path, "d4rl/hopper/fits-v0")
+    assert sizes[1] < sizes[0], sizes                                      # the file within the estimate
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 ** 30, 2 ** 30 - 2 ** 20, 2 ** 20))
+    monkeypatch.setattr(minari, "create_dataset_from_buffers", no_work)
+    err = one_sentence(capsys, data.main, ["convert-d4rl", path, "d4rl/hopper/full-v0"])
+    assert re.fullmatch(rf"error: the dataset 'd4rl/hopper/full-v0' would take about [\d.]+ MB in {minari_tmp} "
+                        rf"while it is written, more than the 1 MB free there; free some space, or set "
+                        rf"MINARI_DATASETS_PATH to a folder with room", err), err
+    assert not (minari_tmp / "d4rl" / "hopper" / "full-v0").exists() and os.listdir(minari_tmp) == ["d4rl"]
+
+
+@pytest.mark.parametrize("name, player", [("pointmaze-umaze", "_waypoint_action"),
+                                          ("breakout-mixed", "_breakout_action"), ("hopper-medium", "ars")])
+def test_a_make_too_large_for_the_disk_is_refused_before_it_collects(name, player, minari_tmp, monkeypatch, capsys):
+    import shutil
+    monkeypatch.setattr(data, player, no_work)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 ** 30, 2 ** 30 - 2 ** 21, 2 ** 21))
+    err = one_sentence(capsys, data.main, ["make", name, "--steps", "1000000"])
+    fit = re.fullmatch(rf"error: --steps 1,000,000 would write about [\d.]+ [MG]B to {minari_tmp}, more than the 2 MB "
+                       rf"free there; use --steps ([\d,]+) or fewer, or set MINARI_DATASETS_PATH to a folder with "
+                       rf"room", err)
+    assert fit and 0 < int(fit[1].replace(",", "")) < 10 ** 6, err
+    assert not os.path.exists(minari_tmp / "made")
 
 
 def test_a_rename_across_filesystems_leaves_no_namespace_metadata(tmp_path, minari_tmp, monkeypatch, capsys):

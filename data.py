@@ -95,7 +95,14 @@ FRAME_STACK = 4  # frames in an Atari state (DQN's, every paper's)
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse whose bad input is one sentence on stderr and exit 1."""
+    """argparse whose bad input is one sentence on stderr and exit 1, and which takes a negative
+    number in any spelling (-1e-3, -inf, -nan) as a flag's value, not as a flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (argparse's own pattern knows only -N and -N.N)
+        self._negative_number_matcher = re.compile(
+            r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
 
     def error(self, message):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)

@@ -553,7 +553,9 @@ def parse_flags(Config, presets, argv, prog, description):
         values["env"] = ""  # config.json must not record --env beside --dataset
 
     named = preset_values({k: v for k, v in presets.items() if k}, preset, name, chosen)
-    return Config(**values), set(given) | set(named) | ({"env"} if values.get("dataset") else set())
+    cfg = Config(**values)
+    check_values(cfg)  # before a model file's paper_settings reads them
+    return cfg, set(given) | set(named) | ({"env"} if values.get("dataset") else set())
 
 
 def family_setting(presets, preset, dataset, chosen=None):
@@ -578,10 +580,9 @@ def preset_values(presets, preset, dataset, chosen=None):
             | family_setting(presets, preset, dataset, chosen))
 
 
-def check_flags(cfg, *one_of):
-    """The checks every script shares, before any work: a DataError at the first bad value.
-    one_of: fields of which a command sets one at most (--bench, the analyses)."""
-    # each field alone
+def check_values(cfg):
+    """Each flag alone, the checks every script shares (NaN, infinities, ranges): a DataError at
+    the first bad value."""
     for f in dataclasses.fields(cfg):
         v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
         if isinstance(v, float) and not math.isfinite(v):
@@ -597,6 +598,11 @@ def check_flags(cfg, *one_of):
             raise DataError(
                 f"{flag} must be {'> 0' if f.name in ('lr', 'grad_clip') else '>= 0'}, got {v}")
 
+
+def check_flags(cfg, *one_of):
+    """The checks every script shares of the flags together and of the machine, before any work
+    (each flag alone: check_values, in parse_flags): a DataError at the first bad value. one_of:
+    fields of which a command sets one at most (--bench, the analyses)."""
     # the fields together
     if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
         raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")

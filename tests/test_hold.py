@@ -160,6 +160,42 @@ def test_a_namespace_folder_that_cannot_take_the_dataset_is_refused_before_any_w
     assert os.listdir(minari_tmp) == ["made"] and os.listdir(made) == []
 
 # ---------------------------------------------------------------------------------------------------------------
+# 1b. every flag checked before the paper's settings read it; a negative number of any spelling is a value
+
+
+@pytest.mark.parametrize("script", ["dt", "gpt2_dtma", "lsdt", "starformer", "dema"])
+def test_every_float_flag_that_is_not_finite_is_one_sentence_before_the_papers_settings(script, monkeypatch,
+                                                                                       capsys):
+    """NaN and the infinities, after `=` or a space (argparse's own pattern takes -inf for a flag): each float flag
+    with one of them, in turn; every one with the first flag and with LSDT's --conv-ratio."""
+    import dataclasses
+    import importlib
+    import itertools
+    m = importlib.import_module(script)
+    monkeypatch.setattr(m, "paper_settings", no_work)
+    names = [f.name for f in dataclasses.fields(m.Config) if f.type is float]
+    assert "lr" in names and (script != "lsdt" or "conv_ratio" in names)
+    spellings = list(itertools.product(("nan", "inf", "-inf", "-Infinity"), ("=", " ")))
+    cases = [(name, spellings[i % len(spellings)]) for i, name in enumerate(names)]
+    cases += [(name, s) for name in {names[0], "conv_ratio"} & set(names) for s in spellings]
+    for name, (value, form) in cases:
+        flag = "--" + name.replace("_", "-")
+        argv = [f"{flag}={value}"] if form == "=" else [flag, value]
+        err = one_sentence(capsys, m.main, argv)
+        assert err == f"error: {flag} must be a finite number, got {float(value)}", (argv, err)
+
+
+def test_a_negative_number_of_any_spelling_is_a_flags_value(capsys):
+    import dt
+    for value in ("-1e-3", "-.5", "-2E+1", "-1"):
+        err = one_sentence(capsys, dt.main, ["--weight-decay", value])
+        assert err == f"error: --weight-decay must be >= 0, got {float(value)}", err
+    cfg, _ = dt.parse_flags(["--target-return", "-1e-3"])
+    assert cfg.target_return == -1e-3
+    assert one_sentence(capsys, dt.main, ["--no-such-flag", "-1e-3"]) == \
+        "error: unrecognized arguments: --no-such-flag -1e-3 (see python dt.py --help)"
+
+# ---------------------------------------------------------------------------------------------------------------
 # 2. a stopped analysis keeps the previous files (written whole, renamed together) and says what it wrote
 
 

@@ -452,15 +452,20 @@ def _open_minari(dataset_id, download):
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
 
-    # not here: download it, or say how to get it (made/...: data.py make's)
+    # not here: the id in another case, or download it, or say how to get it (made/...: make's)
     if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):
+        if twin := _case_twin(dataset_id):
+            raise DataError(f"dataset '{dataset_id}' is not in {where}, but '{twin}' is (ids are "
+                            f"case-sensitive); use that id")
         made = dataset_id.startswith("made/")
         if made or not download:
-            name = "-".join(dataset_id[5:].rsplit("-v", 1)[0].split("/"))
-            how = (f"make it with `python data.py make {name} {dataset_id}`" if made else
+            name = next((n for n in MAKE_NAMES if _made_id(n) == dataset_id), None)
+            how = (f"make it with `python data.py make {name} {dataset_id}`" if name else
+                   f"make it with `python data.py make NAME {dataset_id}` (NAME one of "
+                   f"{', '.join(MAKE_NAMES)})" if made else
                    f"download it with `minari download {dataset_id}`")
             raise DataError(f"dataset '{dataset_id}' is not in {where}; {how} or set "
-                            f"MINARI_DATASETS_PATH to a folder that holds it")
+                            f"MINARI_DATASETS_PATH to a folder that holds it{_stand_in(dataset_id)}")
 
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:
@@ -471,7 +476,7 @@ def _open_minari(dataset_id, download):
             raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
                             f"({'no network' if isinstance(e, OSError) else type(e).__name__}); "
                             f"with a network run `minari download {dataset_id}`, or copy it there "
-                            f"and set MINARI_DATASETS_PATH") from None
+                            f"and set MINARI_DATASETS_PATH{_stand_in(dataset_id)}") from None
 
     # there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
     try:
@@ -481,6 +486,26 @@ def _open_minari(dataset_id, download):
         detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
+
+
+def _stand_in(dataset_id):
+    """The offline way to a dataset that `make` stands in for, in words (else "")."""
+    name = next((n for n, what in MAKE_NAMES.items() if what == dataset_id), None)
+    return (f"; offline, `python data.py make {name}` makes a stand-in: then pass --dataset "
+            f"{_made_id(name)}" if name else "")
+
+
+def _case_twin(dataset_id):
+    """The id of a local dataset that differs from `dataset_id` in case alone, else None."""
+    folder, found = dataset_folder(""), []
+    for part in dataset_id.split("/"):
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        if (match := next((n for n in names if n.lower() == part.lower()), None)) is None:
+            return None
+        folder = os.path.join(folder, match)
+        found.append(match)
+    twin = "/".join(found)
+    return twin if twin != dataset_id and os.path.isdir(os.path.join(folder, "data")) else None
 
 
 def damaged(dataset_id, detail):

@@ -379,6 +379,52 @@ def test_the_messages_say_what_is_true(tmp_path, minari_tmp, monkeypatch, capsys
                                                         "datasets; point it at a folder"
 
 
+def test_a_missing_made_id_is_told_the_make_that_writes_it_or_the_makes(minari_tmp):
+    """The maker is named only for an id that `make` writes by default; a case-different id in the folder is named."""
+    os.makedirs(minari_tmp / "made" / "hopper" / "medium-v0" / "data")
+    names = ", ".join(data.MAKE_NAMES)
+    for made in ("made/breakout/k9-v0", "made/hopper/k9-v0", "made/pointmaze/umaze-dense-v1"):
+        with pytest.raises(data.DataError) as e:
+            data.load_data(made)
+        assert str(e.value) == f"dataset '{made}' is not in {minari_tmp}; make it with `python data.py make NAME " \
+                               f"{made}` (NAME one of {names}) or set MINARI_DATASETS_PATH to a folder that holds it"
+    with pytest.raises(data.DataError) as e:
+        data.load_data("made/hopper/expert-v0")
+    assert "make it with `python data.py make hopper-expert made/hopper/expert-v0`" in str(e.value)
+    with pytest.raises(data.DataError) as e:
+        data.load_data("made/Hopper/medium-v0")
+    assert str(e.value) == f"dataset 'made/Hopper/medium-v0' is not in {minari_tmp}, but 'made/hopper/medium-v0' " \
+                           f"is (ids are case-sensitive); use that id"
+
+
+def test_offline_a_class_is_told_the_make_and_random_weights(minari_tmp, tmp_path, monkeypatch):
+    """gpt2_dtma.py --env hopper-medium offline: the data's message names the make that stands in and the id it
+    writes; GPT-2's weights' message names --init random."""
+    import huggingface_hub
+    import minari
+    import gpt2_dtma as G
+
+    def offline(dataset_id, download=False):
+        raise ConnectionError("network unreachable")
+    monkeypatch.setattr(minari, "load_dataset", offline)
+    for download in (True, False):
+        with pytest.raises(data.DataError) as e:
+            data.load_data("hopper-medium", download=download)
+        assert str(e.value).endswith("; offline, `python data.py make hopper-medium` makes a stand-in: then pass "
+                                     "--dataset made/hopper/medium-v0"), str(e.value)
+    with pytest.raises(data.DataError) as e:
+        data.load_data("walker2d-medium")
+    assert "data.py make" not in str(e.value)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(G, "try_to_load_from_cache", lambda *a, **kw: None)
+    with pytest.raises(G.CheckpointError) as e:
+        G.find_weights("gpt2")
+    assert str(e.value).endswith("pass --init PATH to a local model.safetensors, or train from random weights "
+                                 "with --init random"), str(e.value)
+
+
 def test_report_keeps_greedy_evaluations_apart(tmp_path):
     """Atari seeds evaluated by argmax (--greedy, log.csv's greedy column) and by sampling are two rows."""
     from test_report import table_row, write_run

@@ -465,7 +465,8 @@ def _open_minari(dataset_id, download):
                    f"{', '.join(MAKE_NAMES)})" if made else
                    f"download it with `minari download {dataset_id}`")
             raise DataError(f"dataset '{dataset_id}' is not in {where}; {how} or set "
-                            f"MINARI_DATASETS_PATH to a folder that holds it{_stand_in(dataset_id)}")
+                            f"MINARI_DATASETS_PATH to a folder that holds it"
+                            f"{_stand_in(dataset_id)}")
 
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:

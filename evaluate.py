@@ -895,7 +895,9 @@ def save_figure(fig, path, **savefig):
 
 class StopSignal:
     """Ctrl-C or SIGTERM in training: the step (and evaluation) ends, the run saves, exit() exits
-    128 + the signal; a second signal quits at once."""
+    128 + the signal; a second signal quits at once. In --bench (saves False), which saves
+    nothing, the first signal quits."""
+    saves = True
 
     def __enter__(self):
         self.signum, self.previous = 0, {}
@@ -904,6 +906,10 @@ class StopSignal:
         return self
 
     def handle(self, signum, frame):
+        if not self.saves:
+            print(f"\n{signal.Signals(signum).name}: the bench stops; a bench saves nothing",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
@@ -1235,7 +1241,11 @@ def bench_runs(script, cfg, given, presets, tokens, columns=()):
                 torch.cuda.reset_peak_memory_stats()
             quiet = contextlib.redirect_stdout(io.StringIO())
             with Run(script, c, given, presets, columns) as run, quiet:
-                yield c, run
+                StopSignal.saves = False
+                try:
+                    yield c, run
+                finally:
+                    StopSignal.saves = True
 
             # its line; the peak memory (DeMa's Table 7 "GPU memory usage")
             ms = 1e3 * run.step_s

@@ -425,6 +425,21 @@ def test_offline_a_class_is_told_the_make_and_random_weights(minari_tmp, tmp_pat
                                  "with --init random"), str(e.value)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_bench_says_it_saves_nothing(sig, monkeypatch, capsys):
+    """A bench's runs are thrown away: its stop is not training's "stopping after this step ... to save"."""
+    import dt
+    real = evaluate.Run.log
+
+    def stopped(self, step, *args, **kwargs):
+        real(self, step, *args, **kwargs)
+        signal.raise_signal(sig)  # (to this thread: delivered at once)
+    monkeypatch.setattr(evaluate.Run, "log", stopped)
+    err = one_sentence(capsys, dt.main, ["--bench", *TINY_DT], code=128 + sig)
+    assert err == f"{signal.Signals(sig).name}: the bench stops; a bench saves nothing"
+    assert evaluate.StopSignal.saves
+
+
 def test_report_keeps_greedy_evaluations_apart(tmp_path):
     """Atari seeds evaluated by argmax (--greedy, log.csv's greedy column) and by sampling are two rows."""
     from test_report import table_row, write_run

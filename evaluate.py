@@ -333,7 +333,8 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
     """--gif: one evaluation episode -> <out>/episode.gif, the title, step and return on each frame:
     MuJoCo at most 152 frames of 240 x 240, Atari the colour screen every second step, at most
     GIF_FRAMES; at the env's own speed. -> evaluate()'s result."""
-    from PIL import Image, ImageDraw, ImageFont
+    with stops_held():  # (as pyplot's)
+        from PIL import Image, ImageDraw, ImageFont
     atari, path = d.family == "atari", os.path.join(out, "episode.gif")
     backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
 
@@ -841,6 +842,23 @@ def refuse_occupied(out, script):
             f"--out")
 
 
+@contextlib.contextmanager
+def stops_held():
+    """Ctrl-C and SIGTERM wait while the block runs (in the main thread), then are passed on."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler or signal.SIG_DFL)
+        for s in caught:
+            signal.raise_signal(s)
+
+
 def write_atomic(path, write, *more):
     """write(tmp), then rename it over `path` (more: path, write, ..., renamed with it): a crash, a
     stop or a full disk leaves the old files whole and no .tmp."""
@@ -850,16 +868,9 @@ def write_atomic(path, write, *more):
             write(path + ".tmp")
 
         # renamed together, Ctrl-C and SIGTERM held meanwhile, then passed on
-        caught = []
-        held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOPS}
-        try:
+        with stops_held():
             for p, _ in pairs:
                 os.replace(p + ".tmp", p)
-        finally:
-            for s, handler in held.items():
-                signal.signal(s, handler or signal.SIG_DFL)
-            for s in caught:
-                signal.raise_signal(s)
 
     except BaseException as e:
         tmp = path + ".tmp"
@@ -1172,9 +1183,12 @@ def score(x):
 
 
 def pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """matplotlib's pyplot on Agg, imported with the stop signals held: a stop inside an import can
+    leave a module half made, and Python then aborts at its exit."""
+    with stops_held():
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     return plt
 
 

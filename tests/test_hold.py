@@ -269,6 +269,21 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     assert after["target_sweep.csv"].startswith(b"target,") and after["target_sweep.png"].startswith(b"\x89PNG")
 
 
+def test_a_stop_inside_the_figure_imports_waits_until_they_are_done(monkeypatch):
+    """A KeyboardInterrupt inside an import can leave a module half made (the interpreter then aborts at its exit):
+    Ctrl-C or SIGTERM in pyplot()'s imports is acted on once they are done."""
+    import matplotlib
+    real, done = matplotlib.use, []
+
+    def use(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # (to this thread: delivered at once)
+        done.append(real(*args, **kwargs))
+    monkeypatch.setattr(matplotlib, "use", use)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.pyplot()
+    assert done == [None] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_save_figure_renames_a_whole_figure_into_place(tmp_path, monkeypatch):
     """The other analyses' figures: a stop in the write keeps the previous file, and no .tmp."""
     fig, ax = evaluate.pyplot().subplots()

@@ -523,17 +523,30 @@ def parse_flags(Config, presets, argv, prog, description):
     fields the flags or a named --preset set; not the paper's rows, presets[""], which a model
     file's paper_settings may replace)."""
     argv = None if argv is None else [str(a) for a in argv]
+
+    # --help's defaults: those of the data and preset on the command line (Atari: the paper's row)
+    pre = FlagParser(prog=prog, add_help=False)
+    for flag in ("--env", "--dataset", "--preset"):
+        pre.add_argument(flag, default="")
+    seen = pre.parse_known_args(argv)[0]
+    data_name = seen.dataset or seen.env or Config.env
+    here = preset_values(presets, seen.preset, data_name)
+    row = (f"--preset {seen.preset} on {data_name}" if seen.preset else
+           f"the paper's {'maze' if is_maze(data_name) else 'Atari'} row for {data_name}")
+
     p = FlagParser(prog=prog, description=description,
                    formatter_class=argparse.RawTextHelpFormatter)
     for f in dataclasses.fields(Config):
         # (argparse %-formats the help)
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")
+        default = (f"{here[f.name]} here, {row}; else {f.default}"
+                   if here.get(f.name, f.default) != f.default else f.default)
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=text)
+                           help=text + (f" (default: {default})" if f.name in here else ""))
         else:
             p.add_argument(flag, type=f.type, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{text} (default: {f.default})")
+                           help=f"{text} (default: {default})")
 
     # a bad flag or preset: one sentence, exit 1
     given = vars(p.parse_args(argv))
@@ -546,10 +559,11 @@ def parse_flags(Config, presets, argv, prog, description):
     values = {**preset_values(presets, preset, name, chosen), **given}
     family = family_setting(presets, preset, name, chosen)
     family = {k.replace("_", "-"): v for k, v in family.items() if k not in given}
-    if family and preset:
-        print(f"--preset {preset} on {'a maze' if is_maze(name) else 'Atari'}: " + ", ".join(
-            f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
-            for k, v in family.items()))
+    if family:
+        kind = "a maze" if is_maze(name) else "Atari"
+        print((f"--preset {preset} on {kind}: " if preset else f"the paper's row for {kind}: ")
+              + ", ".join(f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
+                          for k, v in family.items()))
     if values.get("dataset"):
         values["env"] = ""  # config.json must not record --env beside --dataset
 

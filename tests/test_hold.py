@@ -455,6 +455,26 @@ def test_a_stopped_bench_says_it_saves_nothing(sig, monkeypatch, capsys):
     assert evaluate.StopSignal.saves
 
 
+def test_an_atari_run_says_the_papers_atari_row_in_its_help_and_first_line(tiny_breakout, capsys):
+    """Not MuJoCo's defaults (context 20, batch 64, 100,000 steps): the Atari row (30, 128, 19,530; Pong 50, 512)."""
+    import dt
+    for name, context, batch, steps in ((tiny_breakout, 30, 128, 19530), ("atari/pong/expert-v0", 50, 512, 4885)):
+        with pytest.raises(SystemExit) as e:
+            dt.main(["--dataset", name, "--help"])
+        text = re.sub(r"\s+", " ", capsys.readouterr().out)
+        row = f"here, the paper's Atari row for {name}"
+        assert e.value.code == 0 and f"(3K tokens) (default: {context} {row}; else 20)" in text, text
+        assert f"windows per batch (default: {batch} {row}; else 64)" in text
+        assert f"gradient steps (default: {steps} {row}; else 100000)" in text
+        dt.parse_flags(["--dataset", name])
+        first = capsys.readouterr().out
+        assert first.startswith("the paper's row for Atari: --n-layer 6,") and f"--context {context}, --batch-size " \
+            f"{batch}," in first and f"--steps {steps}" in first, first
+    with pytest.raises(SystemExit):
+        dt.main(["--help"])
+    assert "(3K tokens) (default: 20)" in re.sub(r"\s+", " ", capsys.readouterr().out)
+
+
 def test_report_keeps_greedy_evaluations_apart(tmp_path):
     """Atari seeds evaluated by argmax (--greedy, log.csv's greedy column) and by sampling are two rows."""
     from test_report import table_row, write_run

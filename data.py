@@ -95,7 +95,14 @@ FRAME_STACK = 4  # frames in an Atari state (DQN's, every paper's)
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse whose bad input is one sentence on stderr and exit 1."""
+    """argparse whose bad input is one sentence on stderr and exit 1, and which takes a negative
+    number in any spelling (-1e-3, -inf, -nan) as a flag's value, not as a flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (argparse's own pattern knows only -N and -N.N)
+        self._negative_number_matcher = re.compile(
+            r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
 
     def error(self, message):
         print(f"error: {message} (see python {self.prog} --help)", file=sys.stderr)
@@ -445,15 +452,21 @@ def _open_minari(dataset_id, download):
     import minari
     where = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
 
-    # not here: download it, or say how to get it (made/...: data.py make's)
+    # not here: the id in another case, or download it, or say how to get it (made/...: make's)
     if not os.path.exists(os.path.join(dataset_folder(dataset_id), "data")):
+        if twin := _case_twin(dataset_id):
+            raise DataError(f"dataset '{dataset_id}' is not in {where}, but '{twin}' is (ids are "
+                            f"case-sensitive); use that id")
         made = dataset_id.startswith("made/")
         if made or not download:
-            name = "-".join(dataset_id[5:].rsplit("-v", 1)[0].split("/"))
-            how = (f"make it with `python data.py make {name} {dataset_id}`" if made else
+            name = next((n for n in MAKE_NAMES if _made_id(n) == dataset_id), None)
+            how = (f"make it with `python data.py make {name} {dataset_id}`" if name else
+                   f"make it with `python data.py make NAME {dataset_id}` (NAME one of "
+                   f"{', '.join(MAKE_NAMES)})" if made else
                    f"download it with `minari download {dataset_id}`")
             raise DataError(f"dataset '{dataset_id}' is not in {where}; {how} or set "
-                            f"MINARI_DATASETS_PATH to a folder that holds it")
+                            f"MINARI_DATASETS_PATH to a folder that holds it"
+                            f"{_stand_in(dataset_id)}")
 
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:
@@ -464,7 +477,7 @@ def _open_minari(dataset_id, download):
             raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
                             f"({'no network' if isinstance(e, OSError) else type(e).__name__}); "
                             f"with a network run `minari download {dataset_id}`, or copy it there "
-                            f"and set MINARI_DATASETS_PATH") from None
+                            f"and set MINARI_DATASETS_PATH{_stand_in(dataset_id)}") from None
 
     # there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
     try:
@@ -474,6 +487,26 @@ def _open_minari(dataset_id, download):
         detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
+
+
+def _stand_in(dataset_id):
+    """The offline way to a dataset that `make` stands in for, in words (else "")."""
+    name = next((n for n, what in MAKE_NAMES.items() if what == dataset_id), None)
+    return (f"; offline, `python data.py make {name}` makes a stand-in: then pass --dataset "
+            f"{_made_id(name)}" if name else "")
+
+
+def _case_twin(dataset_id):
+    """The id of a local dataset that differs from `dataset_id` in case alone, else None."""
+    folder, found = dataset_folder(""), []
+    for part in dataset_id.split("/"):
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        if (match := next((n for n in names if n.lower() == part.lower()), None)) is None:
+            return None
+        folder = os.path.join(folder, match)
+        found.append(match)
+    twin = "/".join(found)
+    return twin if twin != dataset_id and os.path.isdir(os.path.join(folder, "data")) else None
 
 
 def damaged(dataset_id, detail):
@@ -1269,11 +1302,22 @@ def _check_make(env, steps):
     seconds = (time.time() - t0) / 100 * steps
 
     spaces = env.observation_space, env.action_space
-    need = steps * (sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces) + 128)
+    step = sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces)
+    need = steps * (step + 128)
     cost = f"about {gb(need)} of memory and {duration(seconds)} of env steps"
     if need > (free := available_memory() or need):
         raise DataError(f"--steps {steps:,} would take {cost}, more than the {gb(free)} free; use "
                         f"--steps {int(steps * free / need):,} or fewer")
+
+    # the disk: the arrays, a reward and two flags a step, in Minari's uncompressed file
+    root = dataset_folder("")  # (the datasets folder)
+    disk = int(1.1 * steps * (step + 10)) + DISK_MARGIN
+    if disk > (free := shutil.disk_usage(root).free):
+        fit = int(steps * (free - DISK_MARGIN) / (disk - DISK_MARGIN))
+        fix = f"use --steps {fit:,} or fewer" if fit > 0 else "free some space"
+        raise DataError(f"--steps {steps:,} would write about {gb(disk)} to {root}, more than the "
+                        f"{gb(free)} free there; {fix}, or set MINARI_DATASETS_PATH to a folder "
+                        f"with room")
     print(f"{steps:,} steps: {cost}", flush=True)
 
 
@@ -1681,8 +1725,11 @@ def _make_locomotion(name, seed, steps):
 # from the write's end to the cleanup's end.
 
 PARTIAL_PREFIX = ".data.py-partial-"
-# signals caught; the dataset in place; signals held; HDF5 failed (it would crash at the exit)
+# signals caught; the dataset in place; signals held; HDF5 writing (after a failed write it can
+# crash where it closes the file or at the exit: such a command ends by os._exit)
 STOP = dict(signals=[], in_place=False, hold=False, hdf5=False)
+DISK_MARGIN = 2 ** 20  # bytes kept free beyond a dataset's estimate (metadata, the lock)
+HDF5_ARRAY_BYTES = 4096  # an array's headers and chunk index in Minari's file, with a margin
 
 
 def _new_dataset_folder(dataset_id):
@@ -1747,11 +1794,26 @@ def _clean_partial(root):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _disk_need(buffers):
+    """Bytes of Minari's uncompressed file of `buffers` (the most the disk holds at once:
+    _gzip_hdf5 replaces it): their arrays and a tenth, HDF5_ARRAY_BYTES an array, DISK_MARGIN."""
+    def size(x):  # -> (bytes, arrays); an episode's list holds entries of one shape
+        if isinstance(x, dict):
+            return tuple(map(sum, zip((0, 0), *map(size, x.values()))))
+        return (0, 0) if x is None or not len(x) else (len(x) * np.asarray(x[0]).nbytes, 1)
+
+    keys = ("observations", "actions", "rewards", "terminations", "truncations", "infos")
+    nbytes, arrays = map(sum, zip((0, 0), *(size(getattr(b, k)) for b in buffers for k in keys)))
+    return int(1.1 * nbytes) + HDF5_ARRAY_BYTES * arrays + DISK_MARGIN
+
+
 def _gzip_hdf5(path):
     """Rewrite Minari's HDF5 file with each array gzip-compressed in one chunk (Minari writes them
-    uncompressed; h5py reads both alike)."""
+    uncompressed; h5py reads both alike). The copy is made in memory and written by Python, so the
+    disk holds one of the two at a time and a full disk is an OSError, not HDF5's."""
     import h5py
-    with h5py.File(path, "r") as src, h5py.File(path + ".gz", "w", libver="latest") as dst:
+    with h5py.File(path, "r") as src, h5py.File(path + ".gz", "w", driver="core",
+                                                backing_store=False, libver="latest") as dst:
         dst.attrs.update(src.attrs)
 
         def copy(name, obj):
@@ -1765,7 +1827,11 @@ def _gzip_hdf5(path):
                 out.attrs.update(obj.attrs)
 
         src.visititems(copy)
-    os.replace(path + ".gz", path)
+        dst.flush()
+        image = dst.id.get_file_image()
+    os.remove(path)
+    with open(path, "wb") as f:
+        f.write(image)
 
 
 def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
@@ -1782,6 +1848,10 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
 
     folder, root = _new_dataset_folder(dataset_id)
     _clean_partial(root)
+    if (need := _disk_need(buffers)) > (free := shutil.disk_usage(root).free):
+        raise DataError(f"the dataset '{dataset_id}' would take about {gb(need)} in {root} while "
+                        f"it is written, more than the {gb(free)} free there; free some space, "
+                        f"or set MINARI_DATASETS_PATH to a folder with room")
 
     tmp = None
     _hold(True)
@@ -1801,6 +1871,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
             # (HDF5 prints a traceback per object it fails to write: said once, below)
             with mock.patch.dict(os.environ, MINARI_DATASETS_PATH=os.path.join(tmp, "datasets")), \
                     contextlib.redirect_stderr(io.StringIO()):
+                STOP["hdf5"] = True
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # minari's advice: author, code permalink, ...
                     ds = minari.create_dataset_from_buffers(dataset_id, buffers, **kwargs)
@@ -1808,6 +1879,7 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 ds.storage.update_metadata({"data_py_command": command, **(extra_metadata or {})})
                 written = dataset_folder(dataset_id)
                 _gzip_hdf5(os.path.join(written, "data", "main_data.hdf5"))
+                STOP["hdf5"] = False
 
             # renamed into place, unless a stop signal came; then its namespace recorded
             _hold(True)
@@ -1824,11 +1896,11 @@ def _write_dataset(dataset_id, buffers, command, extra_metadata=None, **kwargs):
                 create_namespace(parse_dataset_id(dataset_id)[0])
 
     # a full disk, a quota, a permission: one sentence; the empty folders made for it removed
-    except (OSError, RuntimeError) as e:  # (HDF5's failed writes: RuntimeErrors naming the errno)
+    # (HDF5's failed writes: OSErrors, or RuntimeErrors and ValueErrors naming the errno)
+    except (OSError, RuntimeError, ValueError) as e:
         code = getattr(e, "errno", None) or int((re.findall(r"errno = (\d+)", str(e)) or [0])[0])
         if not code or STOP["in_place"]:
             raise
-        STOP["hdf5"] = isinstance(e, RuntimeError)
         with contextlib.suppress(OSError):
             os.removedirs(os.path.dirname(folder))
         raise DataError(f"could not write the dataset '{dataset_id}' in {os.path.dirname(folder)} "
@@ -2014,7 +2086,8 @@ def main(argv=None):
             if not isinstance(e, DataError):
                 raise
             print(f"error: {e}", file=sys.stderr)
-            if STOP["hdf5"] and __name__ == "__main__":
+            if STOP["hdf5"] and __name__ == "__main__":  # (HDF5's objects never finalised)
+                sys.stdout.flush()
                 os._exit(1)
             raise SystemExit(1)
 

@@ -327,7 +327,8 @@ def episode_gif(act, d, target_return, seed, context, device, out, title, greedy
     MuJoCo at most 152 frames of 240 x 240, Atari the colour screen every second step, at most
     GIF_FRAMES; at the env's own speed. -> evaluate()'s result."""
     with analysis(out, "episode.gif"):
-        from PIL import Image, ImageDraw, ImageFont
+        with stops_held():  # (as pyplot's)
+            from PIL import Image, ImageDraw, ImageFont
         atari, path = d.family == "atari", os.path.join(out, "episode.gif")
         backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
 
@@ -518,17 +519,30 @@ def parse_flags(Config, presets, argv, prog, description):
     fields the flags or a named --preset set; not the paper's rows, presets[""], which a model
     file's paper_settings may replace)."""
     argv = None if argv is None else [str(a) for a in argv]
+
+    # --help's defaults: those of the data and preset on the command line (Atari: the paper's row)
+    pre = FlagParser(prog=prog, add_help=False)
+    for flag in ("--env", "--dataset", "--preset"):
+        pre.add_argument(flag, default="")
+    seen = pre.parse_known_args(argv)[0]
+    data_name = seen.dataset or seen.env or Config.env
+    here = preset_values(presets, seen.preset, data_name)
+    row = (f"--preset {seen.preset} on {data_name}" if seen.preset else
+           f"the paper's {'maze' if is_maze(data_name) else 'Atari'} row for {data_name}")
+
     p = FlagParser(prog=prog, description=description,
                    formatter_class=argparse.RawTextHelpFormatter)
     for f in dataclasses.fields(Config):
         # (argparse %-formats the help)
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")
+        default = (f"{here[f.name]} here, {row}; else {f.default}"
+                   if here.get(f.name, f.default) != f.default else f.default)
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=text)
+                           help=text + (f" (default: {default})" if f.name in here else ""))
         else:
             p.add_argument(flag, type=f.type, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{text} (default: {f.default})")
+                           help=f"{text} (default: {default})")
 
     # a bad flag or preset: one sentence, exit 1
     given = vars(p.parse_args(argv))
@@ -541,15 +555,18 @@ def parse_flags(Config, presets, argv, prog, description):
     values = {**preset_values(presets, preset, name, chosen), **given}
     family = family_setting(presets, preset, name, chosen)
     family = {k.replace("_", "-"): v for k, v in family.items() if k not in given}
-    if family and preset:
-        print(f"--preset {preset} on {'a maze' if is_maze(name) else 'Atari'}: " + ", ".join(
-            f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
-            for k, v in family.items()))
+    if family:
+        kind = "a maze" if is_maze(name) else "Atari"
+        print((f"--preset {preset} on {kind}: " if preset else f"the paper's row for {kind}: ")
+              + ", ".join(f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
+                          for k, v in family.items()))
     if values.get("dataset"):
         values["env"] = ""  # config.json must not record --env beside --dataset
 
     named = preset_values({k: v for k, v in presets.items() if k}, preset, name, chosen)
-    return Config(**values), set(given) | set(named) | ({"env"} if values.get("dataset") else set())
+    cfg = Config(**values)
+    check_values(cfg)  # before a model file's paper_settings reads them
+    return cfg, set(given) | set(named) | ({"env"} if values.get("dataset") else set())
 
 
 def family_setting(presets, preset, dataset, chosen=None):
@@ -574,10 +591,9 @@ def preset_values(presets, preset, dataset, chosen=None):
             | family_setting(presets, preset, dataset, chosen))
 
 
-def check_flags(cfg, *one_of):
-    """The checks every script shares, before any work: a DataError at the first bad value.
-    one_of: fields of which a command sets one at most (--bench, the analyses)."""
-    # each field alone
+def check_values(cfg):
+    """Each flag alone, the checks every script shares (NaN, infinities, ranges): a DataError at
+    the first bad value."""
     for f in dataclasses.fields(cfg):
         v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
         if isinstance(v, float) and not math.isfinite(v):
@@ -593,6 +609,11 @@ def check_flags(cfg, *one_of):
             raise DataError(
                 f"{flag} must be {'> 0' if f.name in ('lr', 'grad_clip') else '>= 0'}, got {v}")
 
+
+def check_flags(cfg, *one_of):
+    """The checks every script shares of the flags together and of the machine, before any work
+    (each flag alone: check_values, in parse_flags): a DataError at the first bad value. one_of:
+    fields of which a command sets one at most (--bench, the analyses)."""
     # the fields together
     if getattr(cfg, "n_head", None) and getattr(cfg, "n_embd", None) and cfg.n_embd % cfg.n_head:
         raise DataError(f"--n-head {cfg.n_head} does not divide --n-embd {cfg.n_embd}")
@@ -831,6 +852,23 @@ def refuse_occupied(out, script):
             f"--out")
 
 
+@contextlib.contextmanager
+def stops_held():
+    """Ctrl-C and SIGTERM wait while the block runs (in the main thread), then are passed on."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler or signal.SIG_DFL)
+        for s in caught:
+            signal.raise_signal(s)
+
+
 def write_atomic(path, write, *more):
     """write(tmp), then rename it over `path` (more: path, write, ..., renamed with it): a crash, a
     stop or a full disk leaves the old files whole and no .tmp."""
@@ -840,16 +878,9 @@ def write_atomic(path, write, *more):
             write(path + ".tmp")
 
         # renamed together, Ctrl-C and SIGTERM held meanwhile, then passed on
-        caught = []
-        held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOPS}
-        try:
+        with stops_held():
             for p, _ in pairs:
                 os.replace(p + ".tmp", p)
-        finally:
-            for s, handler in held.items():
-                signal.signal(s, handler or signal.SIG_DFL)
-            for s in caught:
-                signal.raise_signal(s)
 
     except BaseException as e:
         tmp = path + ".tmp"
@@ -885,7 +916,9 @@ def save_figure(fig, path, **savefig):
 
 class StopSignal:
     """Ctrl-C or SIGTERM in training: the step (and evaluation) ends, the run saves, exit() exits
-    128 + the signal; a second signal quits at once."""
+    128 + the signal; a second signal quits at once. In --bench (saves False), which saves
+    nothing, the first signal quits."""
+    saves = True
 
     def __enter__(self):
         self.signum, self.previous = 0, {}
@@ -894,6 +927,10 @@ class StopSignal:
         return self
 
     def handle(self, signum, frame):
+        if not self.saves:
+            print(f"\n{signal.Signals(signum).name}: the bench stops; a bench saves nothing",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
@@ -1156,9 +1193,12 @@ def score(x):
 
 
 def pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """matplotlib's pyplot on Agg, imported with the stop signals held: a stop inside an import can
+    leave a module half made, and Python then aborts at its exit."""
+    with stops_held():
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     return plt
 
 
@@ -1225,7 +1265,11 @@ def bench_runs(script, cfg, given, presets, tokens, columns=()):
                 torch.cuda.reset_peak_memory_stats()
             quiet = contextlib.redirect_stdout(io.StringIO())
             with Run(script, c, given, presets, columns) as run, quiet:
-                yield c, run
+                StopSignal.saves = False
+                try:
+                    yield c, run
+                finally:
+                    StopSignal.saves = True
 
             # its line; the peak memory (DeMa's Table 7 "GPU memory usage")
             ms = 1e3 * run.step_s

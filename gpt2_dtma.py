@@ -1110,8 +1110,9 @@ def find_weights(init="gpt2", allow_download=True):
                    "no network" if isinstance(e, socket.gaierror) else type(e).__name__)
             raise CheckpointError(f"{h['what']} weights are not in the Hugging Face cache and "
                                   f"could not be downloaded ({why}); with a network run `hf "
-                                  f"download {repo} model.safetensors config.json` once, or pass "
-                                  f"--init PATH to a local model.safetensors") from None
+                                  f"download {repo} model.safetensors config.json` once, pass "
+                                  f"--init PATH to a local model.safetensors, or train from "
+                                  f"random weights with --init random") from None
 
     # a path: the file, or its folder
     p = os.path.expanduser(init)

@@ -33,24 +33,94 @@ def no_work(*args):
 # 1. a dataset write that fails: one sentence naming the folder and the cause, nothing left
 
 
+HDF5_FULL = "(file write failed: time = ..., errno = 28, error message = 'No space left on device')"
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   RuntimeError("Can't decrement id ref count (file write failed: time = ..., "
-                                                "errno = 28, error message = 'No space left on device')")])
-def test_a_full_disk_during_a_write_is_one_sentence_and_leaves_nothing(error, tmp_path, minari_tmp, monkeypatch,
-                                                                        capsys):
-    """The OS's words, or HDF5's (a RuntimeError naming the errno, as h5py raises it on a full disk)."""
+                                   RuntimeError(f"Can't decrement id ref count {HDF5_FULL}"),
+                                   ValueError(f"Unable to synchronously create group {HDF5_FULL}")])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_full_disk_during_a_write_is_one_sentence_and_leaves_nothing(error, where, tmp_path, minari_tmp,
+                                                                        monkeypatch, capsys):
+    """The OS's words, or HDF5's (h5py raises a RuntimeError or a ValueError naming the errno on a full disk),
+    before Minari's first group or after its file."""
     import minari
     path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
     real = minari.create_dataset_from_buffers
 
-    def full(*args, **kwargs):  # the file written, then the disk is full
-        real(*args, **kwargs)
+    def full(*args, **kwargs):
+        if where == "after":
+            real(*args, **kwargs)
         raise error
     monkeypatch.setattr(minari, "create_dataset_from_buffers", full)
     err = one_sentence(capsys, data.main, ["convert-d4rl", path, "d4rl/hopper/full-v0"])
     assert err == f"error: could not write the dataset 'd4rl/hopper/full-v0' in {minari_tmp / 'd4rl' / 'hopper'} " \
                   f"(No space left on device); nothing of it is left"
     assert os.listdir(minari_tmp) == []
+
+
+FULL_AT_EXIT = """
+import atexit, errno, runpy, sys
+import minari
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+minari.create_dataset_from_buffers = full
+atexit.register(lambda: print("finalised", file=sys.stderr))
+sys.argv = ["data.py", "convert-d4rl", {path!r}, "d4rl/hopper/full-v0"]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_a_failed_write_ends_the_command_before_hdf5_is_finalised(tmp_path, minari_tmp):
+    """HDF5 can crash where it closes or finalises a file whose write failed: `python data.py` says its sentence
+    and exits 1 without finalising anything, whatever the error's type."""
+    import subprocess
+    import sys
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    r = subprocess.run([sys.executable, "-c", FULL_AT_EXIT.format(path=path, script=data.__file__)],
+                       capture_output=True, text=True, env=dict(os.environ, MINARI_DATASETS_PATH=str(minari_tmp)),
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == \
+        f"error: could not write the dataset 'd4rl/hopper/full-v0' in {minari_tmp / 'd4rl' / 'hopper'} (No space " \
+        f"left on device); nothing of it is left", r.stderr
+    assert os.listdir(minari_tmp) == []
+
+
+def test_a_dataset_that_cannot_fit_on_the_disk_is_refused_before_it_is_written(tmp_path, minari_tmp, monkeypatch,
+                                                                              capsys):
+    """The free space against the file Minari writes (uncompressed: the most the disk holds at once), and that
+    estimate against the real file."""
+    import minari
+    import shutil
+    path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
+    sizes, real_gzip = [], data._gzip_hdf5
+    monkeypatch.setattr(data, "_gzip_hdf5", lambda p: sizes.append(os.path.getsize(p)) or real_gzip(p))
+    real_need = data._disk_need
+    monkeypatch.setattr(data, "_disk_need", lambda buffers: sizes.append(real_need(buffers)) or sizes[-1])
+    data.convert_d4rl(path, "d4rl/hopper/fits-v0")
+    assert sizes[1] < sizes[0], sizes                                      # the file within the estimate
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 ** 30, 2 ** 30 - 2 ** 20, 2 ** 20))
+    monkeypatch.setattr(minari, "create_dataset_from_buffers", no_work)
+    err = one_sentence(capsys, data.main, ["convert-d4rl", path, "d4rl/hopper/full-v0"])
+    assert re.fullmatch(rf"error: the dataset 'd4rl/hopper/full-v0' would take about [\d.]+ MB in {minari_tmp} "
+                        rf"while it is written, more than the 1 MB free there; free some space, or set "
+                        rf"MINARI_DATASETS_PATH to a folder with room", err), err
+    assert not (minari_tmp / "d4rl" / "hopper" / "full-v0").exists() and os.listdir(minari_tmp) == ["d4rl"]
+
+
+@pytest.mark.parametrize("name, player", [("pointmaze-umaze", "_waypoint_action"),
+                                          ("breakout-mixed", "_breakout_action"), ("hopper-medium", "ars")])
+def test_a_make_too_large_for_the_disk_is_refused_before_it_collects(name, player, minari_tmp, monkeypatch, capsys):
+    import shutil
+    monkeypatch.setattr(data, player, no_work)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 ** 30, 2 ** 30 - 2 ** 21, 2 ** 21))
+    err = one_sentence(capsys, data.main, ["make", name, "--steps", "1000000"])
+    fit = re.fullmatch(rf"error: --steps 1,000,000 would write about [\d.]+ [MG]B to {minari_tmp}, more than the 2 MB "
+                       rf"free there; use --steps ([\d,]+) or fewer, or set MINARI_DATASETS_PATH to a folder with "
+                       rf"room", err)
+    assert fit and 0 < int(fit[1].replace(",", "")) < 10 ** 6, err
+    assert not os.path.exists(minari_tmp / "made")
 
 
 def test_a_rename_across_filesystems_leaves_no_namespace_metadata(tmp_path, minari_tmp, monkeypatch, capsys):
@@ -88,6 +158,42 @@ def test_a_namespace_folder_that_cannot_take_the_dataset_is_refused_before_any_w
     assert err == f"error: cannot write a dataset in {made} (on another filesystem than {minari_tmp}); set " \
                   f"MINARI_DATASETS_PATH to a folder you can write"
     assert os.listdir(minari_tmp) == ["made"] and os.listdir(made) == []
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1b. every flag checked before the paper's settings read it; a negative number of any spelling is a value
+
+
+@pytest.mark.parametrize("script", ["dt", "gpt2_dtma", "lsdt", "starformer", "dema"])
+def test_every_float_flag_that_is_not_finite_is_one_sentence_before_the_papers_settings(script, monkeypatch,
+                                                                                       capsys):
+    """NaN and the infinities, after `=` or a space (argparse's own pattern takes -inf for a flag): each float flag
+    with one of them, in turn; every one with the first flag and with LSDT's --conv-ratio."""
+    import dataclasses
+    import importlib
+    import itertools
+    m = importlib.import_module(script)
+    monkeypatch.setattr(m, "paper_settings", no_work)
+    names = [f.name for f in dataclasses.fields(m.Config) if f.type is float]
+    assert "lr" in names and (script != "lsdt" or "conv_ratio" in names)
+    spellings = list(itertools.product(("nan", "inf", "-inf", "-Infinity"), ("=", " ")))
+    cases = [(name, spellings[i % len(spellings)]) for i, name in enumerate(names)]
+    cases += [(name, s) for name in {names[0], "conv_ratio"} & set(names) for s in spellings]
+    for name, (value, form) in cases:
+        flag = "--" + name.replace("_", "-")
+        argv = [f"{flag}={value}"] if form == "=" else [flag, value]
+        err = one_sentence(capsys, m.main, argv)
+        assert err == f"error: {flag} must be a finite number, got {float(value)}", (argv, err)
+
+
+def test_a_negative_number_of_any_spelling_is_a_flags_value(capsys):
+    import dt
+    for value in ("-1e-3", "-.5", "-2E+1", "-1"):
+        err = one_sentence(capsys, dt.main, ["--weight-decay", value])
+        assert err == f"error: --weight-decay must be >= 0, got {float(value)}", err
+    cfg, _ = dt.parse_flags(["--target-return", "-1e-3"])
+    assert cfg.target_return == -1e-3
+    assert one_sentence(capsys, dt.main, ["--no-such-flag", "-1e-3"]) == \
+        "error: unrecognized arguments: --no-such-flag -1e-3 (see python dt.py --help)"
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. a stopped analysis keeps the previous files (written whole, renamed together) and says what it wrote
@@ -161,6 +267,21 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     after = files(out)
     assert err == f"stopped: {pair} in {out} written" and set(after) == set(before)
     assert after["target_sweep.csv"].startswith(b"target,") and after["target_sweep.png"].startswith(b"\x89PNG")
+
+
+def test_a_stop_inside_the_figure_imports_waits_until_they_are_done(monkeypatch):
+    """A KeyboardInterrupt inside an import can leave a module half made (the interpreter then aborts at its exit):
+    Ctrl-C or SIGTERM in pyplot()'s imports is acted on once they are done."""
+    import matplotlib
+    real, done = matplotlib.use, []
+
+    def use(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # (to this thread: delivered at once)
+        done.append(real(*args, **kwargs))
+    monkeypatch.setattr(matplotlib, "use", use)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.pyplot()
+    assert done == [None] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_save_figure_renames_a_whole_figure_into_place(tmp_path, monkeypatch):
@@ -271,6 +392,87 @@ def test_the_messages_say_what_is_true(tmp_path, minari_tmp, monkeypatch, capsys
     for argv in (["make", "pointmaze-umaze"], ["info", "made/pointmaze/umaze-v0"]):
         assert one_sentence(capsys, data.main, argv) == "error: MINARI_DATASETS_PATH is empty, not a folder of " \
                                                         "datasets; point it at a folder"
+
+
+def test_a_missing_made_id_is_told_the_make_that_writes_it_or_the_makes(minari_tmp):
+    """The maker is named only for an id that `make` writes by default; a case-different id in the folder is named."""
+    os.makedirs(minari_tmp / "made" / "hopper" / "medium-v0" / "data")
+    names = ", ".join(data.MAKE_NAMES)
+    for made in ("made/breakout/k9-v0", "made/hopper/k9-v0", "made/pointmaze/umaze-dense-v1"):
+        with pytest.raises(data.DataError) as e:
+            data.load_data(made)
+        assert str(e.value) == f"dataset '{made}' is not in {minari_tmp}; make it with `python data.py make NAME " \
+                               f"{made}` (NAME one of {names}) or set MINARI_DATASETS_PATH to a folder that holds it"
+    with pytest.raises(data.DataError) as e:
+        data.load_data("made/hopper/expert-v0")
+    assert "make it with `python data.py make hopper-expert made/hopper/expert-v0`" in str(e.value)
+    with pytest.raises(data.DataError) as e:
+        data.load_data("made/Hopper/medium-v0")
+    assert str(e.value) == f"dataset 'made/Hopper/medium-v0' is not in {minari_tmp}, but 'made/hopper/medium-v0' " \
+                           f"is (ids are case-sensitive); use that id"
+
+
+def test_offline_a_class_is_told_the_make_and_random_weights(minari_tmp, tmp_path, monkeypatch):
+    """gpt2_dtma.py --env hopper-medium offline: the data's message names the make that stands in and the id it
+    writes; GPT-2's weights' message names --init random."""
+    import huggingface_hub
+    import minari
+    import gpt2_dtma as G
+
+    def offline(dataset_id, download=False):
+        raise ConnectionError("network unreachable")
+    monkeypatch.setattr(minari, "load_dataset", offline)
+    for download in (True, False):
+        with pytest.raises(data.DataError) as e:
+            data.load_data("hopper-medium", download=download)
+        assert str(e.value).endswith("; offline, `python data.py make hopper-medium` makes a stand-in: then pass "
+                                     "--dataset made/hopper/medium-v0"), str(e.value)
+    with pytest.raises(data.DataError) as e:
+        data.load_data("walker2d-medium")
+    assert "data.py make" not in str(e.value)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(G, "try_to_load_from_cache", lambda *a, **kw: None)
+    with pytest.raises(G.CheckpointError) as e:
+        G.find_weights("gpt2")
+    assert str(e.value).endswith("pass --init PATH to a local model.safetensors, or train from random weights "
+                                 "with --init random"), str(e.value)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_bench_says_it_saves_nothing(sig, monkeypatch, capsys):
+    """A bench's runs are thrown away: its stop is not training's "stopping after this step ... to save"."""
+    import dt
+    real = evaluate.Run.log
+
+    def stopped(self, step, *args, **kwargs):
+        real(self, step, *args, **kwargs)
+        signal.raise_signal(sig)  # (to this thread: delivered at once)
+    monkeypatch.setattr(evaluate.Run, "log", stopped)
+    err = one_sentence(capsys, dt.main, ["--bench", *TINY_DT], code=128 + sig)
+    assert err == f"{signal.Signals(sig).name}: the bench stops; a bench saves nothing"
+    assert evaluate.StopSignal.saves
+
+
+def test_an_atari_run_says_the_papers_atari_row_in_its_help_and_first_line(tiny_breakout, capsys):
+    """Not MuJoCo's defaults (context 20, batch 64, 100,000 steps): the Atari row (30, 128, 19,530; Pong 50, 512)."""
+    import dt
+    for name, context, batch, steps in ((tiny_breakout, 30, 128, 19530), ("atari/pong/expert-v0", 50, 512, 4885)):
+        with pytest.raises(SystemExit) as e:
+            dt.main(["--dataset", name, "--help"])
+        text = re.sub(r"\s+", " ", capsys.readouterr().out)
+        row = f"here, the paper's Atari row for {name}"
+        assert e.value.code == 0 and f"(3K tokens) (default: {context} {row}; else 20)" in text, text
+        assert f"windows per batch (default: {batch} {row}; else 64)" in text
+        assert f"gradient steps (default: {steps} {row}; else 100000)" in text
+        dt.parse_flags(["--dataset", name])
+        first = capsys.readouterr().out
+        assert first.startswith("the paper's row for Atari: --n-layer 6,") and f"--context {context}, --batch-size " \
+            f"{batch}," in first and f"--steps {steps}" in first, first
+    with pytest.raises(SystemExit):
+        dt.main(["--help"])
+    assert "(3K tokens) (default: 20)" in re.sub(r"\s+", " ", capsys.readouterr().out)
 
 
 def test_report_keeps_greedy_evaluations_apart(tmp_path):

@@ -1569,8 +1569,8 @@ def _make_breakout(seed=0, steps=None):
 # not reach the level within the make's budget (RESULTS.md).
 
 # robot: its env, ARS's settings and the alive bonus off a training return as RL Zoo's ars.yml
-# gives them ("closest to the original paper"), and the most iterations to each level (set from
-# measured runs: RESULTS.md)
+# gives them ("closest to the original paper"), and the most iterations to each level (Hopper's
+# set from measured runs, HalfCheetah's about 5 minutes of one core: RESULTS.md)
 LOCOMOTION = {
     "hopper": dict(env="Hopper-v5", ars=dict(alpha=0.01, nu=0.025, directions=8, top=4),
                    alive=1.0, iterations={"medium": 1000, "expert": 300}),

@@ -194,6 +194,9 @@ def test_make_hopper_bad_input_is_one_sentence_before_any_work(tiny, monkeypatch
             (["make", "hopper-medum"], "make knows no 'hopper-medum'; it makes "),
             (["make", "hopper-medum"], "halfcheetah-medium-replay (did you mean hopper-medium?)"),
             (["make", "hopper-medium"], "dataset 'made/hopper/medium-v0' already exists at "),
+            (["make", "walker2d-medium"], "no 'walker2d-medium' (ARS does not reach Walker2d's "
+                                          "medium in a make's minutes); it makes"),
+            (["make", "halfcheetah-expert"], "(ARS does not reach HalfCheetah's expert in a "),
             (["make", "hopper-expert", "nonamespace-v0"], "must look like namespace/name-vN"),
             (["make", "hopper-expert", "--seed", "-1"], "--seed -1 is negative"),
             (["make", "hopper-expert", "--steps", "0"], "'0' is not a whole number above 0")):

@@ -99,7 +99,8 @@ def test_make_bad_input_is_one_sentence_before_any_work(minari_tmp, monkeypatch,
     for argv, said in ((["make", "pointmaze-medum"], "make knows no 'pointmaze-medum'; it makes pointmaze-umaze, "
                         "pointmaze-umaze-dense, pointmaze-medium, pointmaze-medium-dense, pointmaze-large, "
                         "pointmaze-large-dense, breakout-mixed, hopper-medium, hopper-medium-replay, "
-                        "hopper-expert (did you mean pointmaze-medium?)"),
+                        "hopper-expert, hopper-medium-expert, halfcheetah-medium, "
+                        "halfcheetah-medium-replay (did you mean pointmaze-medium?)"),
                        (["make", "pointmaze-medium"], "dataset 'made/pointmaze/medium-v0' already exists at "),
                        (["make", "pointmaze-large", "nonamespace-v0"], "must look like namespace/name-vN"),
                        (["make", "pointmaze-large", "--seed", "-1"], "--seed -1 is negative"),

@@ -1294,34 +1294,35 @@ def make(name, dataset_id=None, seed=0, steps=None):
     return folder
 
 
-def _check_make(env, steps):
-    """make's cost before any work: `steps` times a step's memory (observation, action, 128 bytes
-    of list entries) and time (a random step of `env`); a DataError if it cannot fit."""
+def _check_make(env, steps, halves=1):
+    """make's cost before any work: `halves` times `steps` times a step's memory (observation,
+    action, 128 bytes of list entries) and time (a random step of `env`); a DataError if it cannot
+    fit."""
     import gymnasium as gym
     t0 = time.time()
     env.reset()
     for _ in range(100):
         env.step(env.action_space.sample())
-    seconds = (time.time() - t0) / 100 * steps
+    seconds = (time.time() - t0) / 100 * halves * steps
 
     spaces = env.observation_space, env.action_space
     step = sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces)
-    need = steps * (step + 128)
+    need, what = halves * steps * (step + 128), f"--steps {steps:,}" + " twice" * (halves > 1)
     cost = f"about {gb(need)} of memory and {duration(seconds)} of env steps"
     if need > (free := available_memory() or need):
-        raise DataError(f"--steps {steps:,} would take {cost}, more than the {gb(free)} free; use "
+        raise DataError(f"{what} would take {cost}, more than the {gb(free)} free; use "
                         f"--steps {int(steps * free / need):,} or fewer")
 
     # the disk: the arrays, a reward and two flags a step, in Minari's uncompressed file
     root = dataset_folder("")  # (the datasets folder)
-    disk = int(1.1 * steps * (step + 10)) + DISK_MARGIN
+    disk = int(1.1 * halves * steps * (step + 10)) + DISK_MARGIN
     if disk > (free := shutil.disk_usage(root).free):
         fit = int(steps * (free - DISK_MARGIN) / (disk - DISK_MARGIN))
         fix = f"use --steps {fit:,} or fewer" if fit > 0 else "free some space"
-        raise DataError(f"--steps {steps:,} would write about {gb(disk)} to {root}, more than the "
+        raise DataError(f"{what} would write about {gb(disk)} to {root}, more than the "
                         f"{gb(free)} free there; {fix}, or set MINARI_DATASETS_PATH to a folder "
                         f"with room")
-    print(f"{steps:,} steps: {cost}", flush=True)
+    print(f"{halves * steps:,} steps: {cost}", flush=True)
 
 
 def _made_id(name):
@@ -1572,19 +1573,20 @@ def _make_breakout(seed=0, steps=None):
 # not reach the level within the make's budget (RESULTS.md).
 
 # robot: its env, ARS's settings and the alive bonus off a training return as RL Zoo's ars.yml
-# gives them ("closest to the original paper"), and the most iterations to each level (Hopper's
-# set from measured runs, HalfCheetah's about 5 minutes of one core: RESULTS.md)
+# gives them ("closest to the original paper"), the most iterations to each level, set from
+# measured runs, and the std of the data's action noise, the one its gait survives (HalfCheetah's
+# linear gait flips over under Hopper's: RESULTS.md)
 LOCOMOTION = {
     "hopper": dict(env="Hopper-v5", ars=dict(alpha=0.01, nu=0.025, directions=8, top=4),
-                   alive=1.0, iterations={"medium": 1000, "expert": 300}),
+                   alive=1.0, iterations={"medium": 1000, "expert": 300}, noise=0.05),
     "halfcheetah": dict(env="HalfCheetah-v5", ars=dict(alpha=0.02, nu=0.03, directions=32, top=4),
-                        alive=0.0, iterations={"medium": 120}),
+                        alive=0.0, iterations={"medium": 200}, noise=0.02),
 }
 # what ARS does not reach within a make's minutes, with RL Zoo's settings (RESULTS.md)
 NOT_MADE = {"walker2d-": "Walker2d's medium", "halfcheetah-expert": "HalfCheetah's expert",
             "halfcheetah-medium-expert": "HalfCheetah's expert"}
 LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
-ARS_RESTART, ARS_EVAL_EPISODES, LOCOMOTION_NOISE, LOCOMOTION_STEPS = 200, 5, 0.05, 300_000
+ARS_RESTART, ARS_EVAL_EPISODES, LOCOMOTION_STEPS = 200, 5, 300_000
 for _robot, _s in LOCOMOTION.items():
     MAKE_NAMES[f"{_robot}-medium"] = f"mujoco/{_robot}/medium-v0"
     MAKE_NAMES[f"{_robot}-medium-replay"] = f"D4RL's {_robot}-medium-replay-v2"
@@ -1595,10 +1597,10 @@ LOCOMOTION_HELP = (
     "hopper-*, halfcheetah-*: ARS trains a linear policy in the v5 robot to a third of D4RL's "
     "expert\nreturn (expert: all, or the best in "
     f"{LOCOMOTION['hopper']['iterations']['expert']} iterations); data: its rollouts, "
-    f"N(0, {LOCOMOTION_NOISE}^2) on\neach action (medium-replay: those of its policy after each "
-    "update on the way to medium,\nan episode of each in turn; medium-expert: the medium data, "
-    "then the expert data). Walker2d:\nARS does not reach medium in the make's budget "
-    "(RESULTS.md).")
+    f"N(0, {LOCOMOTION['hopper']['noise']}^2) on\neach action (HalfCheetah: "
+    f"{LOCOMOTION['halfcheetah']['noise']}; medium-replay: those of its policy after each update "
+    "on the way\nto medium, an episode of each in turn; medium-expert: the medium data, then the "
+    "expert data).\nWalker2d: ARS does not reach medium in the make's budget (RESULTS.md).")
 
 
 def ars(rollout, shape, rng, alpha, nu, directions, top):
@@ -1629,15 +1631,16 @@ def ars(rollout, shape, rng, alpha, nu, directions, top):
         yield M, mu, std, [run[2] for run in runs]
 
 
-def _make_locomotion(name, seed, steps):
+def _make_locomotion(name, seed, steps, halves=1):
     """ARS to the level `name` names, then its noisy rollouts; medium-replay: those of each policy
-    on the way to medium; medium-expert: medium's data, then expert's. -> (buffers,
-    _write_dataset's kwargs, behaviour line)"""
+    on the way to medium; medium-expert: medium's data, then expert's (the room for `halves` such
+    datasets checked first). -> (buffers, _write_dataset's kwargs, behaviour line)"""
     import gymnasium as gym
     from minari.data_collector import EpisodeBuffer
     robot, level = name.split("-", 1)
     if level == "medium-expert":
-        parts = [_make_locomotion(f"{robot}-{part}", seed, steps) for part in ("medium", "expert")]
+        parts = [_make_locomotion(f"{robot}-medium", seed, steps, halves=2),
+                 _make_locomotion(f"{robot}-expert", seed, steps)]
         kwargs = parts[0][1] | dict(description=f"stands in for {MAKE_NAMES[name]}: the medium "
                                     f"data, then the expert data, seed {seed}")
         return (parts[0][0] + parts[1][0], kwargs,
@@ -1646,7 +1649,7 @@ def _make_locomotion(name, seed, steps):
     (low, high), steps = D4RL_REF_SCORES[settings["env"].split("-")[0]], steps or LOCOMOTION_STEPS
     env, noise_rng = gym.make(settings["env"]), np.random.default_rng([seed, 0])
     shape = env.action_space.shape + env.observation_space.shape                      # (p, n)
-    _check_make(env, steps)
+    _check_make(env, steps, halves)
     env.reset(seed=seed)
 
     def rollout(M, mu, std, alive=settings["alive"], noise=0.0, limit=None):
@@ -1699,7 +1702,7 @@ def _make_locomotion(name, seed, steps):
     while total < steps:
         rounds.append([])
         for M_k, mu_k, std_k in policies:
-            rounds[-1].append(rollout(M_k, mu_k, std_k, noise=LOCOMOTION_NOISE,
+            rounds[-1].append(rollout(M_k, mu_k, std_k, noise=settings["noise"],
                                       limit=steps - total)[2])
             total += len(rounds[-1][-1].rewards)
             if total == steps:
@@ -1717,7 +1720,7 @@ def _make_locomotion(name, seed, steps):
     write_kwargs = dict(
         env=env.spec, eval_env=env.spec, observation_space=env.observation_space,
         action_space=env.action_space, ref_min_score=low, ref_max_score=high,
-        algorithm_name=f"ARS V2-t, N(0, {LOCOMOTION_NOISE}^2) action noise (data.py make)",
+        algorithm_name=f"ARS V2-t, N(0, {settings['noise']}^2) action noise (data.py make)",
         description=f"stands in for {MAKE_NAMES[name]}: {behaviour}, seed {seed}")
     return buffers, write_kwargs, behaviour
 

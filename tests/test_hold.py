@@ -123,6 +123,21 @@ def test_a_make_too_large_for_the_disk_is_refused_before_it_collects(name, playe
     assert not os.path.exists(minari_tmp / "made")
 
 
+def test_medium_expert_checks_the_disk_for_both_halves_before_it_trains(minari_tmp, monkeypatch, capsys):
+    """3 MB free: one 10,000-step hopper half fits (about 2.2 MB with the margin), the two halves do not (3.4 MB)."""
+    import shutil
+    monkeypatch.setattr(data, "ars", lambda *args, **settings: no_work())
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 ** 30, 2 ** 30 - 3 * 2 ** 20, 3 * 2 ** 20))
+    with pytest.raises(pytest.fail.Exception):                             # a half alone gets to ARS
+        data.main(["make", "hopper-medium", "--steps", "10000"])
+    err = one_sentence(capsys, data.main, ["make", "hopper-medium-expert", "--steps", "10000"])
+    fit = re.fullmatch(rf"error: --steps 10,000 twice would write about [\d.]+ MB to {minari_tmp}, more than the 3 MB "
+                       rf"free there; use --steps ([\d,]+) or fewer, or set MINARI_DATASETS_PATH to a folder with "
+                       rf"room", err)
+    assert fit and 5_000 < int(fit[1].replace(",", "")) < 10_000, err
+    assert not os.path.exists(minari_tmp / "made" / "hopper" / "medium-expert-v0")
+
+
 def test_a_rename_across_filesystems_leaves_no_namespace_metadata(tmp_path, minari_tmp, monkeypatch, capsys):
     path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
     real = os.rename

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import data
+from test_harness import one_sentence_exit_1
 
 I = np.inf
 # a hand-drawn maze: a ring of corridors around walls, the goal 'g' at the end of a dead end below it
@@ -105,10 +106,8 @@ def test_make_bad_input_is_one_sentence_before_any_work(minari_tmp, monkeypatch,
                        (["make", "pointmaze-large", "nonamespace-v0"], "must look like namespace/name-vN"),
                        (["make", "pointmaze-large", "--seed", "-1"], "--seed -1 is negative"),
                        (["make", "pointmaze-large", "--steps", "0"], "'0' is not a whole number above 0")):
-        with pytest.raises(SystemExit) as e:
-            data.main(argv)
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 1 and err.startswith("error: ") and "\n" not in err and said in err, err
+        err = one_sentence_exit_1(capsys, data.main, argv)
+        assert said in err, err
 
     def interrupted(*args):
         raise KeyboardInterrupt

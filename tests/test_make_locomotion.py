@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import data
+from test_harness import one_sentence_exit_1
 
 
 class FixedDirections:
@@ -200,10 +201,7 @@ def test_make_hopper_bad_input_is_one_sentence_before_any_work(tiny, monkeypatch
             (["make", "hopper-expert", "nonamespace-v0"], "must look like namespace/name-vN"),
             (["make", "hopper-expert", "--seed", "-1"], "--seed -1 is negative"),
             (["make", "hopper-expert", "--steps", "0"], "'0' is not a whole number above 0")):
-        with pytest.raises(SystemExit) as e:
-            data.main(argv)
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 1 and err.startswith("error: ") and "\n" not in err, err
+        err = one_sentence_exit_1(capsys, data.main, argv)
         assert said in err, err
 
     def interrupted(*args):

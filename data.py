@@ -2050,7 +2050,7 @@ def main(argv=None):
                         help="steps to collect (default: PointMaze umaze / medium / large "
                              + " / ".join(f"{n:,}" for n in MAZE_STEPS.values())
                              + f"; breakout-mixed: {BREAKOUT_EPISODES} episodes; locomotion: "
-                             f"{LOCOMOTION_STEPS:,})")
+                             f"{LOCOMOTION_STEPS:,}, medium-expert: each half)")
 
     # python data.py NAME: short for info NAME
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -68,15 +68,16 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
-    return field(default=default, metadata={"help": help, "run": run})
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
 
 
 @dataclass
 class Config:
     # ---- the paper's settings (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
-    steps: int = arg(100_000, "gradient steps", run=True)  # kzl: 10 iterations x 10k
+    steps: int = arg(100_000, "gradient steps", in_name=False)  # kzl: 10 iterations x 10k
     batch_size: int = arg(64, "windows per batch")
     context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
     lr: float = arg(1e-4, "AdamW learning rate")
@@ -96,29 +97,36 @@ class Config:
     state_encoder: str = arg("conv", "Atari: conv (DQN's torso) | patch (StARformer's DT with ViT)")
     # the evaluation protocol: kzl's, every 10k steps, 100 episodes a target
     eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
-                          run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
-    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl's)", run=True)
+                          in_name=False)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
+    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl's)",
+                       in_name=False)
 
     # ---- the run: the same flags in every model file ----
     preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
     target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
     amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", run=True)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
 
     # ---- this file's analyses ----
-    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run", run=True)
+    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run", in_name=False)
 
 
 # The paper's Atari settings: kzl's atari/run_dt_atari.py#L79-L87 (6 x 128, 8 heads, lr 6e-4,

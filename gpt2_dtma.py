@@ -83,16 +83,17 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
-    return field(default=default, metadata={"help": help, "run": run})
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
 
 
 @dataclass
 class Config:
     # ---- the paper's settings (App. C; its variants are flags) ----
     delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
-    steps: int = arg(100_000, "gradient steps", run=True)
+    steps: int = arg(100_000, "gradient steps", in_name=False)
     batch_size: int = arg(64, "windows per batch (App. C)")
     context: int = arg(None, "K (Tabs. 5-6); default: 20 on MuJoCo, 50 on mazes (departure 9)")
     lr: float = arg(1e-4, "AdamW learning rate (App. C)")
@@ -113,39 +114,47 @@ class Config:
                                         "Tab. 8)")
     # App. C
     eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
-                          run=True)
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel", run=True)
+                          in_name=False)
+    eval_episodes: int = arg(20, "episodes per target return, run in parallel", in_name=False)
 
     # ---- the run: the same flags in every model file ----
     preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
     target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
     amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", run=True)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
 
     # ---- this file's analyses ----
     # of a run's checkpoint
-    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", run=True)
+    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", in_name=False)
     markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: "
-                              "--init's", run=True)
+                              "--init's", in_name=False)
     attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)",
-                               run=True)
+                               in_name=False)
     attention_distance: bool = arg(False, "attention by distance, early and late (Figs. 1/7)",
-                                   run=True)
-    importance: bool = arg(False, "head importance, each zeroed in rollouts (Figs. 2, 8)", run=True)
+                                   in_name=False)
+    importance: bool = arg(False, "head importance, each zeroed in rollouts (Figs. 2, 8)",
+                           in_name=False)
     # of the GPT-2 weights alone
-    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text", run=True)
-    sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded", run=True)
+    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text", in_name=False)
+    sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded",
+                      in_name=False)
 
 
 # --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: K=1, no dropout (README)

@@ -93,103 +93,6 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, in_name=True):
-    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
-    variant name (its folder's) leaves it out."""
-    return field(default=default, metadata={"help": help, "in_name": in_name})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Table 8, D.1: hopper-medium; else paper_values) ----
-    steps: int = arg(100_000, "gradient steps", in_name=False)  # the code: 10 iterations x 10k
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 13)")
-    batch_size: int = arg(64, "windows (rnn mode: whole trajectories) per batch")
-    context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
-    lr: float = arg(1e-4, "AdamW learning rate (per dataset: D.1)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay (Atari: of the weights only)")
-    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
-    warmup_steps: int = arg(10_000, "linear warmup, then constant (departure 4)")
-    lr_decay_steps: int = arg(0, "0: constant after the warmup; N: the code's Atari cosine")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    n_embd: int = arg(256, "E, token-embedding width (D.1)")
-    d_model: int = arg(64, "D, Mamba's residual width (D.1)")
-    n_layer: int = arg(3, "Mamba blocks")
-    d_state: int = arg(64, "N, SSM state size per channel")
-    d_conv: int = arg(4, "W, width of the causal depthwise convolution")
-    expand: int = arg(2, "d_inner = expand * D")
-    dropout: float = arg(0.0, "on the tokens (Atari: 0.1) and after the post block's MLP")
-    mode: str = arg("transformer", "transformer: K-step windows (the method) | rnn (Sec. 3.2)")
-    token_layout: str = arg("b3ld", "b3ld: R_t, a_{t-1}, s_t, 3 tokens a step | bl3d: 1 (Sec. 4.1)")
-    residual: str = arg("pre", "pre: Mamba's block (the method) | post: S6 in a transformer's")
-    prev_action: bool = arg(True, "a_{t-1} in each step; --no-prev-action: the null a_{-1} = 0")
-    timestep_embedding: bool = arg(False, "add DT's timestep embedding to every token (Table 17)")
-    rtg_shift: bool = arg(False, "train on the code's (R_{t-1}, a_{t-1}, s_t) -> a_t (departure 3)")
-    pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: it enters the state (dep. 2)")
-    inner_it: int = arg(1, "updates on each drawn batch (Table 10, RNN-like on Atari: 200)")
-    rnn_max_len: int = arg(1000, "rnn mode: trajectories cut to their first N steps")
-    # the code's MuJoCo evaluation
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
-                          in_name=False)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
-    greedy: bool = arg(False, "Atari: the likeliest action, not the code's softmax draw",
-                       in_name=False)
-    scan: str = arg("auto", "auto (CPU: sequential, CUDA: parallel) | sequential | parallel",
-                    in_name=False)
-    scan_chunk: int = arg(0, "N > 0: the backward recomputes the loop in N-token chunks",
-                          in_name=False)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               in_name=False)
-    log_every: int = arg(100, "print and log the training loss every this many steps",
-                         in_name=False)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
-                   in_name=False)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings",
-                       in_name=False)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
-                      in_name=False)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
-                    in_name=False)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
-                             in_name=False)
-
-    # ---- this file's analyses ----
-    attention: bool = arg(False, "Fig. 4: the hidden attention along an episode", in_name=False)
-    s6_ablation: str = arg("", "Fig. 5: --s6-layers' S6 zero|random|swap, evaluated", in_name=False)
-    s6_layers: str = arg("all", "--s6-ablation's layers: all, or 0-based indices (0,2)",
-                         in_name=False)
-    s6_donor: str = arg("", "swap: another DeMa's run folder or ckpt.pt (same sizes)",
-                        in_name=False)
-    bench_scan: bool = arg(False, "time the two scans (forward + backward)", in_name=False)
-    params: bool = arg(False, "parameter counts at the paper's settings (Table 7)", in_name=False)
-
-
-# Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
-# 512 x 20 warmup tokens are 3 steps of 128 x 30; the code's cosine ends at 2 len(data) 3K
-# tokens (trainer_atari.py#L216).
-ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4,
-             beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3,
-             lr_decay_steps=23_432, steps=39_060, eval_every=3906, eval_episodes=10)
-# --preset cpu: dt.py's budget; mazes: dt.py's setting; Atari: dt.py's windows, a cosine stopped
-# where the return stops rising (README); --mode rnn: less memory (RESULTS.md)
-ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
-                 warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
-                 eval_episodes=10)
-PRESETS = {"": dict(atari=ATARI),
-           "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64,
-                       lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
-                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50),
-                       atari={**ATARI_CPU, "mode=rnn": dict(rnn_max_len=100, batch_size=4)})}
-
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
 from dataclasses import dataclass
@@ -689,6 +592,106 @@ class DeMa(nn.Module):
         return attn
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Table 8, D.1: hopper-medium; else paper_values) ----
+    steps: int = arg(100_000, "gradient steps", in_name=False)  # the code: 10 iterations x 10k
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 13)")
+    batch_size: int = arg(64, "windows (rnn mode: whole trajectories) per batch")
+    context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
+    lr: float = arg(1e-4, "AdamW learning rate (per dataset: D.1)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (Atari: of the weights only)")
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
+    warmup_steps: int = arg(10_000, "linear warmup, then constant (departure 4)")
+    lr_decay_steps: int = arg(0, "0: constant after the warmup; N: the code's Atari cosine")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    n_embd: int = arg(256, "E, token-embedding width (D.1)")
+    d_model: int = arg(64, "D, Mamba's residual width (D.1)")
+    n_layer: int = arg(3, "Mamba blocks")
+    d_state: int = arg(64, "N, SSM state size per channel")
+    d_conv: int = arg(4, "W, width of the causal depthwise convolution")
+    expand: int = arg(2, "d_inner = expand * D")
+    dropout: float = arg(0.0, "on the tokens (Atari: 0.1) and after the post block's MLP")
+    mode: str = arg("transformer", "transformer: K-step windows (the method) | rnn (Sec. 3.2)")
+    token_layout: str = arg("b3ld", "b3ld: R_t, a_{t-1}, s_t, 3 tokens a step | bl3d: 1 (Sec. 4.1)")
+    residual: str = arg("pre", "pre: Mamba's block (the method) | post: S6 in a transformer's")
+    prev_action: bool = arg(True, "a_{t-1} in each step; --no-prev-action: the null a_{-1} = 0")
+    timestep_embedding: bool = arg(False, "add DT's timestep embedding to every token (Table 17)")
+    rtg_shift: bool = arg(False, "train on the code's (R_{t-1}, a_{t-1}, s_t) -> a_t (departure 3)")
+    pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: it enters the state (dep. 2)")
+    inner_it: int = arg(1, "updates on each drawn batch (Table 10, RNN-like on Atari: 200)")
+    rnn_max_len: int = arg(1000, "rnn mode: trajectories cut to their first N steps")
+    # the code's MuJoCo evaluation
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
+    greedy: bool = arg(False, "Atari: the likeliest action, not the code's softmax draw",
+                       in_name=False)
+    scan: str = arg("auto", "auto (CPU: sequential, CUDA: parallel) | sequential | parallel",
+                    in_name=False)
+    scan_chunk: int = arg(0, "N > 0: the backward recomputes the loop in N-token chunks",
+                          in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    attention: bool = arg(False, "Fig. 4: the hidden attention along an episode", in_name=False)
+    s6_ablation: str = arg("", "Fig. 5: --s6-layers' S6 zero|random|swap, evaluated", in_name=False)
+    s6_layers: str = arg("all", "--s6-ablation's layers: all, or 0-based indices (0,2)",
+                         in_name=False)
+    s6_donor: str = arg("", "swap: another DeMa's run folder or ckpt.pt (same sizes)",
+                        in_name=False)
+    bench_scan: bool = arg(False, "time the two scans (forward + backward)", in_name=False)
+    params: bool = arg(False, "parameter counts at the paper's settings (Table 7)", in_name=False)
+
+
+# Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
+# 512 x 20 warmup tokens are 3 steps of 128 x 30; the code's cosine ends at 2 len(data) 3K
+# tokens (trainer_atari.py#L216).
+ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4,
+             beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3,
+             lr_decay_steps=23_432, steps=39_060, eval_every=3906, eval_episodes=10)
+# --preset cpu: dt.py's budget; mazes: dt.py's setting; Atari: dt.py's windows, a cosine stopped
+# where the return stops rising (README); --mode rnn: less memory (RESULTS.md)
+ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
+                 warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
+                 eval_episodes=10)
+PRESETS = {"": dict(atari=ATARI),
+           "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64,
+                       lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
+                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50),
+                       atari={**ATARI_CPU, "mode=rnn": dict(rnn_max_len=100, batch_size=4)})}
 
 
 # ---- the paper's pieces: per-dataset settings, data, model, schedule, loss, policy ----

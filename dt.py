@@ -68,87 +68,6 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, in_name=True):
-    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
-    variant name (its folder's) leaves it out."""
-    return field(default=default, metadata={"help": help, "in_name": in_name})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
-    steps: int = arg(100_000, "gradient steps", in_name=False)  # kzl: 10 iterations x 10k
-    batch_size: int = arg(64, "windows per batch")
-    context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
-    lr: float = arg(1e-4, "AdamW learning rate")
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
-    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
-    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
-    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (not DT's)")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    n_embd: int = arg(128, "token width")
-    n_layer: int = arg(3, "transformer blocks")
-    n_head: int = arg(1, "attention heads")
-    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals")
-    # behaviour cloning (Sec. 5.3, Table 3) and delayed rewards (Table 5)
-    return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. BC")
-    top_fraction: float = arg(1.0, "train on the best episodes holding this share of steps (%BC)")
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 5)")
-    state_encoder: str = arg("conv", "Atari: conv (DQN's torso) | patch (StARformer's DT with ViT)")
-    # the evaluation protocol: kzl's, every 10k steps, 100 episodes a target
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
-                          in_name=False)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
-    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl's)",
-                       in_name=False)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               in_name=False)
-    log_every: int = arg(100, "print and log the training loss every this many steps",
-                         in_name=False)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
-                   in_name=False)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings",
-                       in_name=False)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
-                      in_name=False)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
-                    in_name=False)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
-                             in_name=False)
-
-    # ---- this file's analyses ----
-    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run", in_name=False)
-
-
-# The paper's Atari settings: kzl's atari/run_dt_atari.py#L79-L87 (6 x 128, 8 heads, lr 6e-4,
-# 512 x 20 warmup tokens = 3 steps) and atari/run.sh#L4: 5 epochs of 500k steps of 1% DQN-replay,
-# 3906 steps an epoch, an evaluation after each; Pong (run.sh#L14) with K=50 and batch 512, 977
-# steps an epoch. --preset cpu: hopper in minutes on 2 cores, the lr decayed so that the last
-# checkpoint is settled; mazes at K=1 without dropout (noisy actions are a history to copy); Atari
-# cut where the return stops rising (README).
-PRESETS = {
-    "": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4,
-                        beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_steps=3, lr_decay=True,
-                        steps=19_530, eval_every=3906, eval_episodes=10,
-                        pong=dict(context=50, batch_size=512, warmup_steps=1, steps=4885,
-                                  eval_every=977))),
-    "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3,
-                warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
-                mazes=dict(context=1, dropout=0.0, eval_episodes=50),
-                atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4,
-                           warmup_steps=100, steps=4000, eval_every=2000, eval_episodes=10,
-                           dropout=0.1)),
-}
-
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
 from dataclasses import dataclass
@@ -374,6 +293,90 @@ class AtariDecisionTransformer(nn.Module):
         return self.head(x[:, :, n - 2])  # (B, K, |A|)
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
+    steps: int = arg(100_000, "gradient steps", in_name=False)  # kzl: 10 iterations x 10k
+    batch_size: int = arg(64, "windows per batch")
+    context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
+    lr: float = arg(1e-4, "AdamW learning rate")
+    weight_decay: float = arg(1e-4, "AdamW weight decay")
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
+    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
+    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (not DT's)")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    n_embd: int = arg(128, "token width")
+    n_layer: int = arg(3, "transformer blocks")
+    n_head: int = arg(1, "attention heads")
+    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals")
+    # behaviour cloning (Sec. 5.3, Table 3) and delayed rewards (Table 5)
+    return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. BC")
+    top_fraction: float = arg(1.0, "train on the best episodes holding this share of steps (%BC)")
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 5)")
+    state_encoder: str = arg("conv", "Atari: conv (DQN's torso) | patch (StARformer's DT with ViT)")
+    # the evaluation protocol: kzl's, every 10k steps, 100 episodes a target
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
+    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl's)",
+                       in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run", in_name=False)
+
+
+# The paper's Atari settings: kzl's atari/run_dt_atari.py#L79-L87 (6 x 128, 8 heads, lr 6e-4,
+# 512 x 20 warmup tokens = 3 steps) and atari/run.sh#L4: 5 epochs of 500k steps of 1% DQN-replay,
+# 3906 steps an epoch, an evaluation after each; Pong (run.sh#L14) with K=50 and batch 512, 977
+# steps an epoch. --preset cpu: hopper in minutes on 2 cores, the lr decayed so that the last
+# checkpoint is settled; mazes at K=1 without dropout (noisy actions are a history to copy); Atari
+# cut where the return stops rising (README).
+PRESETS = {
+    "": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4,
+                        beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_steps=3, lr_decay=True,
+                        steps=19_530, eval_every=3906, eval_episodes=10,
+                        pong=dict(context=50, batch_size=512, warmup_steps=1, steps=4885,
+                                  eval_every=977))),
+    "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3,
+                warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
+                mazes=dict(context=1, dropout=0.0, eval_episodes=50),
+                atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4,
+                           warmup_steps=100, steps=4000, eval_every=2000, eval_episodes=10,
+                           dropout=0.1)),
+}
 
 # ---- the paper's pieces: data, model, schedule, loss, policy ----
 

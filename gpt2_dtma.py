@@ -83,85 +83,6 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, in_name=True):
-    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
-    variant name (its folder's) leaves it out."""
-    return field(default=default, metadata={"help": help, "in_name": in_name})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (App. C; its variants are flags) ----
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
-    steps: int = arg(100_000, "gradient steps", in_name=False)
-    batch_size: int = arg(64, "windows per batch (App. C)")
-    context: int = arg(None, "K (Tabs. 5-6); default: 20 on MuJoCo, 50 on mazes (departure 9)")
-    lr: float = arg(1e-4, "AdamW learning rate (App. C)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
-    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C)")
-    grad_clip: float = arg(0.25, "gradient-norm clip (departure 9)")
-    init: str = arg("gpt2", "gpt2, clip (CLIP ViT-B/32's text tower: CLIP-DT, Tab. 7), a "
-                            "model.safetensors or its folder, or random (DT, DTMA)")
-    n_layer: int = arg(None, "keep the first N blocks (default: all; layer 0 has the Markov heads)")
-    n_embd: int = arg(None, "width (default: the checkpoint's; --init random: 768)")
-    n_head: int = arg(None, "heads per layer (default: the checkpoint's; --init random: 12)")
-    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (departure 9)")
-    moa: bool = arg(True, "the MoA gate (GPT2-DTMA, Eqs. 6-7); --no-moa: GPT2-DT (Tabs. 2-4)")
-    markov_penalty: float = arg(0.0, "alpha of Eq. 9 on the Markov heads' layer-0 gate (GPT2-P, "
-                                     "Tab. 3: 0.1)")
-    markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of other checkpoints")
-    freeze_attention: bool = arg(False, "train only the embeddings and FFNs (GPT2-DT (part), "
-                                        "Tab. 8)")
-    # App. C
-    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
-                          in_name=False)
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel", in_name=False)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               in_name=False)
-    log_every: int = arg(100, "print and log the training loss every this many steps",
-                         in_name=False)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
-                   in_name=False)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings",
-                       in_name=False)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
-                      in_name=False)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
-                    in_name=False)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
-                             in_name=False)
-
-    # ---- this file's analyses ----
-    # of a run's checkpoint
-    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", in_name=False)
-    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: "
-                              "--init's", in_name=False)
-    attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)",
-                               in_name=False)
-    attention_distance: bool = arg(False, "attention by distance, early and late (Figs. 1/7)",
-                                   in_name=False)
-    importance: bool = arg(False, "head importance, each zeroed in rollouts (Figs. 2, 8)",
-                           in_name=False)
-    # of the GPT-2 weights alone
-    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text", in_name=False)
-    sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded",
-                      in_name=False)
-
-
-# --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: K=1, no dropout (README)
-PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300,
-                       eval_every=300, eval_episodes=10, log_every=25,
-                       mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
-
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
 from dataclasses import dataclass
@@ -390,6 +311,88 @@ class GPT2(nn.Module):
         return idx
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (App. C; its variants are flags) ----
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
+    steps: int = arg(100_000, "gradient steps", in_name=False)
+    batch_size: int = arg(64, "windows per batch (App. C)")
+    context: int = arg(None, "K (Tabs. 5-6); default: 20 on MuJoCo, 50 on mazes (departure 9)")
+    lr: float = arg(1e-4, "AdamW learning rate (App. C)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
+    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C)")
+    grad_clip: float = arg(0.25, "gradient-norm clip (departure 9)")
+    init: str = arg("gpt2", "gpt2, clip (CLIP ViT-B/32's text tower: CLIP-DT, Tab. 7), a "
+                            "model.safetensors or its folder, or random (DT, DTMA)")
+    n_layer: int = arg(None, "keep the first N blocks (default: all; layer 0 has the Markov heads)")
+    n_embd: int = arg(None, "width (default: the checkpoint's; --init random: 768)")
+    n_head: int = arg(None, "heads per layer (default: the checkpoint's; --init random: 12)")
+    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (departure 9)")
+    moa: bool = arg(True, "the MoA gate (GPT2-DTMA, Eqs. 6-7); --no-moa: GPT2-DT (Tabs. 2-4)")
+    markov_penalty: float = arg(0.0, "alpha of Eq. 9 on the Markov heads' layer-0 gate (GPT2-P, "
+                                     "Tab. 3: 0.1)")
+    markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of other checkpoints")
+    freeze_attention: bool = arg(False, "train only the embeddings and FFNs (GPT2-DT (part), "
+                                        "Tab. 8)")
+    # App. C
+    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(20, "episodes per target return, run in parallel", in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    # of a run's checkpoint
+    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", in_name=False)
+    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: "
+                              "--init's", in_name=False)
+    attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)",
+                               in_name=False)
+    attention_distance: bool = arg(False, "attention by distance, early and late (Figs. 1/7)",
+                                   in_name=False)
+    importance: bool = arg(False, "head importance, each zeroed in rollouts (Figs. 2, 8)",
+                           in_name=False)
+    # of the GPT-2 weights alone
+    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text", in_name=False)
+    sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded",
+                      in_name=False)
+
+
+# --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: K=1, no dropout (README)
+PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300,
+                       eval_every=300, eval_episodes=10, log_every=25,
+                       mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
 # ---- the paper's analysis quantities (torch alone) ----
 

@@ -81,80 +81,6 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, in_name=True):
-    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
-    variant name (its folder's) leaves it out."""
-    return field(default=default, metadata={"help": help, "in_name": in_name})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Table 13, the official code; a dataset's row: PAPER_TABLE) ----
-    steps: int = arg(100_000, "gradient steps",
-                     in_name=False)  # Table 13: 1e5; the cosine ends here
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
-    batch_size: int = arg(64, "windows per batch (Table 13: 64 locomotion, 256 mazes)")
-    context: int = arg(10, "K, the number of timesteps the model sees (Table 5)")
-    lr: float = arg(1e-4, "AdamW learning rate (Table 13: 1e-4 locomotion, 2e-4 mazes)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
-    warmup_steps: int = arg(10_000, "linear warmup, then a cosine to 0 (LSDT) or constant (DC)")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    paper_table: bool = arg(True, "the dataset's PAPER_TABLE row (K, xi, RTG...) under the flags")
-    arch: str = arg("lsdt", "lsdt | dc (Decision Convformer) | dc_h (DC, attention last)")
-    n_layer: int = arg(3, "blocks")
-    n_embd: int = arg(128, "token width D (256 for hopper-medium and -medium-replay)")
-    n_head: int = arg(1, "heads of the attention (long-term) branch")
-    conv_ratio: float = arg(0.5, "xi: share of D for the conv branch; 0 = DT, 1 = conv only (CDT)")
-    kernel: int = arg(6, "k_m, the conv branch's causal taps, its token's own too (Maze2d: 3)")
-    conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv) | dc (DC's filters, LSDC)")
-    fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
-    routing: str = arg("split", "App. B.10: split (LSDT) | res (LSDT-res) | weight (LSDT-weight)")
-    norm: str = arg("post", "post (the official code) | pre (the paper's Figure 1, and DC)")
-    dropout: float = arg(0.25, "dropout after W_O and after the MLP")
-    attn_dropout: float = arg(0.1, "dropout on the attention output P V (the official code)")
-    conv_dropout: float = arg(0.2, "dropout on the dynamic-kernel logits, before the softmax")
-    embd_dropout: float = arg(0.0, "dropout on the token embeddings (none in LSDT, 0.1 in DC)")
-    dropkey: float = arg(0.0, "DropKey (B.8, Table 6): drop attention logits with this probability")
-    action_tokens: bool = arg(True, "a_t tokens; without: (R, s) only (D.2, hopper-medium)")
-    goal_state: bool = arg(True, "goal-state conditioning (Sec. 3.3): the goal kept in the state")
-    # the code evaluates every 500 updates; Table 1: 20 episodes (locomotion), 100 (mazes)
-    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
-                          in_name=False)
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel", in_name=False)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               in_name=False)
-    log_every: int = arg(100, "print and log the training loss every this many steps",
-                         in_name=False)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
-                   in_name=False)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings",
-                       in_name=False)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
-                      in_name=False)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
-                    in_name=False)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
-                             in_name=False)
-
-    # ---- this file's analyses ----
-    plot_mixing: bool = arg(False, "mixing.png: block 1's maps (Fig. 3, 9, 11)", in_name=False)
-    plot_paths: bool = arg(False, "paths.png: the run's maze paths (Fig. 8)", in_name=False)
-
-
-# --preset cpu: dt.py's budget for 2 cores, over the dataset's row; mazes at K=1, as their noisy
-# actions are a history to copy (README).
-PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000,
-                       eval_every=2000, eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
-
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
 from dataclasses import dataclass
@@ -561,6 +487,83 @@ class LSDT(nn.Module):
                 m.keep = on
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Table 13, the official code; a dataset's row: PAPER_TABLE) ----
+    steps: int = arg(100_000, "gradient steps",
+                     in_name=False)  # Table 13: 1e5; the cosine ends here
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
+    batch_size: int = arg(64, "windows per batch (Table 13: 64 locomotion, 256 mazes)")
+    context: int = arg(10, "K, the number of timesteps the model sees (Table 5)")
+    lr: float = arg(1e-4, "AdamW learning rate (Table 13: 1e-4 locomotion, 2e-4 mazes)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay")
+    warmup_steps: int = arg(10_000, "linear warmup, then a cosine to 0 (LSDT) or constant (DC)")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    paper_table: bool = arg(True, "the dataset's PAPER_TABLE row (K, xi, RTG...) under the flags")
+    arch: str = arg("lsdt", "lsdt | dc (Decision Convformer) | dc_h (DC, attention last)")
+    n_layer: int = arg(3, "blocks")
+    n_embd: int = arg(128, "token width D (256 for hopper-medium and -medium-replay)")
+    n_head: int = arg(1, "heads of the attention (long-term) branch")
+    conv_ratio: float = arg(0.5, "xi: share of D for the conv branch; 0 = DT, 1 = conv only (CDT)")
+    kernel: int = arg(6, "k_m, the conv branch's causal taps, its token's own too (Maze2d: 3)")
+    conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv) | dc (DC's filters, LSDC)")
+    fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
+    routing: str = arg("split", "App. B.10: split (LSDT) | res (LSDT-res) | weight (LSDT-weight)")
+    norm: str = arg("post", "post (the official code) | pre (the paper's Figure 1, and DC)")
+    dropout: float = arg(0.25, "dropout after W_O and after the MLP")
+    attn_dropout: float = arg(0.1, "dropout on the attention output P V (the official code)")
+    conv_dropout: float = arg(0.2, "dropout on the dynamic-kernel logits, before the softmax")
+    embd_dropout: float = arg(0.0, "dropout on the token embeddings (none in LSDT, 0.1 in DC)")
+    dropkey: float = arg(0.0, "DropKey (B.8, Table 6): drop attention logits with this probability")
+    action_tokens: bool = arg(True, "a_t tokens; without: (R, s) only (D.2, hopper-medium)")
+    goal_state: bool = arg(True, "goal-state conditioning (Sec. 3.3): the goal kept in the state")
+    # the code evaluates every 500 updates; Table 1: 20 episodes (locomotion), 100 (mazes)
+    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(20, "episodes per target return, run in parallel", in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    plot_mixing: bool = arg(False, "mixing.png: block 1's maps (Fig. 3, 9, 11)", in_name=False)
+    plot_paths: bool = arg(False, "paths.png: the run's maze paths (Fig. 8)", in_name=False)
+
+
+# --preset cpu: dt.py's budget for 2 cores, over the dataset's row; mazes at K=1, as their noisy
+# actions are a history to copy (README).
+PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000,
+                       eval_every=2000, eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
 
 # ---- the paper's pieces: the per-dataset settings, data, model, schedule, loss, policy ----
 

@@ -107,94 +107,6 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, in_name=True):
-    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
-    variant name (its folder's) leaves it out."""
-    return field(default=default, metadata={"help": help, "in_name": in_name})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Table 6, Sec. 5.1, the code's gym defaults; Atari: PRESETS) ----
-    steps: int = arg(100_000, "gradient steps", in_name=False)  # the gym code: 10 iterations x 10k
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
-    batch_size: int = arg(64, "windows per batch")
-    context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1; Atari: 30)")
-    # Gym: as the gym code (departure 1)
-    lr: float = arg(1e-4, "AdamW learning rate")
-    weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
-    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
-    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (Atari's)")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    # Table 6 labels both Transformers "long-term"; the code's Sequence has 8 heads of 192, its
-    # Step 4 of 64 (run_star_atari.py#L410-L411)
-    n_layer: int = arg(6, "L, layers of the Step and of the Sequence Transformer, paired")
-    n_embd: int = arg(192, "D, Sequence Transformer width")
-    n_head: int = arg(8, "Sequence Transformer heads")
-    step_embd: int = arg(64, "d, Step Transformer width")
-    step_head: int = arg(4, "Step Transformer heads")
-    dropout: float = arg(0.1, "dropout on tokens, attention and residuals")
-    state_mlp: bool = arg(False, "h^0 = a 2-layer MLP(s_t) (Sec. 3.3.1), not one Linear (dep. 9)")
-    reward_scale: float = arg(1.0, "the reward slot gets Tanh(FC(reward_scale * r)); 1: raw (code)")
-    patch_size: int = arg(7, "image states: p x p patches (the code's 7: 144 of 4x84x84)")
-    # the variants (Tables 1-4)
-    reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: Table 1's imitation")
-    prev_action: bool = arg(True, "a_{t-1} in each group; --no-prev-action: the null action in all")
-    reward_input: str = arg("reward", "the reward slot: reward (r_{t-1}, the method) | rtg (R_t)")
-    state_token: str = arg("conv", "Table 3, h^0: conv (the method) | none | patch")
-    connection: str = arg("layerwise", "Table 4: layerwise (the method) | fusion | stack")
-    # evaluation as the gym code's: every 10k steps, 100 episodes a target
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
-                          in_name=False)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
-    greedy: bool = arg(False, "Atari: the argmax action, not the code's softmax draw",
-                       in_name=False)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               in_name=False)
-    log_every: int = arg(100, "print and log the training loss every this many steps",
-                         in_name=False)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
-                   in_name=False)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings",
-                       in_name=False)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
-                      in_name=False)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
-                    in_name=False)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
-                             in_name=False)
-
-
-# The paper's Atari settings: Table 6 (lr 6e-4, clip 1.0, decay 0.1; Config's sizes), T=30 (Sec.
-# 5.1); where it is silent, the code's (atari_and_dmc/run.sh#L4): batch 64, 10 epochs of 500k steps
-# of 1% DQN-replay (7,813 steps each), 10 episodes after each (run_star_atari.py#L199), warmup over
-# 512 x 20 tokens (#L416: 6 steps of 64 x 30), then a cosine to a tenth (lr_factor). --preset cpu:
-# dt.py's 2-core budget without dropout; mazes without a_{t-1}, a noisy history to copy; Atari with
-# one Step head and Table 2's R_t, which finds the good episodes of the made mix (README).
-PRESETS = {
-    "": dict(atari=dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0,
-                        warmup_steps=6, lr_decay=True, steps=78_130, eval_every=7_813,
-                        eval_episodes=10)),
-    "cpu": dict(n_layer=2, n_embd=64, n_head=1, step_embd=16, step_head=2, context=10,
-                batch_size=64, lr=1e-3, warmup_steps=500, lr_decay=True, steps=6000,
-                eval_every=2000, eval_episodes=10, dropout=0.0,
-                mazes=dict(prev_action=False, eval_episodes=50),
-                atari=dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6,
-                           batch_size=32, lr=6e-4, warmup_steps=100, steps=2400, eval_every=1200,
-                           eval_episodes=10, dropout=0.0, reward_input="rtg")),
-    # the official gym code's sizes (gym/experiment.py#L281, #L360-L362)
-    "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
-}
-
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 from dataclasses import dataclass
 
@@ -548,6 +460,97 @@ class StARformer(nn.Module):
                 {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Table 6, Sec. 5.1, the code's gym defaults; Atari: PRESETS) ----
+    steps: int = arg(100_000, "gradient steps", in_name=False)  # the gym code: 10 iterations x 10k
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
+    batch_size: int = arg(64, "windows per batch")
+    context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1; Atari: 30)")
+    # Gym: as the gym code (departure 1)
+    lr: float = arg(1e-4, "AdamW learning rate")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
+    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
+    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (Atari's)")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    # Table 6 labels both Transformers "long-term"; the code's Sequence has 8 heads of 192, its
+    # Step 4 of 64 (run_star_atari.py#L410-L411)
+    n_layer: int = arg(6, "L, layers of the Step and of the Sequence Transformer, paired")
+    n_embd: int = arg(192, "D, Sequence Transformer width")
+    n_head: int = arg(8, "Sequence Transformer heads")
+    step_embd: int = arg(64, "d, Step Transformer width")
+    step_head: int = arg(4, "Step Transformer heads")
+    dropout: float = arg(0.1, "dropout on tokens, attention and residuals")
+    state_mlp: bool = arg(False, "h^0 = a 2-layer MLP(s_t) (Sec. 3.3.1), not one Linear (dep. 9)")
+    reward_scale: float = arg(1.0, "the reward slot gets Tanh(FC(reward_scale * r)); 1: raw (code)")
+    patch_size: int = arg(7, "image states: p x p patches (the code's 7: 144 of 4x84x84)")
+    # the variants (Tables 1-4)
+    reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: Table 1's imitation")
+    prev_action: bool = arg(True, "a_{t-1} in each group; --no-prev-action: the null action in all")
+    reward_input: str = arg("reward", "the reward slot: reward (r_{t-1}, the method) | rtg (R_t)")
+    state_token: str = arg("conv", "Table 3, h^0: conv (the method) | none | patch")
+    connection: str = arg("layerwise", "Table 4: layerwise (the method) | fusion | stack")
+    # evaluation as the gym code's: every 10k steps, 100 episodes a target
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
+    greedy: bool = arg(False, "Atari: the argmax action, not the code's softmax draw",
+                       in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+
+# The paper's Atari settings: Table 6 (lr 6e-4, clip 1.0, decay 0.1; Config's sizes), T=30 (Sec.
+# 5.1); where it is silent, the code's (atari_and_dmc/run.sh#L4): batch 64, 10 epochs of 500k steps
+# of 1% DQN-replay (7,813 steps each), 10 episodes after each (run_star_atari.py#L199), warmup over
+# 512 x 20 tokens (#L416: 6 steps of 64 x 30), then a cosine to a tenth (lr_factor). --preset cpu:
+# dt.py's 2-core budget without dropout; mazes without a_{t-1}, a noisy history to copy; Atari with
+# one Step head and Table 2's R_t, which finds the good episodes of the made mix (README).
+PRESETS = {
+    "": dict(atari=dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0,
+                        warmup_steps=6, lr_decay=True, steps=78_130, eval_every=7_813,
+                        eval_episodes=10)),
+    "cpu": dict(n_layer=2, n_embd=64, n_head=1, step_embd=16, step_head=2, context=10,
+                batch_size=64, lr=1e-3, warmup_steps=500, lr_decay=True, steps=6000,
+                eval_every=2000, eval_episodes=10, dropout=0.0,
+                mazes=dict(prev_action=False, eval_episodes=50),
+                atari=dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6,
+                           batch_size=32, lr=6e-4, warmup_steps=100, steps=2400, eval_every=1200,
+                           eval_episodes=10, dropout=0.0, reward_input="rtg")),
+    # the official gym code's sizes (gym/experiment.py#L281, #L360-L362)
+    "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
+}
 
 # ---- the paper's pieces: data, model, schedule, loss, policy ----
 

@@ -89,7 +89,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 @dataclass
 class LSDTConfig:
     """The model's settings, the paper's defaults (Table 13; build_model fills it from Config)."""
@@ -156,23 +155,6 @@ class CausalSelfAttention(nn.Module):
         return att @ v  # (B, nh, L, hs)
 
 
-class DropKeyAttention(CausalSelfAttention):
-    """B.8, DropKey (Li et al. 2022; departure 6): in training, each logit set to -inf with
-    probability p, never a token's own; it replaces the dropout on P V."""
-
-    def __init__(self, dim, n_head, p):
-        super().__init__(dim, n_head, attn_dropout=0.0)
-        self.p = p
-
-    def attend(self, q, k, v, attn_mask):
-        if not self.training:
-            return super().attend(q, k, v, attn_mask)
-        att = self.logits(q, k, attn_mask)  # (B, nh, L, L)
-        drop = torch.rand(att.shape, device=att.device) < self.p
-        own = torch.eye(att.shape[-1], dtype=torch.bool, device=att.device)
-        return self.weigh(att.masked_fill(drop & ~own, float("-inf")), v)  # (B, nh, L, hs)
-
-
 class DynamicConv(nn.Module):
     """The short-term branch: causal DynamicConv (Wu et al. 2019; Eq. 1) as the official code has it
     (#L22), ESPnet's DynamicConvolution with a kernel mask:
@@ -216,51 +198,6 @@ class DynamicConv(nn.Module):
         return self.out(y.reshape(B, L, C) + self.bias)  # (B, L, D_c)
 
 
-class DCConv(nn.Module):
-    """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1; DC's
-    gym/models/decision_convformer.py#L43, the code's LSDC.py#L20): three static causal depthwise
-    filters of window L_w, one per token type (R, s, a), each token taking its type's (no softmax,
-    GLU or projection). LSDC's short-term branch (Sec. 4.4, D.3)."""
-
-    def __init__(self, dim, window, n_types):
-        super().__init__()
-        self.w, self.n_types = window, n_types
-        bound = 1 / math.sqrt(window)  # nn.Conv1d's default init, depthwise: fan_in = window
-        self.weight = nn.Parameter(torch.empty(n_types, dim, window).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(n_types, dim).uniform_(-bound, bound))
-
-    def forward(self, x, real):
-        B, L, C = x.shape  # x: (B, L, D_c); real: (B, L) bool
-        x = x * real[..., None]  # padding tokens as the zeros DC pads with (departure 8)
-
-        win = F.pad(x, (0, 0, self.w - 1, 0)).unfold(1, self.w, 1)  # (B, L, D_c, w) x[i-w+1..i]
-        types = torch.arange(L, device=x.device) % self.n_types  # (L,) 0 = R, 1 = s, 2 = a
-        y = torch.einsum("blcw,lcw->blc", win, self.weight[types])  # (B, L, D_c)
-        return y + self.bias[types]
-
-
-def long_term_branch(cfg, dim):
-    """Attention on dim channels; DropKey's under cfg.dropkey (B.8, Table 6)."""
-    if cfg.dropkey:
-        return DropKeyAttention(dim, cfg.n_head, cfg.dropkey)
-    return CausalSelfAttention(dim, cfg.n_head, cfg.attn_dropout)
-
-
-def short_term_branch(cfg, dim):
-    """DynamicConv on dim channels; DC's filters under cfg.conv == 'dc' (LSDC, Sec. 4.4), one per
-    token type: (R, s) and a_t where there are action tokens."""
-    if cfg.conv == "dc":
-        return DCConv(dim, cfg.kernel, n_types=2 + cfg.action_tokens)
-    return DynamicConv(dim, cfg.kernel, cfg.conv_dropout)
-
-
-class NoBranch(nn.Module):
-    """The branch xi = 0 or 1 leaves no channels: its empty slice (B, L, 0) passes through."""
-
-    def forward(self, x, *context):
-        return x
-
-
 class HybridFusion(nn.Module):
     """The Hybrid Fusion Module (App. B.3, Eqs. 2-4): Y_o = softmax(MLP(Y)) * Y, MLP W -> W/2 -> W,
     on Y = concat(Y_att, Y_conv) (B, L, W)."""
@@ -281,22 +218,6 @@ class HybridFusion(nn.Module):
         return a * y  # (B, L, D) Y_o, Eq. 4
 
 
-class BranchWeights(HybridFusion):
-    """LSDT-weight's "modified version of our HFM module" (B.10, no equations): HFM's MLP on the
-    2D-wide concat, a softmax over the two branches a token and channel:
-    Y = A_att * Y_att + A_conv * Y_conv (B, L, D)."""
-
-    def forward(self, y):
-        z = self.mlp(y)  # (B, L, 2D)
-        a = z.view(*z.shape[:-1], 2, -1).softmax(-2)  # (B, L, 2, D) A over {att, conv}
-        if self.keep:
-            self.weights = a[..., 0, :].detach()  # (B, L, D) A_att; A_conv = 1 - A_att
-        y_att, y_conv = y.chunk(2, dim=-1)  # 2 x (B, L, D)
-        return a[..., 0, :] * y_att + a[..., 1, :] * y_conv  # (B, L, D)
-
-
-# --routing (App. B.10): what each branch reads of X (B, L, D), and the widths D_a, D_c it gives
-
 class Split(nn.Module):
     """LSDT (Sec. 3.2.1): X_1 = X[..., :D_a] to attention, X_2 = X[..., D_a:] to the conv."""
 
@@ -312,34 +233,11 @@ class Split(nn.Module):
         return x.split(self.sizes, dim=-1)  # (B, L, D_a), (B, L, D_c)
 
 
-class ResidualSplit(Split):
-    """LSDT-res: "two separate linear projections with residual connections" (no equations):
-    X_1 + W_r1 X_1, X_2 + W_r2 X_2, on the split's parts."""
+class NoBranch(nn.Module):
+    """The branch xi = 0 or 1 leaves no channels: its empty slice (B, L, 0) passes through."""
 
-    def __init__(self, da, dc):
-        super().__init__(da, dc)
-        self.res_attn, self.res_conv = (nn.Linear(d, d) if d else NoBranch() for d in (da, dc))
-
-    def forward(self, x):
-        x1, x2 = super().forward(x)  # (B, L, D_a), (B, L, D_c)
-        return x1 + self.res_attn(x1), x2 + self.res_conv(x2)
-
-
-class Shared(nn.Module):
-    """LSDT-weight: "the full embedding is fed into both branches instead of a subset"."""
-
-    def __init__(self, da, dc):
-        super().__init__()
-
-    @staticmethod
-    def widths(D, conv_dim):
-        return D, D
-
-    def forward(self, x):
-        return x, x  # 2 x (B, L, D)
-
-
-ROUTES = {"split": Split, "res": ResidualSplit, "weight": Shared}
+    def forward(self, x, *context):
+        return x
 
 
 class LongShortMixer(nn.Module):
@@ -354,11 +252,7 @@ class LongShortMixer(nn.Module):
         self.conv = short_term_branch(cfg, self.dc) if self.dc else NoBranch()
         self.route = route(self.da, self.dc)
 
-        # HFM only where both branches are, as the code (#L186-L208; departure 4); LSDT-weight:
-        # its "modified HFM"
-        self.fuse = (BranchWeights(2 * D) if cfg.routing == "weight" else
-                     HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else
-                     nn.Identity())
+        self.fuse = fusion(cfg, self.da, self.dc)  # HFM (B.3), none, or LSDT-weight's (B.10)
         self.c_proj = nn.Linear(D, D)  # W_O
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -368,19 +262,6 @@ class LongShortMixer(nn.Module):
         y_conv = self.conv(x2, real)  # (B, L, D_c) the short-term branch
         y = self.fuse(torch.cat([y_att, y_conv], dim=-1))  # (B, L, D) HFM, Eqs. 2-4, or concat
         return self.resid_drop(self.c_proj(y))  # (B, L, D) W_O
-
-
-class ConvMixer(nn.Module):
-    """Decision Convformer's token mixer: the conv alone, with neither W_O nor dropout (DC's
-    decision_convformer.py#L101-L102)."""
-
-    def __init__(self, cfg, conv_dim):
-        super().__init__()
-        self.da, self.dc = 0, conv_dim
-        self.conv = short_term_branch(cfg, conv_dim)
-
-    def forward(self, x, attn_mask, real):
-        return self.conv(x, real)  # (B, L, D)
 
 
 class Block(nn.Module):
@@ -403,29 +284,12 @@ class Block(nn.Module):
         return self.ln_2(x + self.mlp(x))
 
 
-class PreLNBlock(Block):
-    """'pre', the paper's Figure 1 (dt.py's GPT-2 block, DC): x + mixer(LN(x)), x + MLP(LN(x))."""
-
-    def forward(self, x, attn_mask, real):
-        x = x + self.mixer(self.ln_1(x), attn_mask, real)
-        return x + self.mlp(self.ln_2(x))
-
-
 def xavier_init(model):
     """LSDT: Xavier-uniform weights and zero biases, every Linear and Embedding (#L312-L321)."""
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.xavier_uniform_(m.weight)
         if isinstance(m, nn.Linear):
-            nn.init.zeros_(m.bias)
-
-
-def gpt2_block_init(model):
-    """DC: GPT-2's N(0, 0.02) and zero biases in the blocks' Linears alone, PyTorch's defaults
-    elsewhere (DC's decision_convformer.py#L123-L130, applied at #L145)."""
-    for m in model.blocks.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
             nn.init.zeros_(m.bias)
 
 
@@ -485,6 +349,156 @@ class LSDT(nn.Module):
         for m in self.modules():
             if hasattr(m, "keep"):
                 m.keep = on
+
+
+# ---- the appendix's variants: DropKey (B.8), the routings (B.10), Decision Convformer ----
+# and the chooser of each branch, fusion and routing that LongShortMixer calls
+
+# B.8: DropKey in the long-term branch
+
+class DropKeyAttention(CausalSelfAttention):
+    """B.8, DropKey (Li et al. 2022; departure 6): in training, each logit set to -inf with
+    probability p, never a token's own; it replaces the dropout on P V."""
+
+    def __init__(self, dim, n_head, p):
+        super().__init__(dim, n_head, attn_dropout=0.0)
+        self.p = p
+
+    def attend(self, q, k, v, attn_mask):
+        if not self.training:
+            return super().attend(q, k, v, attn_mask)
+        att = self.logits(q, k, attn_mask)  # (B, nh, L, L)
+        drop = torch.rand(att.shape, device=att.device) < self.p
+        own = torch.eye(att.shape[-1], dtype=torch.bool, device=att.device)
+        return self.weigh(att.masked_fill(drop & ~own, float("-inf")), v)  # (B, nh, L, hs)
+
+
+def long_term_branch(cfg, dim):
+    """Attention on dim channels; DropKey's under cfg.dropkey (B.8, Table 6)."""
+    if cfg.dropkey:
+        return DropKeyAttention(dim, cfg.n_head, cfg.dropkey)
+    return CausalSelfAttention(dim, cfg.n_head, cfg.attn_dropout)
+
+
+# B.10: --routing, what each branch reads of X (B, L, D) and the widths D_a, D_c it gives, and
+# LSDT-weight's fusion
+
+class ResidualSplit(Split):
+    """LSDT-res: "two separate linear projections with residual connections" (no equations):
+    X_1 + W_r1 X_1, X_2 + W_r2 X_2, on the split's parts."""
+
+    def __init__(self, da, dc):
+        super().__init__(da, dc)
+        self.res_attn, self.res_conv = (nn.Linear(d, d) if d else NoBranch() for d in (da, dc))
+
+    def forward(self, x):
+        x1, x2 = super().forward(x)  # (B, L, D_a), (B, L, D_c)
+        return x1 + self.res_attn(x1), x2 + self.res_conv(x2)
+
+
+class Shared(nn.Module):
+    """LSDT-weight: "the full embedding is fed into both branches instead of a subset"."""
+
+    def __init__(self, da, dc):
+        super().__init__()
+
+    @staticmethod
+    def widths(D, conv_dim):
+        return D, D
+
+    def forward(self, x):
+        return x, x  # 2 x (B, L, D)
+
+
+ROUTES = {"split": Split, "res": ResidualSplit, "weight": Shared}
+
+
+class BranchWeights(HybridFusion):
+    """LSDT-weight's "modified version of our HFM module" (B.10, no equations): HFM's MLP on the
+    2D-wide concat, a softmax over the two branches a token and channel:
+    Y = A_att * Y_att + A_conv * Y_conv (B, L, D)."""
+
+    def forward(self, y):
+        z = self.mlp(y)  # (B, L, 2D)
+        a = z.view(*z.shape[:-1], 2, -1).softmax(-2)  # (B, L, 2, D) A over {att, conv}
+        if self.keep:
+            self.weights = a[..., 0, :].detach()  # (B, L, D) A_att; A_conv = 1 - A_att
+        y_att, y_conv = y.chunk(2, dim=-1)  # 2 x (B, L, D)
+        return a[..., 0, :] * y_att + a[..., 1, :] * y_conv  # (B, L, D)
+
+
+def fusion(cfg, da, dc):
+    """Y's fusion: HFM (B.3) only where both branches are, as the code (#L186-L208; departure 4);
+    --fusion concat: none (Fig. 10); LSDT-weight: its "modified HFM" (B.10)."""
+    if cfg.routing == "weight":
+        return BranchWeights(2 * cfg.n_embd)
+    if da and dc and cfg.fusion == "hfm":
+        return HybridFusion(cfg.n_embd)
+    return nn.Identity()
+
+
+# Decision Convformer (DC, DC_h, LSDC's short-term branch; Table 12): its static filters, its
+# conv-only mixer, pre-LN blocks (also the paper's Figure 1, --norm pre) and its init
+
+class DCConv(nn.Module):
+    """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1; DC's
+    gym/models/decision_convformer.py#L43, the code's LSDC.py#L20): three static causal depthwise
+    filters of window L_w, one per token type (R, s, a), each token taking its type's (no softmax,
+    GLU or projection). LSDC's short-term branch (Sec. 4.4, D.3)."""
+
+    def __init__(self, dim, window, n_types):
+        super().__init__()
+        self.w, self.n_types = window, n_types
+        bound = 1 / math.sqrt(window)  # nn.Conv1d's default init, depthwise: fan_in = window
+        self.weight = nn.Parameter(torch.empty(n_types, dim, window).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(n_types, dim).uniform_(-bound, bound))
+
+    def forward(self, x, real):
+        B, L, C = x.shape  # x: (B, L, D_c); real: (B, L) bool
+        x = x * real[..., None]  # padding tokens as the zeros DC pads with (departure 8)
+
+        win = F.pad(x, (0, 0, self.w - 1, 0)).unfold(1, self.w, 1)  # (B, L, D_c, w) x[i-w+1..i]
+        types = torch.arange(L, device=x.device) % self.n_types  # (L,) 0 = R, 1 = s, 2 = a
+        y = torch.einsum("blcw,lcw->blc", win, self.weight[types])  # (B, L, D_c)
+        return y + self.bias[types]
+
+
+def short_term_branch(cfg, dim):
+    """DynamicConv on dim channels; DC's filters under cfg.conv == 'dc' (LSDC, Sec. 4.4), one per
+    token type: (R, s) and a_t where there are action tokens."""
+    if cfg.conv == "dc":
+        return DCConv(dim, cfg.kernel, n_types=2 + cfg.action_tokens)
+    return DynamicConv(dim, cfg.kernel, cfg.conv_dropout)
+
+
+class ConvMixer(nn.Module):
+    """Decision Convformer's token mixer: the conv alone, with neither W_O nor dropout (DC's
+    decision_convformer.py#L101-L102)."""
+
+    def __init__(self, cfg, conv_dim):
+        super().__init__()
+        self.da, self.dc = 0, conv_dim
+        self.conv = short_term_branch(cfg, conv_dim)
+
+    def forward(self, x, attn_mask, real):
+        return self.conv(x, real)  # (B, L, D)
+
+
+class PreLNBlock(Block):
+    """'pre', the paper's Figure 1 (dt.py's GPT-2 block, DC): x + mixer(LN(x)), x + MLP(LN(x))."""
+
+    def forward(self, x, attn_mask, real):
+        x = x + self.mixer(self.ln_1(x), attn_mask, real)
+        return x + self.mlp(self.ln_2(x))
+
+
+def gpt2_block_init(model):
+    """DC: GPT-2's N(0, 0.02) and zero biases in the blocks' Linears alone, PyTorch's defaults
+    elsewhere (DC's decision_convformer.py#L123-L130, applied at #L145)."""
+    for m in model.blocks.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(m.bias)
 
 # <<< model: end
 

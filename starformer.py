@@ -53,7 +53,8 @@ Glossary (paper symbol -> code name, shape; B and mask as in dt.py):
 
 Layout: as dt.py's.
 
-Departures from the paper and the official code (paths at the commit above; run_star_atari.py and
+Departures from the paper and the official code (the detail at the line that says "departure N";
+paths at the commit above; run_star_atari.py and
 utils.py are atari_and_dmc/'s; a bare #Lnn is a line of the file named last in its item, else of
 atari_and_dmc/starformer.py):
  1. Gym: lr 1e-4, decay 1e-4, 10k warmup (gym/experiment.py#L365-L367) and clip 0.25
@@ -69,9 +70,8 @@ atari_and_dmc/starformer.py):
     consequence of the target a_t (gym/experiment.py#L184), and evaluates on r_{t-1}
     (gym/evaluation/evaluate_episodes.py#L133).
  6. e^temporal counts from a window's first real step and padding is masked out of the Sequence
-    attention, so a left-padded window gives what the unpadded one gives; the code indexes
-    e^temporal by window slot (#L115), and the gym code ignores the attention_mask it is given
-    (gym/models/starformer.py#L345).
+    attention; the code indexes e^temporal by window slot (#L115), and the gym code ignores the
+    attention_mask it is given (gym/models/starformer.py#L345).
  7. The causal mask leaves out the code's loop mask[i, i-1] = 1 (#L153-L154): besides no-ops it
     only sets mask[0, -1], in a g row that is dropped.
  8. g^l = LN(FC(LN(Z_t^l))) + e_t with the code's LayerNorms (#L173-L174, #L158-L161), where the
@@ -87,13 +87,10 @@ atari_and_dmc/starformer.py):
     keeps PyTorch's defaults for Conv2d and the Atari action Embedding, N(0, 1) (#L277-L284).
 13. Atari rewards enter as the data holds them in training (DQN-replay's are clipped to [-1, 1])
     and raw in evaluation; the official Atari code clamps training rewards to [0, 1]
-    (run_star_atari.py#L390), erasing Pong's and Boxing's -1, and feeds raw rewards in
-    evaluation (#L229).
+    (run_star_atari.py#L390), erasing Pong's and Boxing's -1.
 14. --reward-input rtg is the true R_t in group t, in training and evaluation, with a target
-    (Breakout 90); Table 2's "SF RTG" row is the official code's clamp(R_t, 0, 1)
-    (run_star_atari.py#L390), summed one step into the next episode (utils.py#L195-L198, an
-    off-by-one), fed one step late in training (group t gets R_{t-1}: run_star_atari.py#L139)
-    but not in evaluation (#L211, #L249), prompted with 0 (#L175): a variant no flag here gives.
+    (Breakout 90); Table 2's "SF RTG" row is the official code's clamped, shifted R_t, a variant
+    that no flag here gives.
 15. Atari: the window sampler and the evaluation frames are data.py's and evaluate.py's, which say
     how they differ from DT's official code (StARformer's copies: run_star_atari.py#L378-L393,
     #L261-L330).
@@ -113,7 +110,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 
 @dataclass
 class StARConfig:
@@ -192,20 +188,6 @@ class Interleave:
         return y[:, 1::2]  # (B, 2T, D) -> (B, T, D)
 
 
-class Fuse:
-    """Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): the Sequence Transformer reads
-    h^{l-1} + g^l, T tokens, g^l with its e_t (departure 10)."""
-    n = 1
-
-    @staticmethod
-    def join(g, h):
-        return h + g  # (B, T, D)
-
-    @staticmethod
-    def split(y):
-        return y  # (B, T, D)
-
-
 class StepSeqLayer(nn.Module):
     """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a; the code's
     #L138-L186); tokens: how g^l meets h^{l-1} (Interleave or Fuse). project=False: a Step layer
@@ -259,19 +241,6 @@ class NatureCNN(nn.Module):
         # channels-last: the same values, faster convolutions
         x = frames.reshape(B * T, *frames.shape[2:]).contiguous(memory_format=torch.channels_last)
         return self.fc(self.conv(x)).reshape(B, T, -1)  # (B, T, D)
-
-
-class PatchState(nn.Module):
-    """Table 3 "conv -> ViT": h^0 from a second patch embedding, not the Step Transformer's (Sec.
-    5.4); as the code's 'vit' (#L83-L89): each patch FC to d, all flattened, FC to D, Tanh."""
-
-    def __init__(self, patch_dim, n_state, d, D):
-        super().__init__()
-        self.embed = nn.Linear(patch_dim, d)
-        self.fc = nn.Sequential(nn.Linear(n_state * d, D), nn.Tanh())
-
-    def forward(self, patches):
-        return self.fc(self.embed(patches).flatten(2))  # (B, T, n_state, patch_dim) -> (B, T, D)
 
 
 NULL_ACTION = -10.0  # Gym's null action a_0 in every dimension, following DT (A.2)
@@ -393,7 +362,8 @@ class StARformer(nn.Module):
         if self.image:
             states = states.float() / 255.0  # uint8 frames -> [0, 1], as the code
         real = mask > 0  # (B, T)
-        # e^temporal counts from the first real step (the paper's tau starts at s_1; departure 6)
+        # e^temporal counts from the first real step (the paper's tau starts at s_1; departure 6),
+        # so a left-padded window gives what the unpadded one gives
         pos = (real.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
         e_temp = self.e_temporal[pos]  # (B, T, D)
 
@@ -404,7 +374,12 @@ class StARformer(nn.Module):
             prev_a = torch.full_like(prev_a, self.null_action)
         tokens = [self.embed_action(prev_a).unsqueeze(2)]  # (B, T, 1, d)
         if self.reward_token:
-            # r as the data holds it (departure 13); Table 2's R_t (departure 14)
+            # r as the data holds it (departure 13: the official Atari code clamps training
+            # rewards to [0, 1] and feeds raw ones in evaluation, run_star_atari.py#L229); Table 2's
+            # R_t (departure 14). The official code's "SF RTG" is clamp(R_t, 0, 1)
+            # (run_star_atari.py#L390), summed one step into the next episode (utils.py#L195-L198,
+            # an off-by-one), fed one step late in training (group t gets R_{t-1}, #L139) but not
+            # in evaluation (#L211, #L249), prompted with 0 (#L175)
             r = rtg if self.reward_input == "rtg" else prev_r
             tokens.append(self.embed_reward(self.reward_scale * r).unsqueeze(2))  # (B, T, 1, d)
 
@@ -458,6 +433,36 @@ class StARformer(nn.Module):
         params = list(self.parameters())
         return [{"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
                 {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
+
+
+# ---- Tables 3-4's variants: g^l summed into h^{l-1} (Table 4 "Fusion", Table 3 "w/o conv"),
+# and h^0 from a second patch embedding (Table 3 "conv -> ViT") ----
+
+class Fuse:
+    """Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): the Sequence Transformer reads
+    h^{l-1} + g^l, T tokens, g^l with its e_t (departure 10)."""
+    n = 1
+
+    @staticmethod
+    def join(g, h):
+        return h + g  # (B, T, D)
+
+    @staticmethod
+    def split(y):
+        return y  # (B, T, D)
+
+
+class PatchState(nn.Module):
+    """Table 3 "conv -> ViT": h^0 from a second patch embedding, not the Step Transformer's (Sec.
+    5.4); as the code's 'vit' (#L83-L89): each patch FC to d, all flattened, FC to D, Tanh."""
+
+    def __init__(self, patch_dim, n_state, d, D):
+        super().__init__()
+        self.embed = nn.Linear(patch_dim, d)
+        self.fc = nn.Sequential(nn.Linear(n_state * d, D), nn.Tanh())
+
+    def forward(self, patches):
+        return self.fc(self.embed(patches).flatten(2))  # (B, T, n_state, patch_dim) -> (B, T, D)
 
 # <<< model: end
 

@@ -93,6 +93,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 @dataclass
 class DeMaConfig:
     """The model's settings, hopper-medium's (D.1; build_model fills it from Config)."""

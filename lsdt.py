@@ -89,6 +89,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 @dataclass
 class LSDTConfig:
     """The model's settings, the paper's defaults (Table 13; build_model fills it from Config)."""

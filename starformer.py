@@ -111,6 +111,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 @dataclass
 class StARConfig:
     """The model's settings: Table 6's sizes, the method's choices (build_model: from Config)."""

@@ -352,8 +352,8 @@ class LSDT(nn.Module):
                 m.keep = on
 
 
-# ---- the appendix's variants: DropKey (B.8), the routings (B.10), Decision Convformer ----
-# and the chooser of each branch, fusion and routing that LongShortMixer calls
+# ---- the appendix's variants: DropKey (B.8), the routings (B.10), Decision Convformer (DC) ----
+# with the functions by which LongShortMixer chooses its branches and fusion
 
 # B.8: DropKey in the long-term branch
 

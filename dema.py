@@ -29,6 +29,9 @@ Config: K context, E n_embd, D d_model, N d_state, W d_conv):
     alpha    hidden attention (Sec. 3.3)                 Mamba.hidden_attention (b, di, L, L)
     a_{t-1}  the previous action                         previous_actions() (b, K, act_dim)
 
+Layout: as dt.py's, the model block top-down: DeMa and its tokens, its two blocks, the S6 layer
+(Mamba, S6), RMSNorm, and the selective scans last.
+
 Official code ("the code"; paths cited bare are its, at e2aed7e): AndssY/dema, branch main (the
 hidden attention: branch attention, 05bd941), https://github.com/AndssY/dema/tree/e2aed7e1a3893bbf0ff651388659f0927c88d365
 It vendors state-spaces/mamba@12d8550 as mamba/,
@@ -37,42 +40,31 @@ changing one line: MixerModel's embedding is nn.Linear(vocab_size, d_model) (DeM
 nn.Embedding (mamba/mamba_ssm/models/mixer_seq_simple.py#L105); the attention branch adds hooks
 returning the hidden attention.
 
-Departures from the paper and the official code:
+Departures from the paper and the official code (the detail at the line that says "departure N"):
  1. Plain PyTorch scan, causal conv and RMSNorm instead of mamba's CUDA and Triton kernels (CPU
     too; equal to float tolerance).
  2. Left padding is inert (zero conv input, Delta = 0: a padded window's outputs are the shorter
     window's); the code's pads enter the state (--no-pad-mask: data.py's zeros, not its raw-zero
     states, actions -10 and start-anchored windows, gym/experiment.py#L217-L237).
  3. Training reads (R_t, a_{t-1}, s_t) -> a_t over all K steps, as evaluation does; the code trains
-    on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps and evaluates on R_t, on MuJoCo
-    (gym/decision_transformer/models/ssm.py#L109-L116) and on Atari
-    (atari/models/mamba.py#L192-L199) alike (--rtg-shift: its way, for both).
+    on (R_{t-1}, a_{t-1}, s_t) over a window's last K-1 steps and evaluates on R_t, on MuJoCo and
+    Atari alike (--rtg-shift: its way, for both).
  4. MuJoCo warmup: 10k steps, the code's (gym/experiment.py#L608; Table 8 says 1e5).
- 5. Atari: the code's E=128 and N=128 (atari/configs/config.py#L6-L8; Table 9: 256, 64), the only
-    sizes that give Table 7's 1.7M parameters, and its cosine's end (atari/run_atari.py#L169);
-    Table 9's batch 128, lr 6e-4, weight decay 0.1, clip 1 and 512 x 20 warmup tokens (DT's:
-    kzl/decision-transformer@e2d82e6 atari/run_dt_atari.py#L86), where the code's Mamba path has
-    8, 1e-4, 1e-4, 0.8 and 3000 x 32 (run_atari.py#L235-L252).
+ 5. Atari: the code's E=128 and N=128 (Table 9: 256, 64), the only sizes that give Table 7's 1.7M
+    parameters, and its cosine's end; Table 9's batch, lr, weight decay, clip and warmup, where the
+    code's Mamba path has others.
  6. The code's unused predict_state / predict_return heads (780 parameters at hopper) are dropped.
  7. "DeMa with post." (--residual post) swaps the block inside DeMa (its tokens, E -> D and final
     RMSNorm stay), as Fig. 1 draws it; the code's is DT's GPT with S6 for attention (DT's tokens,
     LayerNorm, no E -> D; gym/decision_transformer/models/trajectory_gpt2.py#L450-L451).
- 8. RNN-like DeMa (Tables 10-12) trains on trajectories cut to --rnn-max-len 1000 steps, drawn in
-    proportion to length (gym/experiment.py#L254), left-padded under the inert pad mask (the code
-    right-pads: the same for a causal model). Its Atari code packs whole trajectories by cu_seqlens
-    for an unreleased kernel (App. C) that the vendored MixerModel.forward does not take
-    (mixer_seq_simple.py#L151), and feeds a_t, not a_{t-1}, beside s_t
-    (atari/models/mamba.py#L195-L198). Atari here: Table 10's batch 8, lr 1e-4, 200 updates a
-    batch, on the transformer's 39,060-step cosine (Frostbite's 50 epochs: --steps); evaluation
-    from a_{-1} = 0 with the full softmax, the code's from a random a_{-1}
-    (atari/mingpt/trainer_atari.py#L342) with top-3 sampling (#L364).
+ 8. RNN-like DeMa (Tables 10-12) trains on trajectories cut to --rnn-max-len 1000 steps, left-padded
+    under the inert pad mask; the code's Atari path needs an unreleased kernel and feeds a_t beside
+    s_t. Atari here: Table 10's settings; evaluation from a_{-1} = 0 with the full softmax.
  9. Hidden attention (Fig. 4): Eq. 5 exactly (softplus, fp32, vectorised), not Eq. 6's ReLU
     approximation; the attention branch computes the same sum in a triple loop in fp16.
 10. MuJoCo evaluation: DT's two targets, the last evaluation the result; the code conditions on
-    four (hopper: 3600, 7200, 36000, 72000; gym/experiment.py#L128) and keeps each one's best over
-    its 10 evaluations (#L489-L493). Atari: Table 9's one target per game; the code evaluates three
-    (Breakout 90, 150, 180; Pong and Gopher one; trainer_atari.py#L266) and prints
-    each; Asterix's 700 is not among its 900, 1000, 1100.
+    four and keeps each one's best over its 10 evaluations. Atari: Table 9's one target per game;
+    the code evaluates up to three.
 11. Mazes: the paper's maze code is unreleased; Tables 14-15's settings here, and --preset cpu
     drops a_{t-1} (the data's actions are noisy: a_{t-1} is copied rather than used).
 12. Atari: data.py's window sampler and evaluate.py's frames, which say how they differ from DT's
@@ -92,92 +84,6 @@ import numpy as np
 import data as data_lib
 import evaluate as ev
 
-
-def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
-    return field(default=default, metadata={"help": help, "run": run})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Table 8, D.1: hopper-medium; else paper_values) ----
-    steps: int = arg(100_000, "gradient steps", run=True)  # the code: 10 iterations x 10k
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 13)")
-    batch_size: int = arg(64, "windows (rnn mode: whole trajectories) per batch")
-    context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
-    lr: float = arg(1e-4, "AdamW learning rate (per dataset: D.1)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay (Atari: of the weights only)")
-    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
-    warmup_steps: int = arg(10_000, "linear warmup, then constant (departure 4)")
-    lr_decay_steps: int = arg(0, "0: constant after the warmup; N: the code's Atari cosine")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    n_embd: int = arg(256, "E, token-embedding width (D.1)")
-    d_model: int = arg(64, "D, Mamba's residual width (D.1)")
-    n_layer: int = arg(3, "Mamba blocks")
-    d_state: int = arg(64, "N, SSM state size per channel")
-    d_conv: int = arg(4, "W, width of the causal depthwise convolution")
-    expand: int = arg(2, "d_inner = expand * D")
-    dropout: float = arg(0.0, "on the tokens (Atari: 0.1) and after the post block's MLP")
-    mode: str = arg("transformer", "transformer: K-step windows (the method) | rnn (Sec. 3.2)")
-    token_layout: str = arg("b3ld", "b3ld: R_t, a_{t-1}, s_t, 3 tokens a step | bl3d: 1 (Sec. 4.1)")
-    residual: str = arg("pre", "pre: Mamba's block (the method) | post: S6 in a transformer's")
-    prev_action: bool = arg(True, "a_{t-1} in each step; --no-prev-action: the null a_{-1} = 0")
-    timestep_embedding: bool = arg(False, "add DT's timestep embedding to every token (Table 17)")
-    rtg_shift: bool = arg(False, "train on the code's (R_{t-1}, a_{t-1}, s_t) -> a_t (departure 3)")
-    pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: it enters the state (dep. 2)")
-    inner_it: int = arg(1, "updates on each drawn batch (Table 10, RNN-like on Atari: 200)")
-    rnn_max_len: int = arg(1000, "rnn mode: trajectories cut to their first N steps")
-    # the code's MuJoCo evaluation
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
-                          run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
-    greedy: bool = arg(False, "Atari: the likeliest action, not the code's softmax draw", run=True)
-    scan: str = arg("auto", "auto (CPU: sequential, CUDA: parallel) | sequential | parallel",
-                    run=True)
-    scan_chunk: int = arg(0, "N > 0: the backward recomputes the loop in N-token chunks", run=True)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", run=True)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
-
-    # ---- this file's analyses ----
-    attention: bool = arg(False, "Fig. 4: the hidden attention along an episode", run=True)
-    s6_ablation: str = arg("", "Fig. 5: --s6-layers' S6 zero|random|swap, evaluated", run=True)
-    s6_layers: str = arg("all", "--s6-ablation's layers: all, or 0-based indices (0,2)", run=True)
-    s6_donor: str = arg("", "swap: another DeMa's run folder or ckpt.pt (same sizes)", run=True)
-    bench_scan: bool = arg(False, "time the two scans (forward + backward)", run=True)
-    params: bool = arg(False, "parameter counts at the paper's settings (Table 7)", run=True)
-
-
-# Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
-# 512 x 20 warmup tokens are 3 steps of 128 x 30; the code's cosine ends at 2 len(data) 3K
-# tokens (trainer_atari.py#L216).
-ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4,
-             beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3,
-             lr_decay_steps=23_432, steps=39_060, eval_every=3906, eval_episodes=10)
-# --preset cpu: dt.py's budget; mazes: dt.py's setting; Atari: dt.py's windows, a cosine stopped
-# where the return stops rising (README); --mode rnn: less memory (RESULTS.md)
-ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
-                 warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
-                 eval_episodes=10)
-PRESETS = {"": dict(atari=ATARI),
-           "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64,
-                       lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
-                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50),
-                       atari={**ATARI_CPU, "mode=rnn": dict(rnn_max_len=100, batch_size=4)})}
 
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
@@ -207,142 +113,187 @@ class DeMaConfig:
     scan_chunk: int = 0  # N > 0: the sequential scan's backward recomputes N-token chunks
 
 
-def fp32(t):
-    """Upcast to float32 (float64 stays, for the tests)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+class DeMa(nn.Module):
+    """Tokens (B3LD or BL3D, Sec. 4.1), Linear E (3E) -> D, the blocks, RMSNorm,
+    a_t = tanh(Linear(s_t's output)); no LayerNorm on the embeddings (ssm.py#L30); Atari (Sec. 5;
+    mamba.py#L76): logits. cfg: a DeMaConfig."""
 
-
-# The selective scan (S6, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), as mamba's selective_scan_ref
-# (mamba@12d8550 mamba_ssm/ops/selective_scan_interface.py#L91), on u, delta, z (b, di, L),
-# A (di, N), B, C (b, N, L), D, delta_bias (di,):
-#   h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t (A_bar by ZOH, B_bar by Euler as mamba's kernel)
-#   y_t = (<C_t, h_t> + D u_t) silu(z_t);  h_0 = 0
-# In fp32, the output cast back to u's dtype: under --amp only the projections and the convolution
-# run in bf16.
-
-def _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus):
-    u, delta, A, B, C = (fp32(t) for t in (u, delta, A, B, C))
-    if delta_bias is not None:
-        delta = delta + delta_bias.to(delta.dtype)[:, None]  # (b, di, L)
-    if delta_softplus:
-        delta = F.softplus(delta)  # threshold 20, as the CUDA kernel
-    return u, delta, A, B, C
-
-
-def _scan_finish(y, u, D, z, dtype_in):
-    if D is not None:
-        y = y + u * D.to(y.dtype)[:, None]  # skip connection D u
-    if z is not None:
-        y = y * F.silu(z.to(y.dtype))  # gate
-    return y.to(dtype_in)
-
-
-def _scan_loop(h, delta, du, A, B, C):
-    """Eq. (5) from the state h (b, di, N) -> (y (b, di, L), the last h)."""
-    ys = []
-    # unbind: [..., t] would make autograd allocate a zero tensor per slice
-    for delta_t, du_t, B_t, C_t in zip(delta.unbind(-1), du.unbind(-1), B.unbind(-1), C.unbind(-1)):
-        A_bar = torch.exp(delta_t[:, :, None] * A)  # (b, di, N)  exp(Delta_t A)
-        h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)  # h_t = A_bar h + B_bar u_t
-        ys.append((h * C_t[:, None, :]).sum(-1))  # (b, di)  y_t = <C_t, h_t>
-    return torch.stack(ys, dim=-1), h  # (b, di, L), (b, di, N)
-
-
-def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                              delta_softplus=False, chunk=0):
-    """The reference loop; autograd keeps ~2 states a token, or with chunk > 0 L / chunk + ~2
-    chunk, each chunk recomputed in the backward (exact)."""
-    dtype_in = u.dtype
-    u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
-    batch, d_inner, L = u.shape
-    h = u.new_zeros(batch, d_inner, A.shape[1])  # (b, di, N), h_0 = 0
-    du = delta * u  # (b, di, L)
-
-    step = chunk if chunk and torch.is_grad_enabled() else L
-    ys = []
-    for s in range(0, L, step):
-        args = (h, delta[..., s:s + step], du[..., s:s + step], A, B[..., s:s + step],
-                C[..., s:s + step])
-        y, h = (torch.utils.checkpoint.checkpoint(_scan_loop, *args, use_reentrant=False)
-                if step < L else _scan_loop(*args))
-        ys.append(y)
-    return _scan_finish(torch.cat(ys, dim=-1), u, D, z, dtype_in)
-
-
-def _hillis_steele(a, b):
-    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, in ceil(log2 L) rounds of
-    the kernel's operator (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
-    (mamba@12d8550 csrc/selective_scan/selective_scan_common.h#L111)."""
-    a, b = a.clone(), b.clone()
-    L, s = a.shape[2], 1
-
-    while s < L:
-        b[:, :, s:] += a[:, :, s:] * b[:, :, :-s]  # the right side is evaluated first
-        a[:, :, s:] *= a[:, :, :-s].clone()  # clone: the slices overlap in memory
-        s *= 2
-    return b
-
-
-class _LinearScan(torch.autograd.Function):
-    """h = scan(a, b); the backward is a reverse scan with the same operator:
-    g_t = dLoss/dh_t = gh_t + a_{t+1} g_{t+1}; dLoss/db_t = g_t; dLoss/da_t = g_t h_{t-1}."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        h = _hillis_steele(a, b)
-        ctx.save_for_backward(a, h)
-        return h
-
-    @staticmethod
-    def backward(ctx, gh):
-        a, h = ctx.saved_tensors
-        # a_{t+1} (1 past the end) and h_{t-1} (h_{-1} = 0)
-        a_next = torch.cat([a[:, :, 1:], torch.ones_like(a[:, :, :1])], dim=2)
-        h_prev = torch.cat([torch.zeros_like(h[:, :, :1]), h[:, :, :-1]], dim=2)
-        g = _hillis_steele(a_next.flip(2), gh.flip(2)).flip(2)  # reverse scan
-
-        return g * h_prev, g
-
-
-def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                            delta_softplus=False):
-    """The same recurrence by an associative scan, log2(L) rounds over (b, di, L, N) tensors; exp
-    of non-positive numbers only (never exp(A S_i) exp(-A S_j))."""
-    dtype_in = u.dtype
-    u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
-
-    a = torch.exp(delta[..., None] * A[:, None, :])  # (b, di, L, N)  A_bar_t
-    b = (delta * u)[..., None] * B.transpose(1, 2)[:, None]  # (b, di, L, N)  B_bar_t u_t
-    h = _LinearScan.apply(a, b)  # (b, di, L, N)  all h_t
-    y = (h * C.transpose(1, 2)[:, None]).sum(-1)  # (b, di, L)  y_t = <C_t, h_t>
-    return _scan_finish(y, u, D, z, dtype_in)
-
-
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   scan='auto', chunk=0):
-    # auto: the loop on CPU, faster at DeMa's sizes (--bench-scan)
-    if scan == 'auto':
-        scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
-
-    # autocast off (meta, where train() sizes a step, has none)
-    with torch.autocast("cpu" if u.device.type == "meta" else u.device.type, enabled=False):
-        if scan == 'parallel':
-            return selective_scan_parallel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-        return selective_scan_sequential(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                         chunk)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (the code: mamba's fused one, eps 1e-5, no bias;
-    mamba@12d8550 mamba_ssm/ops/triton/layernorm.py#L481)."""
-
-    def __init__(self, d, eps=1e-5):
+    def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
+        E, D = cfg.n_embd, cfg.d_model
+        self.discrete = discrete
+        self.layout, self.n = LAYOUTS[cfg.token_layout]  # n: tokens per step
+        self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
+        self.prev_action = cfg.prev_action
 
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # Table 17's "DeMa with pos. embed."
+        self.embed_timestep = nn.Embedding(max_ep_len, E) if cfg.timestep_embedding else None
+
+        # token embeddings: Atari's DQN torso and tanh (Table 9's "ReLU (state encoder)"), tanh
+        # after R_t's and a_{t-1}'s too (the code's); MuJoCo: DT's
+        if discrete:
+            self.embed_state = nn.Sequential(
+                nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, E),
+                nn.Tanh())
+            self.embed_return = nn.Sequential(nn.Linear(1, E), nn.Tanh())
+            self.embed_action = nn.Sequential(nn.Embedding(act_dim, E), nn.Tanh())
+        else:
+            self.embed_return = nn.Linear(1, E)
+            self.embed_action = nn.Linear(act_dim, E)
+            self.embed_state = nn.Linear(obs_dim, E)
+        self.drop = nn.Dropout(cfg.dropout)
+
+        # the code's MixerModel (mixer_seq_simple.py#L86; the paper names no norm_f); a token holds
+        # 3 / n of a step's embeddings
+        self.embedding = nn.Linear(3 * E // self.n, D)
+        self.blocks = nn.ModuleList([PostBlock(cfg, gelu=discrete) if cfg.residual == "post" else
+                                     Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = RMSNorm(D)
+        # Atari: the code's logits (mamba.py#L132)
+        self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
+                               nn.Sequential(nn.Linear(D, act_dim), nn.Tanh()))
+
+        # the code's apply(_init_weights) (ssm.py#L96): biases zero but dt_proj's, tables N(0, 0.02)
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
+                nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def tokens(self, states, prev_actions, rtg, timesteps):
+        """forward's states, rtg and timesteps, prev_actions (b, K, act) = a_{t-1} (Atari: (b, K)
+        int64) -> (b, nK, D), fp32."""
+        b, K = states.shape[:2]
+        if not self.prev_action:
+            prev_actions = torch.zeros_like(prev_actions)
+
+        # Atari: the frames / 255 through the torso, the code's order a_{t-1}, R_t, s_t
+        # (mamba.py#L222-L224); MuJoCo: R_t, a_{t-1}, s_t (ssm.py#L134-L136)
+        if self.discrete:
+            frames = states.reshape(b * K, *states.shape[2:])  # (bK, 4, 84, 84)
+            frames = frames.to(self.embedding.weight.dtype) / 255.0
+            # channels-last: faster convolutions on CPU
+            frames = frames.contiguous(memory_format=torch.channels_last)
+            e = [self.embed_action(prev_actions), self.embed_return(rtg),
+                 self.embed_state(frames).view(b, K, -1)]  # 3 x (b, K, E)
+        else:
+            e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]
+        if self.embed_timestep is not None:
+            time = self.embed_timestep(timesteps)  # (b, K, E)
+            e = [x + time for x in e]
+
+        u = self.layout(e)  # (b, nK, 3E / n)
+        # an fp32 residual stream under --amp (the code's too)
+        return fp32(self.embedding(self.drop(u)))
+
+    def token_mask(self, mask):
+        """mask (b, K) -> (b, nK), or None where padding enters the state (--no-pad-mask)."""
+        return mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
+
+    def forward(self, states, actions, rtg, timesteps, mask, prev_action):
+        """Sec. 3.1: a_t from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}. states (b,K,obs), actions
+        (b,K,act), rtg (b,K,1), timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act) ->
+        actions (b,K,act) (Atari: logits (b,K,|A|))."""
+        prev_actions = previous_actions(actions, prev_action)  # (b, K, act)
+        x = self.tokens(states, prev_actions, rtg, timesteps)  # (b, nK, D)
+        tmask = self.token_mask(mask)  # (b, nK)
+
+        for block in self.blocks:
+            x = block(x, tmask, self.scan, self.scan_chunk)
+
+        x = self.ln_f(x)  # (b, nK, D)
+        return self.predict_action(x[:, self.n - 1::self.n])  # from the s_t token (BL3D: each)
+
+    def init_cache(self, batch, device=None, dtype=torch.float32):
+        """Per layer, zero: the last W conv inputs (b, di, W) and the SSM state h (b, di, N)."""
+        return [(torch.zeros(batch, b.mixer.d_inner, b.mixer.d_conv, device=device, dtype=dtype),
+                 torch.zeros(batch, b.mixer.d_inner, b.mixer.d_state, device=device, dtype=dtype))
+                for b in self.blocks]
+
+    def step(self, states, prev_action, rtg, timesteps, cache):
+        """RNN-like DeMa (Sec. 3.2): the current triplet through the layers' states.
+        states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,) -> (actions, cache)."""
+        toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None],
+                           timesteps[:, None])  # (b, n, D)
+
+        cache = list(cache)
+        for x in toks.unbind(1):  # the step's tokens, s_t's last
+            for l, block in enumerate(self.blocks):
+                x, cache[l] = block.step(x, cache[l])
+        return self.predict_action(self.ln_f(x)), cache
+
+    def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
+        """Each layer's hidden attention (Sec. 3.3) on this window."""
+        x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)
+        tmask = self.token_mask(mask)
+
+        attn = []
+        for block in self.blocks:
+            attn.append(block.mixer.hidden_attention(block.norm(x), tmask, last_row))
+            x = block(x, tmask, self.scan)
+        return attn
+
+
+def previous_actions(actions, prev_action):
+    """a_{t-1} at every step (b, K, act); prev_action: the first step's."""
+    return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
+
+
+# Sec. 4.1's token layouts: a step's three embeddings (b, K, E) as 3 tokens or as 1
+
+def b3ld(e):
+    """B3LD: (b, 3K, E), step 0's three tokens, step 1's, ..."""
+    b, K = e[0].shape[:2]
+    return torch.stack(e, dim=2).reshape(b, 3 * K, -1)
+
+
+def bl3d(e):
+    """BL3D: (b, K, 3E), one token per step."""
+    return torch.cat(e, dim=-1)
+
+
+LAYOUTS = {"b3ld": (b3ld, 3), "bl3d": (bl3d, 1)}  # the layout and its tokens per step
+
+
+class Block(nn.Module):
+    """Sec. 4.2, Fig. 1: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the
+    method; mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L297)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model)
+        self.mixer = Mamba(cfg.d_model, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer)
+
+    def forward(self, x, mask=None, scan='auto', chunk=0):
+        return x + self.mixer(self.norm(x), mask, scan, chunk)
+
+    def step(self, x, cache):
+        out, cache = self.mixer.step(self.norm(x), cache)
+        return x + out, cache
+
+
+class PostBlock(nn.Module):
+    """"DeMa with post." (departure 7): x + S6(LN(x)), then x + MLP(LN(x)); ReLU in the MLP (D.1),
+    GELU on Atari as the code's (atari/mingpt/model_atari2.py#L273)."""
+
+    def __init__(self, cfg, gelu=False):
+        super().__init__()
+        D = cfg.d_model
+        self.norm = nn.LayerNorm(D)
+        self.mixer = S6(D, cfg.d_state, cfg.d_conv, cfg.expand)
+        self.norm2 = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(),
+                                 nn.Linear(4 * D, D), nn.Dropout(cfg.dropout))
+
+    def forward(self, x, mask=None, scan='auto', chunk=0):
+        x = x + self.mixer(self.norm(x), mask, scan, chunk)
+        return x + self.mlp(self.norm2(x))
+
+    def step(self, x, cache):
+        out, cache = self.mixer.step(self.norm(x), cache)
+        x = x + out
+        return x + self.mlp(self.norm2(x)), cache
 
 
 class SelectiveSSM(nn.Module):
@@ -495,189 +446,259 @@ class S6(SelectiveSSM):
         return y.to(h.dtype), cache
 
 
-class Block(nn.Module):
-    """Sec. 4.2, Fig. 1: Mamba's "pre up-projection" block x + Mamba(RMSNorm(x)), no MLP (the
-    method; mamba@12d8550 mamba_ssm/modules/mamba_simple.py#L297)."""
+class RMSNorm(nn.Module):
+    """RMSNorm(v) = v / sqrt(mean(v^2) + eps) * w (the code: mamba's fused one, eps 1e-5, no bias;
+    mamba@12d8550 mamba_ssm/ops/triton/layernorm.py#L481)."""
 
-    def __init__(self, cfg):
+    def __init__(self, d, eps=1e-5):
         super().__init__()
-        self.norm = RMSNorm(cfg.d_model)
-        self.mixer = Mamba(cfg.d_model, cfg.d_state, cfg.d_conv, cfg.expand, n_layer=cfg.n_layer)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
 
-    def forward(self, x, mask=None, scan='auto', chunk=0):
-        return x + self.mixer(self.norm(x), mask, scan, chunk)
-
-    def step(self, x, cache):
-        out, cache = self.mixer.step(self.norm(x), cache)
-        return x + out, cache
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-class PostBlock(nn.Module):
-    """"DeMa with post." (departure 7): x + S6(LN(x)), then x + MLP(LN(x)); ReLU in the MLP (D.1),
-    GELU on Atari as the code's (atari/mingpt/model_atari2.py#L273)."""
+# The selective scan (S6, Sec. 3.2 Eq. 1-3 discretised, Eq. 5), as mamba's selective_scan_ref
+# (mamba@12d8550 mamba_ssm/ops/selective_scan_interface.py#L91), on u, delta, z (b, di, L),
+# A (di, N), B, C (b, N, L), D, delta_bias (di,):
+#   h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t (A_bar by ZOH, B_bar by Euler as mamba's kernel)
+#   y_t = (<C_t, h_t> + D u_t) silu(z_t);  h_0 = 0
+# In fp32, the output cast back to u's dtype: under --amp only the projections and the convolution
+# run in bf16.
 
-    def __init__(self, cfg, gelu=False):
-        super().__init__()
-        D = cfg.d_model
-        self.norm = nn.LayerNorm(D)
-        self.mixer = S6(D, cfg.d_state, cfg.d_conv, cfg.expand)
-        self.norm2 = nn.LayerNorm(D)
-        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU() if gelu else nn.ReLU(),
-                                 nn.Linear(4 * D, D), nn.Dropout(cfg.dropout))
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   scan='auto', chunk=0):
+    # auto: the loop on CPU, faster at DeMa's sizes (--bench-scan)
+    if scan == 'auto':
+        scan = 'parallel' if u.is_cuda and not chunk else 'sequential'
 
-    def forward(self, x, mask=None, scan='auto', chunk=0):
-        x = x + self.mixer(self.norm(x), mask, scan, chunk)
-        return x + self.mlp(self.norm2(x))
-
-    def step(self, x, cache):
-        out, cache = self.mixer.step(self.norm(x), cache)
-        x = x + out
-        return x + self.mlp(self.norm2(x)), cache
-
-
-def previous_actions(actions, prev_action):
-    """a_{t-1} at every step (b, K, act); prev_action: the first step's."""
-    return torch.cat([prev_action[:, None], actions[:, :-1]], dim=1)
+    # autocast off (meta, where train() sizes a step, has none)
+    with torch.autocast("cpu" if u.device.type == "meta" else u.device.type, enabled=False):
+        if scan == 'parallel':
+            return selective_scan_parallel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        return selective_scan_sequential(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                         chunk)
 
 
-# Sec. 4.1's token layouts: a step's three embeddings (b, K, E) as 3 tokens or as 1
+def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                              delta_softplus=False, chunk=0):
+    """The reference loop; autograd keeps ~2 states a token, or with chunk > 0 L / chunk + ~2
+    chunk, each chunk recomputed in the backward (exact)."""
+    dtype_in = u.dtype
+    u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
+    batch, d_inner, L = u.shape
+    h = u.new_zeros(batch, d_inner, A.shape[1])  # (b, di, N), h_0 = 0
+    du = delta * u  # (b, di, L)
 
-def b3ld(e):
-    """B3LD: (b, 3K, E), step 0's three tokens, step 1's, ..."""
-    b, K = e[0].shape[:2]
-    return torch.stack(e, dim=2).reshape(b, 3 * K, -1)
+    step = chunk if chunk and torch.is_grad_enabled() else L
+    ys = []
+    for s in range(0, L, step):
+        args = (h, delta[..., s:s + step], du[..., s:s + step], A, B[..., s:s + step],
+                C[..., s:s + step])
+        y, h = (torch.utils.checkpoint.checkpoint(_scan_loop, *args, use_reentrant=False)
+                if step < L else _scan_loop(*args))
+        ys.append(y)
+    return _scan_finish(torch.cat(ys, dim=-1), u, D, z, dtype_in)
 
 
-def bl3d(e):
-    """BL3D: (b, K, 3E), one token per step."""
-    return torch.cat(e, dim=-1)
+def _scan_loop(h, delta, du, A, B, C):
+    """Eq. (5) from the state h (b, di, N) -> (y (b, di, L), the last h)."""
+    ys = []
+    # unbind: [..., t] would make autograd allocate a zero tensor per slice
+    for delta_t, du_t, B_t, C_t in zip(delta.unbind(-1), du.unbind(-1), B.unbind(-1), C.unbind(-1)):
+        A_bar = torch.exp(delta_t[:, :, None] * A)  # (b, di, N)  exp(Delta_t A)
+        h = torch.addcmul(du_t[:, :, None] * B_t[:, None, :], A_bar, h)  # h_t = A_bar h + B_bar u_t
+        ys.append((h * C_t[:, None, :]).sum(-1))  # (b, di)  y_t = <C_t, h_t>
+    return torch.stack(ys, dim=-1), h  # (b, di, L), (b, di, N)
 
 
-LAYOUTS = {"b3ld": (b3ld, 3), "bl3d": (bl3d, 1)}  # the layout and its tokens per step
+def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                            delta_softplus=False):
+    """The same recurrence by an associative scan, log2(L) rounds over (b, di, L, N) tensors; exp
+    of non-positive numbers only (never exp(A S_i) exp(-A S_j))."""
+    dtype_in = u.dtype
+    u, delta, A, B, C = _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus)
+
+    a = torch.exp(delta[..., None] * A[:, None, :])  # (b, di, L, N)  A_bar_t
+    b = (delta * u)[..., None] * B.transpose(1, 2)[:, None]  # (b, di, L, N)  B_bar_t u_t
+    h = _LinearScan.apply(a, b)  # (b, di, L, N)  all h_t
+    y = (h * C.transpose(1, 2)[:, None]).sum(-1)  # (b, di, L)  y_t = <C_t, h_t>
+    return _scan_finish(y, u, D, z, dtype_in)
 
 
-class DeMa(nn.Module):
-    """Tokens (B3LD or BL3D, Sec. 4.1), Linear E (3E) -> D, the blocks, RMSNorm,
-    a_t = tanh(Linear(s_t's output)); no LayerNorm on the embeddings (ssm.py#L30); Atari (Sec. 5;
-    mamba.py#L76): logits. cfg: a DeMaConfig."""
+class _LinearScan(torch.autograd.Function):
+    """h = scan(a, b); the backward is a reverse scan with the same operator:
+    g_t = dLoss/dh_t = gh_t + a_{t+1} g_{t+1}; dLoss/db_t = g_t; dLoss/da_t = g_t h_{t-1}."""
 
-    def __init__(self, cfg, obs_dim, act_dim, max_ep_len, discrete=False):
-        super().__init__()
-        E, D = cfg.n_embd, cfg.d_model
-        self.discrete = discrete
-        self.layout, self.n = LAYOUTS[cfg.token_layout]  # n: tokens per step
-        self.pad_mask, self.scan, self.scan_chunk = cfg.pad_mask, cfg.scan, cfg.scan_chunk
-        self.prev_action = cfg.prev_action
+    @staticmethod
+    def forward(ctx, a, b):
+        h = _hillis_steele(a, b)
+        ctx.save_for_backward(a, h)
+        return h
 
-        # Table 17's "DeMa with pos. embed."
-        self.embed_timestep = nn.Embedding(max_ep_len, E) if cfg.timestep_embedding else None
+    @staticmethod
+    def backward(ctx, gh):
+        a, h = ctx.saved_tensors
+        # a_{t+1} (1 past the end) and h_{t-1} (h_{-1} = 0)
+        a_next = torch.cat([a[:, :, 1:], torch.ones_like(a[:, :, :1])], dim=2)
+        h_prev = torch.cat([torch.zeros_like(h[:, :, :1]), h[:, :, :-1]], dim=2)
+        g = _hillis_steele(a_next.flip(2), gh.flip(2)).flip(2)  # reverse scan
 
-        # token embeddings: Atari's DQN torso and tanh (Table 9's "ReLU (state encoder)"), tanh
-        # after R_t's and a_{t-1}'s too (the code's); MuJoCo: DT's
-        if discrete:
-            self.embed_state = nn.Sequential(
-                nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, E),
-                nn.Tanh())
-            self.embed_return = nn.Sequential(nn.Linear(1, E), nn.Tanh())
-            self.embed_action = nn.Sequential(nn.Embedding(act_dim, E), nn.Tanh())
-        else:
-            self.embed_return = nn.Linear(1, E)
-            self.embed_action = nn.Linear(act_dim, E)
-            self.embed_state = nn.Linear(obs_dim, E)
-        self.drop = nn.Dropout(cfg.dropout)
+        return g * h_prev, g
 
-        # the code's MixerModel (mixer_seq_simple.py#L86; the paper names no norm_f); a token holds
-        # 3 / n of a step's embeddings
-        self.embedding = nn.Linear(3 * E // self.n, D)
-        self.blocks = nn.ModuleList([PostBlock(cfg, gelu=discrete) if cfg.residual == "post" else
-                                     Block(cfg) for _ in range(cfg.n_layer)])
-        self.ln_f = RMSNorm(D)
-        # Atari: the code's logits (mamba.py#L132)
-        self.predict_action = (nn.Linear(D, act_dim, bias=False) if discrete else
-                               nn.Sequential(nn.Linear(D, act_dim), nn.Tanh()))
 
-        # the code's apply(_init_weights) (ssm.py#L96): biases zero but dt_proj's, tables N(0, 0.02)
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
-                nn.init.zeros_(m.bias)
-            if isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+def _hillis_steele(a, b):
+    """Inclusive scan along dim 2 of h_t = a_t h_{t-1} + b_t, h_{-1} = 0, in ceil(log2 L) rounds of
+    the kernel's operator (a0, b0) o (a1, b1) = (a1 a0, a1 b0 + b1)
+    (mamba@12d8550 csrc/selective_scan/selective_scan_common.h#L111)."""
+    a, b = a.clone(), b.clone()
+    L, s = a.shape[2], 1
 
-    def tokens(self, states, prev_actions, rtg, timesteps):
-        """forward's states, rtg and timesteps, prev_actions (b, K, act) = a_{t-1} (Atari: (b, K)
-        int64) -> (b, nK, D), fp32."""
-        b, K = states.shape[:2]
-        if not self.prev_action:
-            prev_actions = torch.zeros_like(prev_actions)
+    while s < L:
+        b[:, :, s:] += a[:, :, s:] * b[:, :, :-s]  # the right side is evaluated first
+        a[:, :, s:] *= a[:, :, :-s].clone()  # clone: the slices overlap in memory
+        s *= 2
+    return b
 
-        # Atari: the frames / 255 through the torso, the code's order a_{t-1}, R_t, s_t
-        # (mamba.py#L222-L224); MuJoCo: R_t, a_{t-1}, s_t (ssm.py#L134-L136)
-        if self.discrete:
-            frames = states.reshape(b * K, *states.shape[2:])  # (bK, 4, 84, 84)
-            frames = frames.to(self.embedding.weight.dtype) / 255.0
-            # channels-last: faster convolutions on CPU
-            frames = frames.contiguous(memory_format=torch.channels_last)
-            e = [self.embed_action(prev_actions), self.embed_return(rtg),
-                 self.embed_state(frames).view(b, K, -1)]  # 3 x (b, K, E)
-        else:
-            e = [self.embed_return(rtg), self.embed_action(prev_actions), self.embed_state(states)]
-        if self.embed_timestep is not None:
-            time = self.embed_timestep(timesteps)  # (b, K, E)
-            e = [x + time for x in e]
 
-        u = self.layout(e)  # (b, nK, 3E / n)
-        # an fp32 residual stream under --amp (the code's too)
-        return fp32(self.embedding(self.drop(u)))
+def _scan_prepare(u, delta, A, B, C, delta_bias, delta_softplus):
+    u, delta, A, B, C = (fp32(t) for t in (u, delta, A, B, C))
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(delta.dtype)[:, None]  # (b, di, L)
+    if delta_softplus:
+        delta = F.softplus(delta)  # threshold 20, as the CUDA kernel
+    return u, delta, A, B, C
 
-    def token_mask(self, mask):
-        """mask (b, K) -> (b, nK), or None where padding enters the state (--no-pad-mask)."""
-        return mask.repeat_interleave(self.n, dim=1) if self.pad_mask else None
 
-    def forward(self, states, actions, rtg, timesteps, mask, prev_action):
-        """Sec. 3.1: a_t from s_{t-K+1:t}, R_{t-K+1:t}, a_{t-K:t-1}. states (b,K,obs), actions
-        (b,K,act), rtg (b,K,1), timesteps (b,K), mask (b,K) 1 = real, prev_action (b,act) ->
-        actions (b,K,act) (Atari: logits (b,K,|A|))."""
-        prev_actions = previous_actions(actions, prev_action)  # (b, K, act)
-        x = self.tokens(states, prev_actions, rtg, timesteps)  # (b, nK, D)
-        tmask = self.token_mask(mask)  # (b, nK)
+def _scan_finish(y, u, D, z, dtype_in):
+    if D is not None:
+        y = y + u * D.to(y.dtype)[:, None]  # skip connection D u
+    if z is not None:
+        y = y * F.silu(z.to(y.dtype))  # gate
+    return y.to(dtype_in)
 
-        for block in self.blocks:
-            x = block(x, tmask, self.scan, self.scan_chunk)
 
-        x = self.ln_f(x)  # (b, nK, D)
-        return self.predict_action(x[:, self.n - 1::self.n])  # from the s_t token (BL3D: each)
-
-    def init_cache(self, batch, device=None, dtype=torch.float32):
-        """Per layer, zero: the last W conv inputs (b, di, W) and the SSM state h (b, di, N)."""
-        return [(torch.zeros(batch, b.mixer.d_inner, b.mixer.d_conv, device=device, dtype=dtype),
-                 torch.zeros(batch, b.mixer.d_inner, b.mixer.d_state, device=device, dtype=dtype))
-                for b in self.blocks]
-
-    def step(self, states, prev_action, rtg, timesteps, cache):
-        """RNN-like DeMa (Sec. 3.2): the current triplet through the layers' states.
-        states (b, obs), prev_action (b, act), rtg (b, 1), timesteps (b,) -> (actions, cache)."""
-        toks = self.tokens(states[:, None], prev_action[:, None], rtg[:, None],
-                           timesteps[:, None])  # (b, n, D)
-
-        cache = list(cache)
-        for x in toks.unbind(1):  # the step's tokens, s_t's last
-            for l, block in enumerate(self.blocks):
-                x, cache[l] = block.step(x, cache[l])
-        return self.predict_action(self.ln_f(x)), cache
-
-    def hidden_attention(self, states, actions, rtg, timesteps, mask, prev_action, last_row=False):
-        """Each layer's hidden attention (Sec. 3.3) on this window."""
-        x = self.tokens(states, previous_actions(actions, prev_action), rtg, timesteps)
-        tmask = self.token_mask(mask)
-
-        attn = []
-        for block in self.blocks:
-            attn.append(block.mixer.hidden_attention(block.norm(x), tmask, last_row))
-            x = block(x, tmask, self.scan)
-        return attn
+def fp32(t):
+    """Upcast to float32 (float64 stays, for the tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Table 8, D.1: hopper-medium; else paper_values) ----
+    steps: int = arg(100_000, "gradient steps", in_name=False)  # the code: 10 iterations x 10k
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 13)")
+    batch_size: int = arg(64, "windows (rnn mode: whole trajectories) per batch")
+    context: int = arg(20, "K, the timesteps in a window (3K tokens); transformer mode")
+    lr: float = arg(1e-4, "AdamW learning rate (per dataset: D.1)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (Atari: of the weights only)")
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
+    warmup_steps: int = arg(10_000, "linear warmup, then constant (departure 4)")
+    lr_decay_steps: int = arg(0, "0: constant after the warmup; N: the code's Atari cosine")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    n_embd: int = arg(256, "E, token-embedding width (D.1)")
+    d_model: int = arg(64, "D, Mamba's residual width (D.1)")
+    n_layer: int = arg(3, "Mamba blocks")
+    d_state: int = arg(64, "N, SSM state size per channel")
+    d_conv: int = arg(4, "W, width of the causal depthwise convolution")
+    expand: int = arg(2, "d_inner = expand * D")
+    dropout: float = arg(0.0, "on the tokens (Atari: 0.1) and after the post block's MLP")
+    mode: str = arg("transformer", "transformer: K-step windows (the method) | rnn (Sec. 3.2)")
+    token_layout: str = arg("b3ld", "b3ld: R_t, a_{t-1}, s_t, 3 tokens a step | bl3d: 1 (Sec. 4.1)")
+    residual: str = arg("pre", "pre: Mamba's block (the method) | post: S6 in a transformer's")
+    prev_action: bool = arg(True, "a_{t-1} in each step; --no-prev-action: the null a_{-1} = 0")
+    timestep_embedding: bool = arg(False, "add DT's timestep embedding to every token (Table 17)")
+    # departure 3: gym/decision_transformer/models/ssm.py#L109-L116, atari/models/mamba.py#L192-L199
+    rtg_shift: bool = arg(False, "train on the code's (R_{t-1}, a_{t-1}, s_t) -> a_t (departure 3)")
+    pad_mask: bool = arg(True, "left padding inert; --no-pad-mask: it enters the state (dep. 2)")
+    inner_it: int = arg(1, "updates on each drawn batch (Table 10, RNN-like on Atari: 200)")
+    # departure 8: trajectories drawn in proportion to length (gym/experiment.py#L254), left-padded
+    # (the code right-pads: the same for a causal model). The code's Atari RNN-like path packs whole
+    # trajectories by cu_seqlens for an unreleased kernel (App. C) that the vendored
+    # MixerModel.forward does not take (mixer_seq_simple.py#L151), and feeds a_t, not a_{t-1},
+    # beside s_t (atari/models/mamba.py#L195-L198). Atari here: Table 10's batch 8, lr 1e-4, 200
+    # updates a batch, on the transformer's 39,060-step cosine (Frostbite's 50 epochs: --steps);
+    # evaluation from a_{-1} = 0 with the full softmax, the code's from a random a_{-1}
+    # (atari/mingpt/trainer_atari.py#L342) with top-3 sampling (#L364)
+    rnn_max_len: int = arg(1000, "rnn mode: trajectories cut to their first N steps")
+    # the code's MuJoCo evaluation. Departure 10: the code conditions on four targets (hopper:
+    # 3600, 7200, 36000, 72000; gym/experiment.py#L128) and keeps each one's best over its 10
+    # evaluations (#L489-L493); on Atari up to three (Breakout 90, 150, 180; Pong and Gopher one;
+    # trainer_atari.py#L266), printing each; Asterix's 700 is not among its 900, 1000, 1100
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
+    greedy: bool = arg(False, "Atari: the likeliest action, not the code's softmax draw",
+                       in_name=False)
+    scan: str = arg("auto", "auto (CPU: sequential, CUDA: parallel) | sequential | parallel",
+                    in_name=False)
+    scan_chunk: int = arg(0, "N > 0: the backward recomputes the loop in N-token chunks",
+                          in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    attention: bool = arg(False, "Fig. 4: the hidden attention along an episode", in_name=False)
+    s6_ablation: str = arg("", "Fig. 5: --s6-layers' S6 zero|random|swap, evaluated", in_name=False)
+    s6_layers: str = arg("all", "--s6-ablation's layers: all, or 0-based indices (0,2)",
+                         in_name=False)
+    s6_donor: str = arg("", "swap: another DeMa's run folder or ckpt.pt (same sizes)",
+                        in_name=False)
+    bench_scan: bool = arg(False, "time the two scans (forward + backward)", in_name=False)
+    params: bool = arg(False, "parameter counts at the paper's settings (Table 7)", in_name=False)
+
+
+# Atari: Table 9 as the preset "" (departure 5), 10 epochs of 1% DQN-replay (3906 steps each);
+# 512 x 20 warmup tokens are 3 steps of 128 x 30; the code's cosine ends at 2 len(data) 3K
+# tokens (trainer_atari.py#L216; atari/run_atari.py#L169). Departure 5: E and N are the code's
+# (atari/configs/config.py#L6-L8); Table 9's batch 128, lr 6e-4, weight decay 0.1, clip 1 and
+# 512 x 20 warmup tokens are DT's (kzl/decision-transformer@e2d82e6 atari/run_dt_atari.py#L86),
+# where the code's Mamba path has 8, 1e-4, 1e-4, 0.8 and 3000 x 32 (run_atari.py#L235-L252).
+ATARI = dict(n_embd=128, d_model=128, d_state=128, n_layer=6, context=30, batch_size=128, lr=6e-4,
+             beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.1, warmup_steps=3,
+             lr_decay_steps=23_432, steps=39_060, eval_every=3906, eval_episodes=10)
+# --preset cpu: dt.py's budget; mazes: dt.py's setting; Atari: dt.py's windows, a cosine stopped
+# where the return stops rising (README); --mode rnn: less memory (RESULTS.md)
+ATARI_CPU = dict(n_embd=64, d_model=64, d_state=16, n_layer=2, context=8, batch_size=32, lr=6e-4,
+                 warmup_steps=100, lr_decay_steps=4500, steps=3000, eval_every=1500,
+                 eval_episodes=10)
+PRESETS = {"": dict(atari=ATARI),
+           "cpu": dict(n_embd=64, d_model=32, n_layer=2, d_state=16, context=10, batch_size=64,
+                       lr=1e-3, warmup_steps=500, steps=6000, eval_every=2000, eval_episodes=10,
+                       mazes=dict(context=1, dropout=0.0, prev_action=False, eval_episodes=50),
+                       atari={**ATARI_CPU, "mode=rnn": dict(rnn_max_len=100, batch_size=4)})}
 
 
 # ---- the paper's pieces: per-dataset settings, data, model, schedule, loss, policy ----

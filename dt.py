@@ -26,39 +26,24 @@ Glossary (paper symbol -> code name):
     s_t   the last 4 frames, 84x84 grayscale, uint8 (/ 255 in the model) states (B, K, 4, 84, 84)
     a_t   one of the game's |A| actions                                  actions (B, K) int64
 
-Layout: Config (the paper's settings, then the run's flags) -> the model (torch alone: copy it)
--> the paper's pieces -> train(), the loop -> the analyses, and the plumbing and main() that every
-model file shares word for word; the run record is evaluate.py's. "kzl" below is the official code,
-https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
+Layout: the model (torch alone: copy it) -> Config (the paper's settings, then the run's flags)
+and PRESETS -> the paper's pieces -> train(), the loop -> the analyses, and the plumbing and main()
+that every model file shares word for word; the run record is evaluate.py's. "kzl" below is the
+official code, https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
 
-Departures from the paper and the official code:
+Departures from the paper and the official code (the detail at the line that says "departure N"):
  1. Minari's mujoco/*-v0 data and gymnasium's MuJoCo v5 envs, not D4RL's -v2 data and mujoco-py
     (neither installs today); scores are normalised with D4RL's reference returns.
- 2. A window ends at a uniformly drawn step and is left-padded at an episode's start, so every
-    step is a window's newest equally often and padding looks as it does in evaluation; kzl's gym
-    window starts at a uniform step (gym/experiment.py#L129) and is left-padded when it runs past
-    the episode's end (#L147-L154), its padded actions -10 (#L149; here 0). Atari: data.py's
-    sampler says how kzl's differs.
+ 2. A window ends at a uniformly drawn step, left-padded at an episode's start (data.py's sampler);
+    kzl's gym window starts at a uniform step (gym/experiment.py#L129) and is left-padded when it
+    runs past the episode's end, its padded actions -10 (#L147-L154; here 0).
  3. --lr-decay (a cosine to a tenth) and --preset cpu are not the paper's; the default is its
     configuration.
  4. Atari: the global time embedding reads the window's first timestep in training and evaluation
-    alike (kzl's evaluation feeds the current one; its atari/create_dataset.py#L93-L99 gives an
-    episode's first step the previous episode's length); the frames are evaluate.py's (its
-    docstring says how they differ from kzl's atari/mingpt/trainer_atari.py#L243-L283).
- 5. Atari: the cosine is 0.1 + 0.9 * (1 + cos) / 2 and reaches 0.1 at --steps; kzl's is
-    max(0.1, (1 + cos) / 2), higher through the middle of training, counted in tokens and clipped
-    from about step 18.6k of 19.5k (atari/mingpt/trainer_atari.py#L116-L124,
-    atari/run_dt_atari.py#L85-L86).
- 6. The gym model draws every Linear and Embedding weight from N(0, 0.02), biases 0, and the
-    residual projections (attn.c_proj, mlp.2) from N(0, 0.02 / sqrt(2 n_layer)): GPT-2's init as
-    nanoGPT writes it. kzl's gym DT initialises only its GPT-2 blocks, N(0, 0.02) without residual
-    scaling (gym/decision_transformer/models/trajectory_gpt2.py#L356-L366, called at #L526); its
-    embeddings and head (gym/decision_transformer/models/decision_transformer.py#L40-L51) keep
-    PyTorch's defaults, the timestep embedding N(0, 1). Kept: it is the rule gpt2_dtma.py gives
-    its new weights too, and the README's dt.py rows were measured with it. The Atari model
-    follows kzl's atari/ code: minGPT's N(0, 0.02), no residual scaling, on the blocks and head,
-    applied before the encoders are built (atari/mingpt/model_atari.py#L143, #L162-L169), which
-    keep PyTorch's defaults but the action table's N(0, 0.02) (#L149-L157).
+    alike; kzl's evaluation feeds the current one.
+ 5. Atari: the cosine reaches 0.1 at --steps; kzl's, max(0.1, (1 + cos) / 2), counts tokens.
+ 6. The gym model: GPT-2's init as nanoGPT writes it on every module; kzl's initialises its GPT-2
+    blocks alone, without residual scaling. The Atari model follows kzl's atari/ code.
 """
 from dataclasses import dataclass, field, fields
 
@@ -67,79 +52,6 @@ import numpy as np
 import data as data_lib
 import evaluate as ev
 
-
-def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
-    return field(default=default, metadata={"help": help, "run": run})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
-    steps: int = arg(100_000, "gradient steps", run=True)  # kzl: 10 iterations x 10k
-    batch_size: int = arg(64, "windows per batch")
-    context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
-    lr: float = arg(1e-4, "AdamW learning rate")
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
-    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
-    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
-    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (not DT's)")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    n_embd: int = arg(128, "token width")
-    n_layer: int = arg(3, "transformer blocks")
-    n_head: int = arg(1, "attention heads")
-    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals")
-    # behaviour cloning (Sec. 5.3, Table 3) and delayed rewards (Table 5)
-    return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. BC")
-    top_fraction: float = arg(1.0, "train on the best episodes holding this share of steps (%BC)")
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 5)")
-    state_encoder: str = arg("conv", "Atari: conv (DQN's torso) | patch (StARformer's DT with ViT)")
-    # the evaluation protocol: kzl's, every 10k steps, 100 episodes a target
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
-                          run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
-    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl's)", run=True)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", run=True)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
-
-    # ---- this file's analyses ----
-    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run", run=True)
-
-
-# The paper's Atari settings: kzl's atari/run_dt_atari.py#L79-L87 (6 x 128, 8 heads, lr 6e-4,
-# 512 x 20 warmup tokens = 3 steps) and atari/run.sh#L4: 5 epochs of 500k steps of 1% DQN-replay,
-# 3906 steps an epoch, an evaluation after each; Pong (run.sh#L14) with K=50 and batch 512, 977
-# steps an epoch. --preset cpu: hopper in minutes on 2 cores, the lr decayed so that the last
-# checkpoint is settled; mazes at K=1 without dropout (noisy actions are a history to copy); Atari
-# cut where the return stops rising (README).
-PRESETS = {
-    "": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4,
-                        beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_steps=3, lr_decay=True,
-                        steps=19_530, eval_every=3906, eval_episodes=10,
-                        pong=dict(context=50, batch_size=512, warmup_steps=1, steps=4885,
-                                  eval_every=977))),
-    "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3,
-                warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
-                mazes=dict(context=1, dropout=0.0, eval_episodes=50),
-                atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4,
-                           warmup_steps=100, steps=4000, eval_every=2000, eval_episodes=10,
-                           dropout=0.1)),
-}
 
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
@@ -231,7 +143,12 @@ class DecisionTransformer(nn.Module):
         self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions in [-1, 1]
 
         # GPT-2's init as nanoGPT writes it, on every module, the residual projections scaled by
-        # 1/sqrt(2 * n_layer) (departure 6: kzl's reaches the blocks alone, unscaled)
+        # 1/sqrt(2 * n_layer). Departure 6: kzl's gym DT initialises its GPT-2 blocks alone,
+        # N(0, 0.02) unscaled (gym/decision_transformer/models/trajectory_gpt2.py#L356-L366, called
+        # at #L526); its embeddings and head
+        # (gym/decision_transformer/models/decision_transformer.py#L40-L51) keep PyTorch's defaults,
+        # the timestep embedding N(0, 1). Kept: gpt2_dtma.py gives its new weights the same rule,
+        # and the README's dt.py rows were measured with it.
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
@@ -322,9 +239,10 @@ class AtariDecisionTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(C)
         self.head = nn.Linear(C, n_actions, bias=False)
 
-        # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above: kzl applies it
-        # before building the embeddings below, which keep PyTorch's default init, all but the
-        # action table's N(0, 0.02) (#L143-L157)
+        # minGPT's N(0, 0.02) (no residual scaling) reaches only the modules above (departure 6):
+        # kzl applies it before building the embeddings below (atari/mingpt/model_atari.py#L143,
+        # #L162-L169), which keep PyTorch's default init, all but the action table's N(0, 0.02)
+        # (#L149-L157)
         self.apply(DecisionTransformer._init_weights)
 
         # DQN's torso (Mnih et al. 2015): 4 x 84 x 84 -> 64 x 7 x 7 -> C, tanh
@@ -354,7 +272,10 @@ class AtariDecisionTransformer(nn.Module):
         x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)  # (B, nK, C): R_1, s_1, a_1, ...
 
         # + the window's first timestep's embedding (departure 4; 0 for a left-padded window) + each
-        # token position's
+        # token position's. kzl's evaluation feeds the current timestep instead, and its
+        # atari/create_dataset.py#L93-L99 gives an episode's first step the previous episode's
+        # length; the frames are evaluate.py's (its docstring says how they differ from kzl's
+        # atari/mingpt/trainer_atari.py#L243-L283)
         first = self.global_pos_emb[0, timesteps[:, 0]][:, None, :]  # (B, 1, C)
         x = self.drop(x + first + self.pos_emb[:, :n * K])  # (B, nK, C)
 
@@ -366,6 +287,93 @@ class AtariDecisionTransformer(nn.Module):
         return self.head(x[:, :, n - 2])  # (B, K, |A|)
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Sec. 4 and kzl's gym defaults; Atari: PRESETS below) ----
+    steps: int = arg(100_000, "gradient steps", in_name=False)  # kzl: 10 iterations x 10k
+    batch_size: int = arg(64, "windows per batch")
+    context: int = arg(20, "K, the number of timesteps the model sees (3K tokens)")
+    lr: float = arg(1e-4, "AdamW learning rate")
+    weight_decay: float = arg(1e-4, "AdamW weight decay")
+    beta2: float = arg(0.999, "AdamW's second-moment decay (Atari: 0.95)")
+    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (kzl)")
+    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (not DT's)")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    n_embd: int = arg(128, "token width")
+    n_layer: int = arg(3, "transformer blocks")
+    n_head: int = arg(1, "attention heads")
+    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals")
+    # behaviour cloning (Sec. 5.3, Table 3) and delayed rewards (Table 5)
+    return_token: bool = arg(True, "R_t tokens; --no-return-token: (s, a) tokens only, i.e. BC")
+    top_fraction: float = arg(1.0, "train on the best episodes holding this share of steps (%BC)")
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (Table 5)")
+    state_encoder: str = arg("conv", "Atari: conv (DQN's torso) | patch (StARformer's DT with ViT)")
+    # the evaluation protocol: kzl's, every 10k steps, 100 episodes a target
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
+    greedy: bool = arg(False, "Atari: the likeliest action, not a softmax draw (kzl's)",
+                       in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    bench_eval: bool = arg(False, "time batched vs sequential evaluation of the run", in_name=False)
+
+
+# The paper's Atari settings: kzl's atari/run_dt_atari.py#L79-L87 (6 x 128, 8 heads, lr 6e-4,
+# 512 x 20 warmup tokens = 3 steps) and atari/run.sh#L4: 5 epochs of 500k steps of 1% DQN-replay,
+# 3906 steps an epoch, an evaluation after each; Pong (run.sh#L14) with K=50 and batch 512, 977
+# steps an epoch. Departure 5: lr_decay's cosine is 0.1 + 0.9 * (1 + cos) / 2, reaching 0.1 at
+# --steps; kzl's is max(0.1, (1 + cos) / 2), higher through the middle of training, counted in
+# tokens and clipped from about step 18.6k of 19.5k (atari/mingpt/trainer_atari.py#L116-L124,
+# atari/run_dt_atari.py#L85-L86). --preset cpu: hopper in minutes on 2 cores, the lr decayed so
+# that the last checkpoint is settled; mazes at K=1 without dropout (noisy actions are a history to
+# copy); Atari cut where the return stops rising (README).
+PRESETS = {
+    "": dict(atari=dict(n_layer=6, n_head=8, n_embd=128, context=30, batch_size=128, lr=6e-4,
+                        beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_steps=3, lr_decay=True,
+                        steps=19_530, eval_every=3906, eval_episodes=10,
+                        pong=dict(context=50, batch_size=512, warmup_steps=1, steps=4885,
+                                  eval_every=977))),
+    "cpu": dict(n_embd=64, n_layer=2, n_head=1, context=10, batch_size=64, lr=1e-3,
+                warmup_steps=500, lr_decay=True, steps=6000, eval_every=2000, eval_episodes=10,
+                mazes=dict(context=1, dropout=0.0, eval_episodes=50),
+                atari=dict(n_embd=64, n_layer=2, n_head=4, context=8, batch_size=32, lr=6e-4,
+                           warmup_steps=100, steps=4000, eval_every=2000, eval_episodes=10,
+                           dropout=0.1)),
+}
 
 # ---- the paper's pieces: data, model, schedule, loss, policy ----
 

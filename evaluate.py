@@ -742,7 +742,7 @@ def variant_name(cfg, presets):
     parts = [cfg.preset] if cfg.preset else []
     for f in dataclasses.fields(cfg):
         v, flag = getattr(cfg, f.name), f.name.replace("_", "-")
-        if not (f.metadata["run"] or f.name == "preset" or v == base[f.name]):
+        if f.metadata["in_name"] and f.name != "preset" and v != base[f.name]:
             parts.append(flag if v is True else f"no-{flag}" if v is False else f"{flag}{v:g}"
                          if isinstance(v, float) else f"{flag}{v}")
     return "_".join(parts).replace("/", "-").replace(" ", "") or "default"
@@ -780,7 +780,7 @@ def load_run(script, cfg, given, presets):
     saved = {k: v for k, v in ck["config"].items() if k in names}
     differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here"
               for k in sorted(given & set(saved))
-              if (not names[k].metadata["run"] or k == "seed") and k != "preset"
+              if (names[k].metadata["in_name"] or k == "seed") and k != "preset"
               and getattr(cfg, k) != saved[k]]
 
     # the data, where --env or --dataset is given

@@ -31,20 +31,17 @@ https://github.com/srzer/LaMo-2023/tree/3e4fcc8a7e68916882033a0cef110370c0144022
 and "kzl" is DT's code,
 https://github.com/kzl/decision-transformer/tree/e2d82e68f330c00f763507b3b01d774740bee53f
 
-Departures from the paper and the official code:
+Departures from the paper and the official code (the detail at the line that says "departure N"):
  1. Full fine-tuning with linear embeddings (App. F's GPT2-DT); LaMo's run.sh trains LoRA on
     c_attn, the rest frozen, with MLP embeddings (#L43-L46) and may co-train on WikiText
     (run_cotrain.sh#L52-L53), none of it in the paper.
- 2. App. C's lr 1e-4 and weight decay 1e-4, none on the gate (it would pull it to uniform). LaMo:
-    lr 1e-4, decay 1e-5, warmup 2500 (run.sh#L5-L9), AdamW eps 1e-6 (utils.py#L61); its GPT-2 lr
-    1e-5 without decay (utils.py#L24-L33) reaches no weight: it seeks "transformers" in module
-    types, and LaMo's GPT-2 class is its own (decision_transformer/models/trajectory_gpt2.py#L1041).
+ 2. App. C's lr 1e-4 and weight decay 1e-4, none on the gate (it would pull it to uniform); LaMo's
+    settings differ.
  3. The timestep embedding is added before embed_ln, as in kzl's DT; LaMo adds it after
     (decision_transformer/models/decision_transformer.py#L174-L176).
  4. The paper leaves the MoA gate's place, scale and init open; as in MoH (Jin et al. 2024), every
     layer's gate reads the LN1 output and scales each head, times N, before the pretrained c_proj,
-    from zero: GPT2-DTMA equals GPT2-DT at step 0 (a literal Eq. 6 has no output projection and
-    shrinks every head to 1/N).
+    from zero: GPT2-DTMA equals GPT2-DT at step 0.
  5. Eq. 7's linear gate adds 0.13% parameters to GPT-2 small (12 x 9,228), not Sec. 5.2's 3%.
  6. Eq. 8's d_k is the head width, 64, as in GPT-2 (the paper's "dimension of the embedding layer"
     would change the pretrained function).
@@ -52,18 +49,11 @@ Departures from the paper and the official code:
     the batch's real tokens (the paper writes it for one input).
  8. Def. 4.1's r defaults to [P-old]'s 20, not the paper's 8 (only 20 explains Tab. 1's head 9);
     A_i is read both as C x C and as D x D (head_qk_matrix).
- 9. Unstated in the paper: dropout 0.1 (kzl; LaMo's run.sh#L8) and gradient clip 0.25 (kzl;
-    LaMo's decision_transformer/training/seq_trainer.py#L55), K 20 on MuJoCo and 50 on mazes
-    (Tabs. 5-6's rows equal Tabs. 3-4), the data's target returns, GPT-2 small's shape for DT and
-    DTMA (--init random).
+ 9. Unstated in the paper: dropout 0.1 and gradient clip 0.25 (kzl's, LaMo's), K 20 on MuJoCo and
+    50 on mazes, the data's target returns, GPT-2 small's shape for DT and DTMA (--init random).
 10. CLIP-DT takes CLIP's text-tower layers and final LayerNorm only; GPTJ-DT (6B) is refused.
 11. DT's embeddings and action head start, as new blocks do (--init random), from GPT-2's init as
-    nanoGPT writes it: N(0, 0.02), biases 0, c_proj weights N(0, 0.02 / sqrt(2 n_layer)). LaMo's
-    new blocks get the same (decision_transformer/models/trajectory_gpt2.py#L503-L538), but its
-    embeddings and head keep PyTorch's defaults, the timestep embedding N(0, 1)
-    (decision_transformer/models/decision_transformer.py#L102-L113, #L129-L135), as kzl's do
-    (dt.py's departure 6). Kept: one rule for every weight that no checkpoint gives, dt.py's, and
-    the README's rows were measured with it.
+    nanoGPT writes it; LaMo's and kzl's keep PyTorch's defaults there.
 """
 import dataclasses
 import glob
@@ -82,76 +72,6 @@ from huggingface_hub import hf_hub_download, try_to_load_from_cache
 import data as data_lib
 import evaluate as ev
 
-
-def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
-    return field(default=default, metadata={"help": help, "run": run})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (App. C; its variants are flags) ----
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
-    steps: int = arg(100_000, "gradient steps", run=True)
-    batch_size: int = arg(64, "windows per batch (App. C)")
-    context: int = arg(None, "K (Tabs. 5-6); default: 20 on MuJoCo, 50 on mazes (departure 9)")
-    lr: float = arg(1e-4, "AdamW learning rate (App. C)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
-    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C)")
-    grad_clip: float = arg(0.25, "gradient-norm clip (departure 9)")
-    init: str = arg("gpt2", "gpt2, clip (CLIP ViT-B/32's text tower: CLIP-DT, Tab. 7), a "
-                            "model.safetensors or its folder, or random (DT, DTMA)")
-    n_layer: int = arg(None, "keep the first N blocks (default: all; layer 0 has the Markov heads)")
-    n_embd: int = arg(None, "width (default: the checkpoint's; --init random: 768)")
-    n_head: int = arg(None, "heads per layer (default: the checkpoint's; --init random: 12)")
-    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (departure 9)")
-    moa: bool = arg(True, "the MoA gate (GPT2-DTMA, Eqs. 6-7); --no-moa: GPT2-DT (Tabs. 2-4)")
-    markov_penalty: float = arg(0.0, "alpha of Eq. 9 on the Markov heads' layer-0 gate (GPT2-P, "
-                                     "Tab. 3: 0.1)")
-    markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of other checkpoints")
-    freeze_attention: bool = arg(False, "train only the embeddings and FFNs (GPT2-DT (part), "
-                                        "Tab. 8)")
-    # App. C
-    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
-                          run=True)
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel", run=True)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", run=True)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
-
-    # ---- this file's analyses ----
-    # of a run's checkpoint
-    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", run=True)
-    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: "
-                              "--init's", run=True)
-    attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)",
-                               run=True)
-    attention_distance: bool = arg(False, "attention by distance, early and late (Figs. 1/7)",
-                                   run=True)
-    importance: bool = arg(False, "head importance, each zeroed in rollouts (Figs. 2, 8)", run=True)
-    # of the GPT-2 weights alone
-    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text", run=True)
-    sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded", run=True)
-
-
-# --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: K=1, no dropout (README)
-PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300,
-                       eval_every=300, eval_episodes=10, log_every=25,
-                       mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
@@ -217,7 +137,8 @@ class CausalSelfAttention(nn.Module):
                                                is_causal=attn_mask is None)  # (B, N, T, D)
 
         if self.moa:
-            # Eq. 7, then Eq. 6 times N
+            # Eq. 7, then Eq. 6 times N, before c_proj (departure 4: a literal Eq. 6 has no output
+            # projection and shrinks every head to 1/N)
             g = aux["gate"] = F.softmax(F.linear(x, self.gate_weight, self.gate_bias), dim=-1)
             o = o * (N * g).transpose(1, 2).unsqueeze(-1)  # (B, N, T, D)
 
@@ -289,8 +210,12 @@ class DecisionTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(C, eps=eps)
         self.predict_action = nn.Sequential(nn.Linear(C, act_dim), nn.Tanh())  # actions in [-1, 1]
 
-        # GPT-2's init as nanoGPT writes it (LaMo's for new blocks), on DT's embeddings and head too
-        # (departure 11: LaMo's keep PyTorch's)
+        # GPT-2's init as nanoGPT writes it (LaMo's for new blocks:
+        # decision_transformer/models/trajectory_gpt2.py#L503-L538), on DT's embeddings and head
+        # too. Departure 11: LaMo's embeddings and head keep PyTorch's defaults, the timestep
+        # embedding N(0, 1) (decision_transformer/models/decision_transformer.py#L102-L113,
+        # #L129-L135), as kzl's do (dt.py's departure 6). Kept: one rule for every weight that no
+        # checkpoint gives, dt.py's, and the README's rows were measured with it.
         self.apply(_init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -381,6 +306,95 @@ class GPT2(nn.Module):
         return idx
 
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (App. C; its variants are flags) ----
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
+    steps: int = arg(100_000, "gradient steps", in_name=False)
+    batch_size: int = arg(64, "windows per batch (App. C)")
+    # departure 9: Tabs. 5-6's rows equal Tabs. 3-4, whose K the paper does not give
+    context: int = arg(None, "K (Tabs. 5-6); default: 20 on MuJoCo, 50 on mazes (departure 9)")
+    # departure 2: LaMo has lr 1e-4, decay 1e-5, warmup 2500 (run.sh#L5-L9), AdamW eps 1e-6
+    # (utils.py#L61); its GPT-2 lr 1e-5 without decay (utils.py#L24-L33) reaches no weight: it seeks
+    # "transformers" in module types, and LaMo's GPT-2 class is its own
+    # (decision_transformer/models/trajectory_gpt2.py#L1041)
+    lr: float = arg(1e-4, "AdamW learning rate (App. C)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (App. C); the MoA gate gets none")
+    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant (App. C)")
+    # departure 9: kzl's, and LaMo's decision_transformer/training/seq_trainer.py#L55
+    grad_clip: float = arg(0.25, "gradient-norm clip (departure 9)")
+    init: str = arg("gpt2", "gpt2, clip (CLIP ViT-B/32's text tower: CLIP-DT, Tab. 7), a "
+                            "model.safetensors or its folder, or random (DT, DTMA)")
+    n_layer: int = arg(None, "keep the first N blocks (default: all; layer 0 has the Markov heads)")
+    n_embd: int = arg(None, "width (default: the checkpoint's; --init random: 768)")
+    n_head: int = arg(None, "heads per layer (default: the checkpoint's; --init random: 12)")
+    # departure 9: kzl's, and LaMo's run.sh#L8
+    dropout: float = arg(0.1, "dropout on embeddings, attention and residuals (departure 9)")
+    moa: bool = arg(True, "the MoA gate (GPT2-DTMA, Eqs. 6-7); --no-moa: GPT2-DT (Tabs. 2-4)")
+    markov_penalty: float = arg(0.0, "alpha of Eq. 9 on the Markov heads' layer-0 gate (GPT2-P, "
+                                     "Tab. 3: 0.1)")
+    markov_r: float = arg(20.0, "Def. 4.1 (ii)'s r, for the Markov heads of other checkpoints")
+    freeze_attention: bool = arg(False, "train only the embeddings and FFNs (GPT2-DT (part), "
+                                        "Tab. 8)")
+    # App. C
+    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(20, "episodes per target return, run in parallel", in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    # of a run's checkpoint
+    keep_ckpt_at: int = arg(0, "also keep this step's checkpoint (Figs. 1/7)", in_name=False)
+    markov: bool = arg(False, "Markov test of the layer-0 heads (Tab. 1, Fig. 3); without a run: "
+                              "--init's", in_name=False)
+    attention_maps: bool = arg(False, "layer-0 attention before and after fine-tuning (Fig. 4)",
+                               in_name=False)
+    attention_distance: bool = arg(False, "attention by distance, early and late (Figs. 1/7)",
+                                   in_name=False)
+    importance: bool = arg(False, "head importance, each zeroed in rollouts (Figs. 2, 8)",
+                           in_name=False)
+    # of the GPT-2 weights alone
+    text_attention: str = arg("", "TEXT: GPT-2's layer-0 attention on real text", in_name=False)
+    sample: str = arg("", "PROMPT: GPT-2's continuation, proof that its weights loaded",
+                      in_name=False)
+
+
+# --preset cpu: GPT-2's first block (its Markov heads) on 2 cores; mazes: K=1, no dropout (README)
+PRESETS = {"cpu": dict(n_layer=1, batch_size=32, context=10, lr=3e-4, warmup_steps=50, steps=300,
+                       eval_every=300, eval_episodes=10, log_every=25,
+                       mazes=dict(context=1, dropout=0.0, eval_episodes=50))}
 
 # ---- the paper's analysis quantities (torch alone) ----
 

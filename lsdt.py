@@ -81,72 +81,6 @@ import data as data_lib
 import evaluate as ev
 
 
-def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
-    return field(default=default, metadata={"help": help, "run": run})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Table 13, the official code; a dataset's row: PAPER_TABLE) ----
-    steps: int = arg(100_000, "gradient steps", run=True)  # Table 13: 1e5; the cosine ends here
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
-    batch_size: int = arg(64, "windows per batch (Table 13: 64 locomotion, 256 mazes)")
-    context: int = arg(10, "K, the number of timesteps the model sees (Table 5)")
-    lr: float = arg(1e-4, "AdamW learning rate (Table 13: 1e-4 locomotion, 2e-4 mazes)")
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
-    warmup_steps: int = arg(10_000, "linear warmup, then a cosine to 0 (LSDT) or constant (DC)")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    paper_table: bool = arg(True, "the dataset's PAPER_TABLE row (K, xi, RTG...) under the flags")
-    arch: str = arg("lsdt", "lsdt | dc (Decision Convformer) | dc_h (DC, attention last)")
-    n_layer: int = arg(3, "blocks")
-    n_embd: int = arg(128, "token width D (256 for hopper-medium and -medium-replay)")
-    n_head: int = arg(1, "heads of the attention (long-term) branch")
-    conv_ratio: float = arg(0.5, "xi: share of D for the conv branch; 0 = DT, 1 = conv only (CDT)")
-    kernel: int = arg(6, "k_m, the conv branch's causal taps, its token's own too (Maze2d: 3)")
-    conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv) | dc (DC's filters, LSDC)")
-    fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
-    routing: str = arg("split", "App. B.10: split (LSDT) | res (LSDT-res) | weight (LSDT-weight)")
-    norm: str = arg("post", "post (the official code) | pre (the paper's Figure 1, and DC)")
-    dropout: float = arg(0.25, "dropout after W_O and after the MLP")
-    attn_dropout: float = arg(0.1, "dropout on the attention output P V (the official code)")
-    conv_dropout: float = arg(0.2, "dropout on the dynamic-kernel logits, before the softmax")
-    embd_dropout: float = arg(0.0, "dropout on the token embeddings (none in LSDT, 0.1 in DC)")
-    dropkey: float = arg(0.0, "DropKey (B.8, Table 6): drop attention logits with this probability")
-    action_tokens: bool = arg(True, "a_t tokens; without: (R, s) only (D.2, hopper-medium)")
-    goal_state: bool = arg(True, "goal-state conditioning (Sec. 3.3): the goal kept in the state")
-    # the code evaluates every 500 updates; Table 1: 20 episodes (locomotion), 100 (mazes)
-    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
-                          run=True)
-    eval_episodes: int = arg(20, "episodes per target return, run in parallel", run=True)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", run=True)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
-
-    # ---- this file's analyses ----
-    plot_mixing: bool = arg(False, "mixing.png: block 1's maps (Fig. 3, 9, 11)", run=True)
-    plot_paths: bool = arg(False, "paths.png: the run's maze paths (Fig. 8)", run=True)
-
-
-# --preset cpu: dt.py's budget for 2 cores, over the dataset's row; mazes at K=1, as their noisy
-# actions are a history to copy (README).
-PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000,
-                       eval_every=2000, eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
-
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 import math
 from dataclasses import dataclass
@@ -222,23 +156,6 @@ class CausalSelfAttention(nn.Module):
         return att @ v  # (B, nh, L, hs)
 
 
-class DropKeyAttention(CausalSelfAttention):
-    """B.8, DropKey (Li et al. 2022; departure 6): in training, each logit set to -inf with
-    probability p, never a token's own; it replaces the dropout on P V."""
-
-    def __init__(self, dim, n_head, p):
-        super().__init__(dim, n_head, attn_dropout=0.0)
-        self.p = p
-
-    def attend(self, q, k, v, attn_mask):
-        if not self.training:
-            return super().attend(q, k, v, attn_mask)
-        att = self.logits(q, k, attn_mask)  # (B, nh, L, L)
-        drop = torch.rand(att.shape, device=att.device) < self.p
-        own = torch.eye(att.shape[-1], dtype=torch.bool, device=att.device)
-        return self.weigh(att.masked_fill(drop & ~own, float("-inf")), v)  # (B, nh, L, hs)
-
-
 class DynamicConv(nn.Module):
     """The short-term branch: causal DynamicConv (Wu et al. 2019; Eq. 1) as the official code has it
     (#L22), ESPnet's DynamicConvolution with a kernel mask:
@@ -282,51 +199,6 @@ class DynamicConv(nn.Module):
         return self.out(y.reshape(B, L, C) + self.bias)  # (B, L, D_c)
 
 
-class DCConv(nn.Module):
-    """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1; DC's
-    gym/models/decision_convformer.py#L43, the code's LSDC.py#L20): three static causal depthwise
-    filters of window L_w, one per token type (R, s, a), each token taking its type's (no softmax,
-    GLU or projection). LSDC's short-term branch (Sec. 4.4, D.3)."""
-
-    def __init__(self, dim, window, n_types):
-        super().__init__()
-        self.w, self.n_types = window, n_types
-        bound = 1 / math.sqrt(window)  # nn.Conv1d's default init, depthwise: fan_in = window
-        self.weight = nn.Parameter(torch.empty(n_types, dim, window).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(n_types, dim).uniform_(-bound, bound))
-
-    def forward(self, x, real):
-        B, L, C = x.shape  # x: (B, L, D_c); real: (B, L) bool
-        x = x * real[..., None]  # padding tokens as the zeros DC pads with (departure 8)
-
-        win = F.pad(x, (0, 0, self.w - 1, 0)).unfold(1, self.w, 1)  # (B, L, D_c, w) x[i-w+1..i]
-        types = torch.arange(L, device=x.device) % self.n_types  # (L,) 0 = R, 1 = s, 2 = a
-        y = torch.einsum("blcw,lcw->blc", win, self.weight[types])  # (B, L, D_c)
-        return y + self.bias[types]
-
-
-def long_term_branch(cfg, dim):
-    """Attention on dim channels; DropKey's under cfg.dropkey (B.8, Table 6)."""
-    if cfg.dropkey:
-        return DropKeyAttention(dim, cfg.n_head, cfg.dropkey)
-    return CausalSelfAttention(dim, cfg.n_head, cfg.attn_dropout)
-
-
-def short_term_branch(cfg, dim):
-    """DynamicConv on dim channels; DC's filters under cfg.conv == 'dc' (LSDC, Sec. 4.4), one per
-    token type: (R, s) and a_t where there are action tokens."""
-    if cfg.conv == "dc":
-        return DCConv(dim, cfg.kernel, n_types=2 + cfg.action_tokens)
-    return DynamicConv(dim, cfg.kernel, cfg.conv_dropout)
-
-
-class NoBranch(nn.Module):
-    """The branch xi = 0 or 1 leaves no channels: its empty slice (B, L, 0) passes through."""
-
-    def forward(self, x, *context):
-        return x
-
-
 class HybridFusion(nn.Module):
     """The Hybrid Fusion Module (App. B.3, Eqs. 2-4): Y_o = softmax(MLP(Y)) * Y, MLP W -> W/2 -> W,
     on Y = concat(Y_att, Y_conv) (B, L, W)."""
@@ -347,22 +219,6 @@ class HybridFusion(nn.Module):
         return a * y  # (B, L, D) Y_o, Eq. 4
 
 
-class BranchWeights(HybridFusion):
-    """LSDT-weight's "modified version of our HFM module" (B.10, no equations): HFM's MLP on the
-    2D-wide concat, a softmax over the two branches a token and channel:
-    Y = A_att * Y_att + A_conv * Y_conv (B, L, D)."""
-
-    def forward(self, y):
-        z = self.mlp(y)  # (B, L, 2D)
-        a = z.view(*z.shape[:-1], 2, -1).softmax(-2)  # (B, L, 2, D) A over {att, conv}
-        if self.keep:
-            self.weights = a[..., 0, :].detach()  # (B, L, D) A_att; A_conv = 1 - A_att
-        y_att, y_conv = y.chunk(2, dim=-1)  # 2 x (B, L, D)
-        return a[..., 0, :] * y_att + a[..., 1, :] * y_conv  # (B, L, D)
-
-
-# --routing (App. B.10): what each branch reads of X (B, L, D), and the widths D_a, D_c it gives
-
 class Split(nn.Module):
     """LSDT (Sec. 3.2.1): X_1 = X[..., :D_a] to attention, X_2 = X[..., D_a:] to the conv."""
 
@@ -378,34 +234,11 @@ class Split(nn.Module):
         return x.split(self.sizes, dim=-1)  # (B, L, D_a), (B, L, D_c)
 
 
-class ResidualSplit(Split):
-    """LSDT-res: "two separate linear projections with residual connections" (no equations):
-    X_1 + W_r1 X_1, X_2 + W_r2 X_2, on the split's parts."""
+class NoBranch(nn.Module):
+    """The branch xi = 0 or 1 leaves no channels: its empty slice (B, L, 0) passes through."""
 
-    def __init__(self, da, dc):
-        super().__init__(da, dc)
-        self.res_attn, self.res_conv = (nn.Linear(d, d) if d else NoBranch() for d in (da, dc))
-
-    def forward(self, x):
-        x1, x2 = super().forward(x)  # (B, L, D_a), (B, L, D_c)
-        return x1 + self.res_attn(x1), x2 + self.res_conv(x2)
-
-
-class Shared(nn.Module):
-    """LSDT-weight: "the full embedding is fed into both branches instead of a subset"."""
-
-    def __init__(self, da, dc):
-        super().__init__()
-
-    @staticmethod
-    def widths(D, conv_dim):
-        return D, D
-
-    def forward(self, x):
-        return x, x  # 2 x (B, L, D)
-
-
-ROUTES = {"split": Split, "res": ResidualSplit, "weight": Shared}
+    def forward(self, x, *context):
+        return x
 
 
 class LongShortMixer(nn.Module):
@@ -420,11 +253,7 @@ class LongShortMixer(nn.Module):
         self.conv = short_term_branch(cfg, self.dc) if self.dc else NoBranch()
         self.route = route(self.da, self.dc)
 
-        # HFM only where both branches are, as the code (#L186-L208; departure 4); LSDT-weight:
-        # its "modified HFM"
-        self.fuse = (BranchWeights(2 * D) if cfg.routing == "weight" else
-                     HybridFusion(D) if self.da and self.dc and cfg.fusion == "hfm" else
-                     nn.Identity())
+        self.fuse = fusion(cfg, self.da, self.dc)  # HFM (B.3), none, or LSDT-weight's (B.10)
         self.c_proj = nn.Linear(D, D)  # W_O
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -434,19 +263,6 @@ class LongShortMixer(nn.Module):
         y_conv = self.conv(x2, real)  # (B, L, D_c) the short-term branch
         y = self.fuse(torch.cat([y_att, y_conv], dim=-1))  # (B, L, D) HFM, Eqs. 2-4, or concat
         return self.resid_drop(self.c_proj(y))  # (B, L, D) W_O
-
-
-class ConvMixer(nn.Module):
-    """Decision Convformer's token mixer: the conv alone, with neither W_O nor dropout (DC's
-    decision_convformer.py#L101-L102)."""
-
-    def __init__(self, cfg, conv_dim):
-        super().__init__()
-        self.da, self.dc = 0, conv_dim
-        self.conv = short_term_branch(cfg, conv_dim)
-
-    def forward(self, x, attn_mask, real):
-        return self.conv(x, real)  # (B, L, D)
 
 
 class Block(nn.Module):
@@ -469,29 +285,12 @@ class Block(nn.Module):
         return self.ln_2(x + self.mlp(x))
 
 
-class PreLNBlock(Block):
-    """'pre', the paper's Figure 1 (dt.py's GPT-2 block, DC): x + mixer(LN(x)), x + MLP(LN(x))."""
-
-    def forward(self, x, attn_mask, real):
-        x = x + self.mixer(self.ln_1(x), attn_mask, real)
-        return x + self.mlp(self.ln_2(x))
-
-
 def xavier_init(model):
     """LSDT: Xavier-uniform weights and zero biases, every Linear and Embedding (#L312-L321)."""
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.xavier_uniform_(m.weight)
         if isinstance(m, nn.Linear):
-            nn.init.zeros_(m.bias)
-
-
-def gpt2_block_init(model):
-    """DC: GPT-2's N(0, 0.02) and zero biases in the blocks' Linears alone, PyTorch's defaults
-    elsewhere (DC's decision_convformer.py#L123-L130, applied at #L145)."""
-    for m in model.blocks.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
             nn.init.zeros_(m.bias)
 
 
@@ -552,7 +351,234 @@ class LSDT(nn.Module):
             if hasattr(m, "keep"):
                 m.keep = on
 
+
+# ---- the appendix's variants: DropKey (B.8), the routings (B.10), Decision Convformer (DC) ----
+# with the functions by which LongShortMixer chooses its branches and fusion
+
+# B.8: DropKey in the long-term branch
+
+class DropKeyAttention(CausalSelfAttention):
+    """B.8, DropKey (Li et al. 2022; departure 6): in training, each logit set to -inf with
+    probability p, never a token's own; it replaces the dropout on P V."""
+
+    def __init__(self, dim, n_head, p):
+        super().__init__(dim, n_head, attn_dropout=0.0)
+        self.p = p
+
+    def attend(self, q, k, v, attn_mask):
+        if not self.training:
+            return super().attend(q, k, v, attn_mask)
+        att = self.logits(q, k, attn_mask)  # (B, nh, L, L)
+        drop = torch.rand(att.shape, device=att.device) < self.p
+        own = torch.eye(att.shape[-1], dtype=torch.bool, device=att.device)
+        return self.weigh(att.masked_fill(drop & ~own, float("-inf")), v)  # (B, nh, L, hs)
+
+
+def long_term_branch(cfg, dim):
+    """Attention on dim channels; DropKey's under cfg.dropkey (B.8, Table 6)."""
+    if cfg.dropkey:
+        return DropKeyAttention(dim, cfg.n_head, cfg.dropkey)
+    return CausalSelfAttention(dim, cfg.n_head, cfg.attn_dropout)
+
+
+# B.10: --routing, what each branch reads of X (B, L, D) and the widths D_a, D_c it gives, and
+# LSDT-weight's fusion
+
+class ResidualSplit(Split):
+    """LSDT-res: "two separate linear projections with residual connections" (no equations):
+    X_1 + W_r1 X_1, X_2 + W_r2 X_2, on the split's parts."""
+
+    def __init__(self, da, dc):
+        super().__init__(da, dc)
+        self.res_attn, self.res_conv = (nn.Linear(d, d) if d else NoBranch() for d in (da, dc))
+
+    def forward(self, x):
+        x1, x2 = super().forward(x)  # (B, L, D_a), (B, L, D_c)
+        return x1 + self.res_attn(x1), x2 + self.res_conv(x2)
+
+
+class Shared(nn.Module):
+    """LSDT-weight: "the full embedding is fed into both branches instead of a subset"."""
+
+    def __init__(self, da, dc):
+        super().__init__()
+
+    @staticmethod
+    def widths(D, conv_dim):
+        return D, D
+
+    def forward(self, x):
+        return x, x  # 2 x (B, L, D)
+
+
+ROUTES = {"split": Split, "res": ResidualSplit, "weight": Shared}
+
+
+class BranchWeights(HybridFusion):
+    """LSDT-weight's "modified version of our HFM module" (B.10, no equations): HFM's MLP on the
+    2D-wide concat, a softmax over the two branches a token and channel:
+    Y = A_att * Y_att + A_conv * Y_conv (B, L, D)."""
+
+    def forward(self, y):
+        z = self.mlp(y)  # (B, L, 2D)
+        a = z.view(*z.shape[:-1], 2, -1).softmax(-2)  # (B, L, 2, D) A over {att, conv}
+        if self.keep:
+            self.weights = a[..., 0, :].detach()  # (B, L, D) A_att; A_conv = 1 - A_att
+        y_att, y_conv = y.chunk(2, dim=-1)  # 2 x (B, L, D)
+        return a[..., 0, :] * y_att + a[..., 1, :] * y_conv  # (B, L, D)
+
+
+def fusion(cfg, da, dc):
+    """Y's fusion: HFM (B.3) only where both branches are, as the code (#L186-L208; departure 4);
+    --fusion concat: none (Fig. 10); LSDT-weight: its "modified HFM" (B.10)."""
+    if cfg.routing == "weight":
+        return BranchWeights(2 * cfg.n_embd)
+    if da and dc and cfg.fusion == "hfm":
+        return HybridFusion(cfg.n_embd)
+    return nn.Identity()
+
+
+# Decision Convformer (DC, DC_h, LSDC's short-term branch; Table 12): its static filters, its
+# conv-only mixer, pre-LN blocks (also the paper's Figure 1, --norm pre) and its init
+
+class DCConv(nn.Module):
+    """Decision Convformer's token mixer (Kim et al. 2023, Sec. 3.1; DC's
+    gym/models/decision_convformer.py#L43, the code's LSDC.py#L20): three static causal depthwise
+    filters of window L_w, one per token type (R, s, a), each token taking its type's (no softmax,
+    GLU or projection). LSDC's short-term branch (Sec. 4.4, D.3)."""
+
+    def __init__(self, dim, window, n_types):
+        super().__init__()
+        self.w, self.n_types = window, n_types
+        bound = 1 / math.sqrt(window)  # nn.Conv1d's default init, depthwise: fan_in = window
+        self.weight = nn.Parameter(torch.empty(n_types, dim, window).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(n_types, dim).uniform_(-bound, bound))
+
+    def forward(self, x, real):
+        B, L, C = x.shape  # x: (B, L, D_c); real: (B, L) bool
+        x = x * real[..., None]  # padding tokens as the zeros DC pads with (departure 8)
+
+        win = F.pad(x, (0, 0, self.w - 1, 0)).unfold(1, self.w, 1)  # (B, L, D_c, w) x[i-w+1..i]
+        types = torch.arange(L, device=x.device) % self.n_types  # (L,) 0 = R, 1 = s, 2 = a
+        y = torch.einsum("blcw,lcw->blc", win, self.weight[types])  # (B, L, D_c)
+        return y + self.bias[types]
+
+
+def short_term_branch(cfg, dim):
+    """DynamicConv on dim channels; DC's filters under cfg.conv == 'dc' (LSDC, Sec. 4.4), one per
+    token type: (R, s) and a_t where there are action tokens."""
+    if cfg.conv == "dc":
+        return DCConv(dim, cfg.kernel, n_types=2 + cfg.action_tokens)
+    return DynamicConv(dim, cfg.kernel, cfg.conv_dropout)
+
+
+class ConvMixer(nn.Module):
+    """Decision Convformer's token mixer: the conv alone, with neither W_O nor dropout (DC's
+    decision_convformer.py#L101-L102)."""
+
+    def __init__(self, cfg, conv_dim):
+        super().__init__()
+        self.da, self.dc = 0, conv_dim
+        self.conv = short_term_branch(cfg, conv_dim)
+
+    def forward(self, x, attn_mask, real):
+        return self.conv(x, real)  # (B, L, D)
+
+
+class PreLNBlock(Block):
+    """'pre', the paper's Figure 1 (dt.py's GPT-2 block, DC): x + mixer(LN(x)), x + MLP(LN(x))."""
+
+    def forward(self, x, attn_mask, real):
+        x = x + self.mixer(self.ln_1(x), attn_mask, real)
+        return x + self.mlp(self.ln_2(x))
+
+
+def gpt2_block_init(model):
+    """DC: GPT-2's N(0, 0.02) and zero biases in the blocks' Linears alone, PyTorch's defaults
+    elsewhere (DC's decision_convformer.py#L123-L130, applied at #L145)."""
+    for m in model.blocks.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(m.bias)
+
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Table 13, the official code; a dataset's row: PAPER_TABLE) ----
+    steps: int = arg(100_000, "gradient steps",
+                     in_name=False)  # Table 13: 1e5; the cosine ends here
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
+    batch_size: int = arg(64, "windows per batch (Table 13: 64 locomotion, 256 mazes)")
+    context: int = arg(10, "K, the number of timesteps the model sees (Table 5)")
+    lr: float = arg(1e-4, "AdamW learning rate (Table 13: 1e-4 locomotion, 2e-4 mazes)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay")
+    warmup_steps: int = arg(10_000, "linear warmup, then a cosine to 0 (LSDT) or constant (DC)")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    paper_table: bool = arg(True, "the dataset's PAPER_TABLE row (K, xi, RTG...) under the flags")
+    arch: str = arg("lsdt", "lsdt | dc (Decision Convformer) | dc_h (DC, attention last)")
+    n_layer: int = arg(3, "blocks")
+    n_embd: int = arg(128, "token width D (256 for hopper-medium and -medium-replay)")
+    n_head: int = arg(1, "heads of the attention (long-term) branch")
+    conv_ratio: float = arg(0.5, "xi: share of D for the conv branch; 0 = DT, 1 = conv only (CDT)")
+    kernel: int = arg(6, "k_m, the conv branch's causal taps, its token's own too (Maze2d: 3)")
+    conv: str = arg("dynamic", "short-term branch: dynamic (DynamicConv) | dc (DC's filters, LSDC)")
+    fusion: str = arg("hfm", "hfm (Hybrid Fusion Module, App. B.3) | concat (direct concatenation)")
+    routing: str = arg("split", "App. B.10: split (LSDT) | res (LSDT-res) | weight (LSDT-weight)")
+    norm: str = arg("post", "post (the official code) | pre (the paper's Figure 1, and DC)")
+    dropout: float = arg(0.25, "dropout after W_O and after the MLP")
+    attn_dropout: float = arg(0.1, "dropout on the attention output P V (the official code)")
+    conv_dropout: float = arg(0.2, "dropout on the dynamic-kernel logits, before the softmax")
+    embd_dropout: float = arg(0.0, "dropout on the token embeddings (none in LSDT, 0.1 in DC)")
+    dropkey: float = arg(0.0, "DropKey (B.8, Table 6): drop attention logits with this probability")
+    action_tokens: bool = arg(True, "a_t tokens; without: (R, s) only (D.2, hopper-medium)")
+    goal_state: bool = arg(True, "goal-state conditioning (Sec. 3.3): the goal kept in the state")
+    # the code evaluates every 500 updates; Table 1: 20 episodes (locomotion), 100 (mazes)
+    eval_every: int = arg(500, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(20, "episodes per target return, run in parallel", in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+    # ---- this file's analyses ----
+    plot_mixing: bool = arg(False, "mixing.png: block 1's maps (Fig. 3, 9, 11)", in_name=False)
+    plot_paths: bool = arg(False, "paths.png: the run's maze paths (Fig. 8)", in_name=False)
+
+
+# --preset cpu: dt.py's budget for 2 cores, over the dataset's row; mazes at K=1, as their noisy
+# actions are a history to copy (README).
+PRESETS = {"cpu": dict(n_embd=64, n_layer=2, batch_size=64, lr=1e-3, warmup_steps=500, steps=6000,
+                       eval_every=2000, eval_episodes=10, mazes=dict(context=1, eval_episodes=50))}
 
 # ---- the paper's pieces: the per-dataset settings, data, model, schedule, loss, policy ----
 

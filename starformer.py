@@ -53,7 +53,8 @@ Glossary (paper symbol -> code name, shape; B and mask as in dt.py):
 
 Layout: as dt.py's.
 
-Departures from the paper and the official code (paths at the commit above; run_star_atari.py and
+Departures from the paper and the official code (the detail at the line that says "departure N";
+paths at the commit above; run_star_atari.py and
 utils.py are atari_and_dmc/'s; a bare #Lnn is a line of the file named last in its item, else of
 atari_and_dmc/starformer.py):
  1. Gym: lr 1e-4, decay 1e-4, 10k warmup (gym/experiment.py#L365-L367) and clip 0.25
@@ -69,9 +70,8 @@ atari_and_dmc/starformer.py):
     consequence of the target a_t (gym/experiment.py#L184), and evaluates on r_{t-1}
     (gym/evaluation/evaluate_episodes.py#L133).
  6. e^temporal counts from a window's first real step and padding is masked out of the Sequence
-    attention, so a left-padded window gives what the unpadded one gives; the code indexes
-    e^temporal by window slot (#L115), and the gym code ignores the attention_mask it is given
-    (gym/models/starformer.py#L345).
+    attention; the code indexes e^temporal by window slot (#L115), and the gym code ignores the
+    attention_mask it is given (gym/models/starformer.py#L345).
  7. The causal mask leaves out the code's loop mask[i, i-1] = 1 (#L153-L154): besides no-ops it
     only sets mask[0, -1], in a g row that is dropped.
  8. g^l = LN(FC(LN(Z_t^l))) + e_t with the code's LayerNorms (#L173-L174, #L158-L161), where the
@@ -87,13 +87,10 @@ atari_and_dmc/starformer.py):
     keeps PyTorch's defaults for Conv2d and the Atari action Embedding, N(0, 1) (#L277-L284).
 13. Atari rewards enter as the data holds them in training (DQN-replay's are clipped to [-1, 1])
     and raw in evaluation; the official Atari code clamps training rewards to [0, 1]
-    (run_star_atari.py#L390), erasing Pong's and Boxing's -1, and feeds raw rewards in
-    evaluation (#L229).
+    (run_star_atari.py#L390), erasing Pong's and Boxing's -1.
 14. --reward-input rtg is the true R_t in group t, in training and evaluation, with a target
-    (Breakout 90); Table 2's "SF RTG" row is the official code's clamp(R_t, 0, 1)
-    (run_star_atari.py#L390), summed one step into the next episode (utils.py#L195-L198, an
-    off-by-one), fed one step late in training (group t gets R_{t-1}: run_star_atari.py#L139)
-    but not in evaluation (#L211, #L249), prompted with 0 (#L175): a variant no flag here gives.
+    (Breakout 90); Table 2's "SF RTG" row is the official code's clamped, shifted R_t, a variant
+    that no flag here gives.
 15. Atari: the window sampler and the evaluation frames are data.py's and evaluate.py's, which say
     how they differ from DT's official code (StARformer's copies: run_star_atari.py#L378-L393,
     #L261-L330).
@@ -106,86 +103,6 @@ import numpy as np
 import data as data_lib
 import evaluate as ev
 
-
-def arg(default, help, run=False):
-    """A Config field that is a flag; run=True: it changes nothing trained (not in the run name)."""
-    return field(default=default, metadata={"help": help, "run": run})
-
-
-@dataclass
-class Config:
-    # ---- the paper's settings (Table 6, Sec. 5.1, the code's gym defaults; Atari: PRESETS) ----
-    steps: int = arg(100_000, "gradient steps", run=True)  # the gym code: 10 iterations x 10k
-    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
-    batch_size: int = arg(64, "windows per batch")
-    context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1; Atari: 30)")
-    # Gym: as the gym code (departure 1)
-    lr: float = arg(1e-4, "AdamW learning rate")
-    weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
-    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
-    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (Atari's)")
-    grad_clip: float = arg(0.25, "gradient-norm clip")
-    # Table 6 labels both Transformers "long-term"; the code's Sequence has 8 heads of 192, its
-    # Step 4 of 64 (run_star_atari.py#L410-L411)
-    n_layer: int = arg(6, "L, layers of the Step and of the Sequence Transformer, paired")
-    n_embd: int = arg(192, "D, Sequence Transformer width")
-    n_head: int = arg(8, "Sequence Transformer heads")
-    step_embd: int = arg(64, "d, Step Transformer width")
-    step_head: int = arg(4, "Step Transformer heads")
-    dropout: float = arg(0.1, "dropout on tokens, attention and residuals")
-    state_mlp: bool = arg(False, "h^0 = a 2-layer MLP(s_t) (Sec. 3.3.1), not one Linear (dep. 9)")
-    reward_scale: float = arg(1.0, "the reward slot gets Tanh(FC(reward_scale * r)); 1: raw (code)")
-    patch_size: int = arg(7, "image states: p x p patches (the code's 7: 144 of 4x84x84)")
-    # the variants (Tables 1-4)
-    reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: Table 1's imitation")
-    prev_action: bool = arg(True, "a_{t-1} in each group; --no-prev-action: the null action in all")
-    reward_input: str = arg("reward", "the reward slot: reward (r_{t-1}, the method) | rtg (R_t)")
-    state_token: str = arg("conv", "Table 3, h^0: conv (the method) | none | patch")
-    connection: str = arg("layerwise", "Table 4: layerwise (the method) | fusion | stack")
-    # evaluation as the gym code's: every 10k steps, 100 episodes a target
-    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
-                          run=True)
-    eval_episodes: int = arg(100, "episodes per target return, run in parallel", run=True)
-    greedy: bool = arg(False, "Atari: the argmax action, not the code's softmax draw", run=True)
-
-    # ---- the run: the same flags in every model file ----
-    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
-    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", run=True)
-    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", run=True)
-    seed: int = arg(0, "seed for sampling, initialisation and evaluation", run=True)
-    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
-                               run=True)
-    log_every: int = arg(100, "print and log the training loss every this many steps", run=True)
-    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", run=True)
-    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
-    compile: bool = arg(False, "torch.compile the model for training", run=True)
-    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)", run=True)
-    resume: bool = arg(False, "continue the run in the output folder, with its settings", run=True)
-    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled", run=True)
-    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint", run=True)
-    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets", run=True)
-
-
-# The paper's Atari settings: Table 6 (lr 6e-4, clip 1.0, decay 0.1; Config's sizes), T=30 (Sec.
-# 5.1); where it is silent, the code's (atari_and_dmc/run.sh#L4): batch 64, 10 epochs of 500k steps
-# of 1% DQN-replay (7,813 steps each), 10 episodes after each (run_star_atari.py#L199), warmup over
-# 512 x 20 tokens (#L416: 6 steps of 64 x 30), then a cosine to a tenth (lr_factor). --preset cpu:
-# dt.py's 2-core budget without dropout; mazes without a_{t-1}, a noisy history to copy; Atari with
-# one Step head and Table 2's R_t, which finds the good episodes of the made mix (README).
-PRESETS = {
-    "": dict(atari=dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0,
-                        warmup_steps=6, lr_decay=True, steps=78_130, eval_every=7_813,
-                        eval_episodes=10)),
-    "cpu": dict(n_layer=2, n_embd=64, n_head=1, step_embd=16, step_head=2, context=10,
-                batch_size=64, lr=1e-3, warmup_steps=500, lr_decay=True, steps=6000,
-                eval_every=2000, eval_episodes=10, dropout=0.0,
-                mazes=dict(prev_action=False, eval_episodes=50),
-                atari=dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6,
-                           batch_size=32, lr=6e-4, warmup_steps=100, steps=2400, eval_every=1200,
-                           eval_episodes=10, dropout=0.0, reward_input="rtg")),
-    # the official gym code's sizes (gym/experiment.py#L281, #L360-L362)
-    "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
-}
 
 # >>> model: begin (copy this block alone, to "model: end", into any file: it needs only torch)
 from dataclasses import dataclass
@@ -272,20 +189,6 @@ class Interleave:
         return y[:, 1::2]  # (B, 2T, D) -> (B, T, D)
 
 
-class Fuse:
-    """Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): the Sequence Transformer reads
-    h^{l-1} + g^l, T tokens, g^l with its e_t (departure 10)."""
-    n = 1
-
-    @staticmethod
-    def join(g, h):
-        return h + g  # (B, T, D)
-
-    @staticmethod
-    def split(y):
-        return y  # (B, T, D)
-
-
 class StepSeqLayer(nn.Module):
     """One Step Transformer layer paired with one Sequence Transformer layer (Fig. 2a; the code's
     #L138-L186); tokens: how g^l meets h^{l-1} (Interleave or Fuse). project=False: a Step layer
@@ -339,19 +242,6 @@ class NatureCNN(nn.Module):
         # channels-last: the same values, faster convolutions
         x = frames.reshape(B * T, *frames.shape[2:]).contiguous(memory_format=torch.channels_last)
         return self.fc(self.conv(x)).reshape(B, T, -1)  # (B, T, D)
-
-
-class PatchState(nn.Module):
-    """Table 3 "conv -> ViT": h^0 from a second patch embedding, not the Step Transformer's (Sec.
-    5.4); as the code's 'vit' (#L83-L89): each patch FC to d, all flattened, FC to D, Tanh."""
-
-    def __init__(self, patch_dim, n_state, d, D):
-        super().__init__()
-        self.embed = nn.Linear(patch_dim, d)
-        self.fc = nn.Sequential(nn.Linear(n_state * d, D), nn.Tanh())
-
-    def forward(self, patches):
-        return self.fc(self.embed(patches).flatten(2))  # (B, T, n_state, patch_dim) -> (B, T, D)
 
 
 NULL_ACTION = -10.0  # Gym's null action a_0 in every dimension, following DT (A.2)
@@ -473,7 +363,8 @@ class StARformer(nn.Module):
         if self.image:
             states = states.float() / 255.0  # uint8 frames -> [0, 1], as the code
         real = mask > 0  # (B, T)
-        # e^temporal counts from the first real step (the paper's tau starts at s_1; departure 6)
+        # e^temporal counts from the first real step (the paper's tau starts at s_1; departure 6),
+        # so a left-padded window gives what the unpadded one gives
         pos = (real.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
         e_temp = self.e_temporal[pos]  # (B, T, D)
 
@@ -484,7 +375,12 @@ class StARformer(nn.Module):
             prev_a = torch.full_like(prev_a, self.null_action)
         tokens = [self.embed_action(prev_a).unsqueeze(2)]  # (B, T, 1, d)
         if self.reward_token:
-            # r as the data holds it (departure 13); Table 2's R_t (departure 14)
+            # r as the data holds it (departure 13: the official Atari code clamps training
+            # rewards to [0, 1] and feeds raw ones in evaluation, run_star_atari.py#L229); Table 2's
+            # R_t (departure 14). The official code's "SF RTG" is clamp(R_t, 0, 1)
+            # (run_star_atari.py#L390), summed one step into the next episode (utils.py#L195-L198,
+            # an off-by-one), fed one step late in training (group t gets R_{t-1}, #L139) but not
+            # in evaluation (#L211, #L249), prompted with 0 (#L175)
             r = rtg if self.reward_input == "rtg" else prev_r
             tokens.append(self.embed_reward(self.reward_scale * r).unsqueeze(2))  # (B, T, 1, d)
 
@@ -539,7 +435,128 @@ class StARformer(nn.Module):
         return [{"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
                 {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
 
+
+# ---- Tables 3-4's variants: g^l summed into h^{l-1} (Table 4 "Fusion", Table 3 "w/o conv"),
+# and h^0 from a second patch embedding (Table 3 "conv -> ViT") ----
+
+class Fuse:
+    """Table 4 "Fusion" (and Table 3 "w/o conv", h^0 = 0): the Sequence Transformer reads
+    h^{l-1} + g^l, T tokens, g^l with its e_t (departure 10)."""
+    n = 1
+
+    @staticmethod
+    def join(g, h):
+        return h + g  # (B, T, D)
+
+    @staticmethod
+    def split(y):
+        return y  # (B, T, D)
+
+
+class PatchState(nn.Module):
+    """Table 3 "conv -> ViT": h^0 from a second patch embedding, not the Step Transformer's (Sec.
+    5.4); as the code's 'vit' (#L83-L89): each patch FC to d, all flattened, FC to D, Tanh."""
+
+    def __init__(self, patch_dim, n_state, d, D):
+        super().__init__()
+        self.embed = nn.Linear(patch_dim, d)
+        self.fc = nn.Sequential(nn.Linear(n_state * d, D), nn.Tanh())
+
+    def forward(self, patches):
+        return self.fc(self.embed(patches).flatten(2))  # (B, T, n_state, patch_dim) -> (B, T, D)
+
 # <<< model: end
+
+# ---- the settings: Config (the paper's, then the run's flags) and PRESETS ----
+
+
+def arg(default, help, in_name=True):
+    """A Config field that is a flag; in_name=False: it changes nothing trained, so the run's
+    variant name (its folder's) leaves it out."""
+    return field(default=default, metadata={"help": help, "in_name": in_name})
+
+
+@dataclass
+class Config:
+    # ---- the paper's settings (Table 6, Sec. 5.1, the code's gym defaults; Atari: PRESETS) ----
+    steps: int = arg(100_000, "gradient steps", in_name=False)  # the gym code: 10 iterations x 10k
+    delayed_reward: bool = arg(False, "each episode's rewards paid at its last step (DT's Table 5)")
+    batch_size: int = arg(64, "windows per batch")
+    context: int = arg(20, "T, the number of timesteps the model sees (Sec. 5.1; Atari: 30)")
+    # Gym: as the gym code (departure 1)
+    lr: float = arg(1e-4, "AdamW learning rate")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (Linear and Conv weights only)")
+    warmup_steps: int = arg(10_000, "linear learning-rate warmup, then constant")
+    lr_decay: bool = arg(False, "after warmup, a cosine to a tenth of --lr at --steps (Atari's)")
+    grad_clip: float = arg(0.25, "gradient-norm clip")
+    # Table 6 labels both Transformers "long-term"; the code's Sequence has 8 heads of 192, its
+    # Step 4 of 64 (run_star_atari.py#L410-L411)
+    n_layer: int = arg(6, "L, layers of the Step and of the Sequence Transformer, paired")
+    n_embd: int = arg(192, "D, Sequence Transformer width")
+    n_head: int = arg(8, "Sequence Transformer heads")
+    step_embd: int = arg(64, "d, Step Transformer width")
+    step_head: int = arg(4, "Step Transformer heads")
+    dropout: float = arg(0.1, "dropout on tokens, attention and residuals")
+    state_mlp: bool = arg(False, "h^0 = a 2-layer MLP(s_t) (Sec. 3.3.1), not one Linear (dep. 9)")
+    reward_scale: float = arg(1.0, "the reward slot gets Tanh(FC(reward_scale * r)); 1: raw (code)")
+    patch_size: int = arg(7, "image states: p x p patches (the code's 7: 144 of 4x84x84)")
+    # the variants (Tables 1-4)
+    reward_token: bool = arg(True, "r_{t-1} tokens; --no-reward-token: Table 1's imitation")
+    prev_action: bool = arg(True, "a_{t-1} in each group; --no-prev-action: the null action in all")
+    reward_input: str = arg("reward", "the reward slot: reward (r_{t-1}, the method) | rtg (R_t)")
+    state_token: str = arg("conv", "Table 3, h^0: conv (the method) | none | patch")
+    connection: str = arg("layerwise", "Table 4: layerwise (the method) | fusion | stack")
+    # evaluation as the gym code's: every 10k steps, 100 episodes a target
+    eval_every: int = arg(10_000, "evaluate and checkpoint every this many steps, and at the end",
+                          in_name=False)
+    eval_episodes: int = arg(100, "episodes per target return, run in parallel", in_name=False)
+    greedy: bool = arg(False, "Atari: the argmax action, not the code's softmax draw",
+                       in_name=False)
+
+    # ---- the run: the same flags in every model file ----
+    preset: str = arg("", "named settings from PRESETS, under the flags ('cpu': a 2-core machine)")
+    env: str = arg("hopper-medium", "short dataset name (see data.SHORT_NAMES)", in_name=False)
+    dataset: str = arg("", "any Minari dataset id, local or remote; overrides --env", in_name=False)
+    seed: int = arg(0, "seed for sampling, initialisation and evaluation", in_name=False)
+    target_return: float = arg(None, "return-to-go prompt, raw units (default: the data's)",
+                               in_name=False)
+    log_every: int = arg(100, "print and log the training loss every this many steps",
+                         in_name=False)
+    device: str = arg("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", in_name=False)
+    amp: bool = arg(False, "bf16 autocast for the forward pass (CUDA; the loss is reduced in fp32)")
+    compile: bool = arg(False, "torch.compile the model for training", in_name=False)
+    out: str = arg("", "output folder (default: runs/<script>/<env>/<variant>/seed<N>)",
+                   in_name=False)
+    resume: bool = arg(False, "continue the run in the output folder, with its settings",
+                       in_name=False)
+    bench: bool = arg(False, "time training steps on synthetic data, eager and compiled",
+                      in_name=False)
+    gif: bool = arg(False, "episode.gif: one evaluation episode of the run's checkpoint",
+                    in_name=False)
+    target_sweep: bool = arg(False, "target_sweep.png (DT's Fig. 4): return at 8 targets",
+                             in_name=False)
+
+
+# The paper's Atari settings: Table 6 (lr 6e-4, clip 1.0, decay 0.1; Config's sizes), T=30 (Sec.
+# 5.1); where it is silent, the code's (atari_and_dmc/run.sh#L4): batch 64, 10 epochs of 500k steps
+# of 1% DQN-replay (7,813 steps each), 10 episodes after each (run_star_atari.py#L199), warmup over
+# 512 x 20 tokens (#L416: 6 steps of 64 x 30), then a cosine to a tenth (lr_factor). --preset cpu:
+# dt.py's 2-core budget without dropout; mazes without a_{t-1}, a noisy history to copy; Atari with
+# one Step head and Table 2's R_t, which finds the good episodes of the made mix (README).
+PRESETS = {
+    "": dict(atari=dict(context=30, batch_size=64, lr=6e-4, weight_decay=0.1, grad_clip=1.0,
+                        warmup_steps=6, lr_decay=True, steps=78_130, eval_every=7_813,
+                        eval_episodes=10)),
+    "cpu": dict(n_layer=2, n_embd=64, n_head=1, step_embd=16, step_head=2, context=10,
+                batch_size=64, lr=1e-3, warmup_steps=500, lr_decay=True, steps=6000,
+                eval_every=2000, eval_episodes=10, dropout=0.0,
+                mazes=dict(prev_action=False, eval_episodes=50),
+                atari=dict(n_layer=2, n_embd=64, n_head=4, step_embd=16, step_head=1, context=6,
+                           batch_size=32, lr=6e-4, warmup_steps=100, steps=2400, eval_every=1200,
+                           eval_episodes=10, dropout=0.0, reward_input="rtg")),
+    # the official gym code's sizes (gym/experiment.py#L281, #L360-L362)
+    "code": dict(n_layer=3, n_embd=128, n_head=1, step_embd=16, step_head=4),
+}
 
 # ---- the paper's pieces: data, model, schedule, loss, policy ----
 

@@ -89,3 +89,40 @@ def test_the_run_s_own_names_sit_beside_the_plumbing(script):
                   for t in (n.targets if isinstance(n, ast.Assign) else [n])
                   if isinstance(n, ast.FunctionDef) or isinstance(t, ast.Name)]
     assert all(everywhere.count(name) == 1 for name in names), "defined again elsewhere in the file"
+
+
+@pytest.mark.parametrize("script", ["dt", *SIBLINGS])
+def test_the_model_comes_first_and_each_departure_is_short(script):
+    """nanoGPT's order: the docstring, the imports, the model block, then `arg`, Config and PRESETS before the
+    paper's pieces; the first nn.Module within the first 150 lines (dema.py: DeMa within 200); each departure
+    item in the docstring at most 3 lines, its detail at the line that implements it."""
+    src = (ROOT / f"{script}.py").read_text()
+    lines, tree = src.splitlines(), ast.parse(src)
+    begin = next(i for i, line in enumerate(lines, 1) if line.startswith("# >>> model: begin"))
+    end = lines.index("# <<< model: end") + 1
+    pieces = next(i for i, line in enumerate(lines, 1) if line.startswith("# ---- the paper's pieces"))
+    assert all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body[1:] if n.lineno < begin)
+    top = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert end < top["arg"] < top["Config"] < pieces, "arg and Config stand between the model and its pieces"
+
+    modules = [n.lineno for n in tree.body if isinstance(n, ast.ClassDef)
+               and any(ast.unparse(b) == "nn.Module" for b in n.bases)]
+    assert min(modules) <= 150 and (script != "dema" or top["DeMa"] <= 200)
+
+    doc = ast.get_docstring(tree, clean=False)
+    items = re.split(r"\n\s?\d+\. ", doc[doc.index("\nDepartures"):].split("\n\n")[0])[1:]
+    assert items and all(len(item.splitlines()) <= 3 for item in items), "a departure over 3 lines"
+
+
+def test_lsdt_reads_the_method_before_the_appendix_variants():
+    """lsdt.py's block: attention, dynamic convolution, HFM, the split, the mixer, the block and LSDT in the paper's
+    order (Sec. 3.2.1, App. B.3), then one section for B.8's, B.10's and DC's variants."""
+    src = (ROOT / "lsdt.py").read_text()
+    lines = src.splitlines()
+    variants = next(i for i, line in enumerate(lines, 1) if line.startswith("# ---- the appendix's variants"))
+    classes = [(n.name, n.lineno) for n in ast.parse(src).body if isinstance(n, ast.ClassDef)]
+    method = [name for name, line in classes if line < variants]
+    assert method == ["LSDTConfig", "CausalSelfAttention", "DynamicConv", "HybridFusion", "Split", "NoBranch",
+                      "LongShortMixer", "Block", "LSDT"]
+    assert {"DropKeyAttention", "ResidualSplit", "Shared", "BranchWeights", "DCConv", "ConvMixer",
+            "PreLNBlock"} <= {name for name, line in classes if line > variants}

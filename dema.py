@@ -901,11 +901,9 @@ def train(cfg, run, d=None):
     device, info = ev.pick_device(cfg.device), d.info()
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)
-    with torch.device("meta"):
-        meta = build_model(cfg, info)
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
-                               device)
+    need = ev.check_memory(lambda: build_model(cfg, info), lambda m, b: loss_fn(m, b, cfg),
+                           get_batch(d, 2, cfg, np.random.default_rng(0), longest=True),
+                           cfg.batch_size, device)
 
     # the model, the optimiser and the schedule
     torch.manual_seed(cfg.seed)

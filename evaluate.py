@@ -707,19 +707,22 @@ def free_memory(device):
     return data_lib.available_memory()
 
 
-def check_memory(model, loss, template, batch_size, device):
-    """A training step's bytes (`loss` on `batch_size` rows shaped like `template`), counted on the
-    meta device before anything is allocated; a DataError if the device has less free."""
-    batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype, device="meta")
-             for k, v in template.items()}
+def check_memory(build, loss, template, batch_size, device):
+    """A training step's bytes (`loss(build(), batch)` on `batch_size` rows shaped like `template`),
+    counted on the meta device before anything is allocated; a DataError if the device has less
+    free."""
+    with torch.device("meta"):
+        model = build()
+        batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype)
+                 for k, v in template.items()}
 
-    # what autograd keeps (a parameter counts once, in params)
-    kept = []
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: kept.append(
-                0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t,
-            lambda t: t):
-        loss(batch)
+        # what autograd keeps (a parameter counts once, in params)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: kept.append(
+                    0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t,
+                lambda t: t):
+            loss(model, batch)
 
     # the parameters 4 times (gradients, AdamW's moments), the batch twice (host, device)
     params = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1)

@@ -674,12 +674,10 @@ def train(cfg, run, d=None):
     device, info = ev.pick_device(cfg.device), run.ck["info"] if run.ck else d.info()
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = d.sample(2, cfg.context, np.random.default_rng(0))
-    with torch.device("meta"):
-        meta = build_model(cfg, dict(info, shape=info.get("shape") or shape_of(cfg),
-                                     markov_heads=[]))
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
-                               device)
+    shape = dict(info, shape=info.get("shape") or shape_of(cfg), markov_heads=[])
+    need = ev.check_memory(lambda: build_model(cfg, shape), lambda m, b: loss_fn(m, b, cfg),
+                           d.sample(2, cfg.context, np.random.default_rng(0)), cfg.batch_size,
+                           device)
 
     # the model (a new run's: GPT-2's blocks), the optimiser and the schedule
     torch.manual_seed(cfg.seed)

@@ -776,11 +776,8 @@ def train(cfg, run, d=None):
           f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens" + (goal if d.goal_dim else ""))
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = get_batch(d, 2, cfg, np.random.default_rng(0))
-    with torch.device("meta"):
-        meta = build_model(cfg, info)
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
-                               device)
+    need = ev.check_memory(lambda: build_model(cfg, info), lambda m, b: loss_fn(m, b, cfg),
+                           get_batch(d, 2, cfg, np.random.default_rng(0)), cfg.batch_size, device)
 
     # the model, the optimiser (both codes: AdamW on every parameter) and the schedule
     torch.manual_seed(cfg.seed)

@@ -922,11 +922,9 @@ def train(cfg, run, d=None):
     device, info = ev.pick_device(cfg.device), d.info()
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = get_batch(d, 2, cfg, np.random.default_rng(0), longest=True)
-    with torch.device("meta"):
-        meta = build_model(cfg, info)
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
-                               device)
+    need = ev.check_memory(lambda: build_model(cfg, info), lambda m, b: loss_fn(m, b, cfg),
+                           get_batch(d, 2, cfg, np.random.default_rng(0), longest=True),
+                           cfg.batch_size, device)
 
     # the model, the optimiser and the schedule
     torch.manual_seed(cfg.seed)
@@ -941,7 +939,7 @@ def train(cfg, run, d=None):
     fwd = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
     results = batch = None
-    with ev.StopSignal() as stop:  # Ctrl-C: end this step, save, exit 130
+    with ev.StopSignal(run.saves) as stop:  # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
             # --inner-it > 1 (Table 10): each batch its own generator (a resumed run redraws it)
             if batch is None or step % cfg.inner_it == 0:
@@ -999,8 +997,9 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     kind = np.array(["s", "a", "R"] if model.n == 3 else ["step"])[dist % model.n]
 
     # the figure; the layers' mean at a few distances
-    plt = ev.pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.subplots()
     for l, p in enumerate(list(prof) + [prof.mean(0)]):
         label = f"layer {l + 1}" if l < len(prof) else "mean of layers"
         line, = ax.plot(dist, p, "-", lw=1, label=label, color="k" if l == len(prof) else None)
@@ -1013,7 +1012,6 @@ def attention_figure(model, d, cfg, path, n_windows=64, seed=0):
     ax.legend(fontsize=8)
     fig.tight_layout()
     ev.save_figure(fig, path, dpi=100)
-    plt.close(fig)
 
     shown = sorted({i for i in (0, 1, 2, 3, 6, T - 1) if i < T})
     print(f"hidden attention -> {path}: mean |alpha| at distance {'/'.join(map(str, shown))}: "
@@ -1044,11 +1042,11 @@ def attention_episode(cfg, given):
     ev.write_atomic(os.path.join(out, "attention_episode.npz"), write)
 
     # a heat map per layer and of their mean
-    plt = ev.pyplot()
     from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
     panels = list(attn.transpose(1, 0, 2)) + [attn.mean(1)]  # (steps, T) each
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), sharey=True,
-                             layout="constrained")
+    fig = Figure(figsize=(3.6 * len(panels), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(panels), sharey=True)
     vmax = attn.max()
     vmin = max(attn[attn > 0].min(initial=vmax), vmax * 1e-6)
     norm = LogNorm(vmin=vmin, vmax=vmax) if vmax > 0 else None
@@ -1065,7 +1063,6 @@ def attention_episode(cfg, given):
 
     path = os.path.join(out, "attention_episode.png")
     ev.save_figure(fig, path, dpi=100)
-    plt.close(fig)
 
     # s_t's attention to the previous step, and its period
     s_prev = attn.mean(1)[:, T - 1 - model.n]
@@ -1268,13 +1265,11 @@ def main(argv=None):
         cfg = paper_settings(cfg, given)
         ev.check_flags(cfg, "bench", "gif", "target_sweep", *ANALYSES)
 
-        # an analysis of a run's checkpoint, or --bench
-        if cfg.bench:
-            return bench(cfg, given)
-        if cfg.gif or cfg.target_sweep:
-            return (gif if cfg.gif else target_sweep)(cfg, given)
-        if name := next((name for name in ANALYSES if getattr(cfg, name)), None):
-            return ANALYSES[name](cfg, given)
+        # --bench, or an analysis of a run's checkpoint: a stop anywhere in it is one sentence
+        tools = dict(bench=bench, gif=gif, target_sweep=target_sweep, **ANALYSES)
+        if name := next((name for name in tools if getattr(cfg, name)), None):
+            with ev.analysis(name):
+                return tools[name](cfg, given)
 
         # train (--resume: the run's own settings, from its checkpoint, in run.cfg)
         with ev.Run(SCRIPT, cfg, given, PRESETS, columns=LOG_COLUMNS) as run:

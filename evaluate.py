@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import defaultdict
 
 import numpy as np
@@ -302,80 +303,97 @@ GIF_FRAMES = 1500  # --gif's most frames (a stalled Atari episode would fill mem
 
 
 @contextlib.contextmanager
-def analysis(out, *names):
-    """The with-block of an analysis writing `names` into `out` (together: write_atomic): SIGTERM
-    stops it as Ctrl-C does, and a stop says if they were written."""
-    paths = [os.path.join(out, name) for name in names]
-    before = [os.path.exists(p) and os.stat(p).st_ino for p in paths]  # (renamed in: new inodes)
-    # Ctrl-C and SIGTERM: KeyboardInterrupt, whatever the caller's handlers
-    previous = {s: signal.signal(s, signal.default_int_handler) for s in STOPS}
+def analysis(flag):
+    """main()'s with-block around --bench and each analysis (--gif, --target-sweep, a file's
+    ANALYSES): Ctrl-C or SIGTERM anywhere in it is one sentence and exit 130 or 143. An analysis
+    writes each file whole or not at all (write_atomic); a bench writes nothing that it keeps."""
+    stops = []  # (signal, whether it came inside an import)
 
+    def stop(signum, frame):
+        stops.append((signum, any(f.f_code.co_filename.startswith("<frozen importlib")
+                                  for f, _ in traceback.walk_stack(frame))))
+        if len(stops) == 1:  # (a second lets the first's clean-up finish)
+            raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, stop) for s in STOPS}
     try:
         yield
-    except KeyboardInterrupt:
-        done = [os.path.exists(p) and os.stat(p).st_ino for p in paths] != before
-        print(f"\nstopped: {' and '.join(names)} in {out} "
-              + ("written" if done else "not written (any previous copy kept)"), file=sys.stderr)
-        raise SystemExit(130) from None
+    except BaseException as e:
+        if not (stops or isinstance(e, KeyboardInterrupt)):
+            raise
+        stops.append((signal.SIGINT, False))  # (a KeyboardInterrupt raised without a signal: Ctrl-C's)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+    # a stop, wherever it came: a library may have turned it into its own error, or caught it
+    if stops:
+        signum = stops[0][0]
+        print(f"\n{signal.Signals(signum).name}: " + (
+            "the bench stops; a bench saves nothing" if flag == "bench" else
+            f"--{flag.replace('_', '-')} stops; an analysis writes nothing half-made (each file "
+            f"whole, or its previous copy kept)"), file=sys.stderr, flush=True)
+
+        # a stop inside an extension's import can leave it half made, and the interpreter then
+        # aborts as it exits: the files are closed by now, so exit without its clean-up
+        if any(importing for _, importing in stops):
+            sys.stdout.flush()
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
 
 
 def episode_gif(act, d, target_return, seed, context, device, out, title, greedy=False):
     """--gif: one evaluation episode -> <out>/episode.gif, the title, step and return on each frame:
     MuJoCo at most 152 frames of 240 x 240, Atari the colour screen every second step, at most
     GIF_FRAMES; at the env's own speed. -> evaluate()'s result."""
-    with analysis(out, "episode.gif"):
-        with stops_held():  # (as pyplot's)
-            from PIL import Image, ImageDraw, ImageFont
-        atari, path = d.family == "atari", os.path.join(out, "episode.gif")
-        backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
+    from PIL import Image, ImageDraw, ImageFont
+    atari, path = d.family == "atari", os.path.join(out, "episode.gif")
+    backend, every = (None, 2) if atari else (pick_gl(), math.ceil(d.max_ep_len / 150))
 
-        try:
-            res = evaluate(act, d, 1, target_return, seed, context, device, progress=False,
-                           render_every=every, greedy=greedy)
-        except Exception as e:  # GL errors differ by backend and library
-            if isinstance(e, DataError) or atari:
-                raise
-            raise DataError(
-                f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset "
-                f"MUJOCO_GL to let the script find a backend, or set it to egl or osmesa with that "
-                f"library installed (Debian's libegl1 or libosmesa6)") from None
+    try:
+        res = evaluate(act, d, 1, target_return, seed, context, device, progress=False,
+                       render_every=every, greedy=greedy)
+    except Exception as e:  # GL errors differ by backend and library
+        if isinstance(e, DataError) or atari:
+            raise
+        raise DataError(
+            f"MuJoCo could not render with MUJOCO_GL={backend} ({type(e).__name__}); unset "
+            f"MUJOCO_GL to let the script find a backend, or set it to egl or osmesa with that "
+            f"library installed (Debian's libegl1 or libosmesa6)") from None
 
-        # the words on each frame
-        font = ImageFont.load_default(size=13)
-        images = []
-        for step, ret, rgb in res["frames"]:
-            img = Image.fromarray(rgb)
-            lines = wrap_text(
-                f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
-                (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
+    # the words on each frame
+    font = ImageFont.load_default(size=13)
+    images = []
+    for step, ret, rgb in res["frames"]:
+        img = Image.fromarray(rgb)
+        lines = wrap_text(
+            f"{title}{'' if target_return is None else f', target {target_return:g}'}", font,
+            (2 * img.width if atari else img.width) - 12) + [f"step {step}   return {ret:.1f}"]
 
-            # Atari: the 210 x 160 screen doubled, kept sharp, under a band for the words
-            if atari:
-                game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
-                img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
-                img.paste(game, (0, img.height - game.height))
-            ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white",
-                                     stroke_width=2, stroke_fill="black")
-            images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
-
-        # at the env's speed: a step's seconds of play (Atari) or simulated time
+        # Atari: the 210 x 160 screen doubled, kept sharp, under a band for the words
         if atari:
-            dt = data_lib.atari_frame_skip(d.env_spec) / 60
-        else:
-            env = d.make_env()
-            dt = getattr(env.unwrapped, "dt", 0.01)
-            env.close()
+            game = img.resize((2 * img.width, 2 * img.height), Image.Resampling.NEAREST)
+            img = Image.new("RGB", (game.width, game.height + 16 * len(lines) + 8))
+            img.paste(game, (0, img.height - game.height))
+        ImageDraw.Draw(img).text((6, 4), "\n".join(lines), font=font, fill="white",
+                                 stroke_width=2, stroke_fill="black")
+        images.append(img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
 
-        write_atomic(path, lambda tmp: images[0].save(
-            tmp, format="GIF", save_all=True, append_images=images[1:], loop=0, optimize=True,
-            duration=max(20, int(round(every * dt * 100)) * 10)))
-        cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
-        print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, "
-              f"{os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
-        return res
+    # at the env's speed: a step's seconds of play (Atari) or simulated time
+    if atari:
+        dt = data_lib.atari_frame_skip(d.env_spec) / 60
+    else:
+        env = d.make_env()
+        dt = getattr(env.unwrapped, "dt", 0.01)
+        env.close()
+
+    write_atomic(path, lambda tmp: images[0].save(
+        tmp, format="GIF", save_all=True, append_images=images[1:], loop=0, optimize=True,
+        duration=max(20, int(round(every * dt * 100)) * 10)))
+    cut = f", the first {len(images)} frames" if atari and len(images) >= GIF_FRAMES else ""
+    print(f"episode.gif: {summarize(res)}, {len(images)} frames{cut}, "
+          f"{os.path.getsize(path) / 2 ** 20:.1f} MB -> {path}")
+    return res
 
 
 def wrap_text(text, font, width):
@@ -417,87 +435,86 @@ def target_sweep(act, d, episodes, seed, context, device, out, title, greedy=Fal
     against the target at SWEEP_TARGETS targets, `episodes` episodes each (the same seeds), in
     target_sweep.csv and .png in `out`. DQN-replay's returns count rewards clipped to +-1, the
     env's do not. -> [(target, evaluate()'s result)]"""
-    with analysis(out, "target_sweep.png", "target_sweep.csv"):
-        check_envs(d, episodes)
+    check_envs(d, episodes)
 
-        # the targets (raw returns) and the figure's units
-        worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
-        targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
-        # where the data's episodes end at a goal (PointMaze's) so do these: raw returns (the
-        # reference returns are the horizon's)
-        to_goal = d.goal_reaching and np.median([len(e["actions"]) for e in d.episodes]) < d.horizon
-        if to_goal:
-            d = copy.copy(d)
-            d.ref_min = d.ref_max = math.nan
+    # the targets (raw returns) and the figure's units
+    worst, best = float(d.episode_returns.min()), float(d.episode_returns.max())
+    targets = np.linspace(worst, best + 0.25 * abs(best), SWEEP_TARGETS)  # (8,)
+    # where the data's episodes end at a goal (PointMaze's) so do these: raw returns (the
+    # reference returns are the horizon's)
+    to_goal = d.goal_reaching and np.median([len(e["actions"]) for e in d.episodes]) < d.horizon
+    if to_goal:
+        d = copy.copy(d)
+        d.ref_min = d.ref_max = math.nan
 
-        scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
-        norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
+    scored = math.isfinite(d.ref_min) and math.isfinite(d.ref_max)
+    norm = d.normalize_score if scored else lambda r: np.asarray(r, dtype=np.float64)
 
-        # the checkpoint's step, for the title (memory-mapped: only it is read)
-        step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True,
-                              mmap=True)["step"])
-        print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} "
-              f"(the data's lowest episode return) to {targets[-1]:.1f} (its best, {best:.1f}, "
-              f"and a quarter more), {episodes} episodes each", flush=True)
+    # the checkpoint's step, for the title (memory-mapped: only it is read)
+    step = int(torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True,
+                          mmap=True)["step"])
+    print(f"target sweep of {title} at step {step}: {len(targets)} targets from {worst:.1f} "
+          f"(the data's lowest episode return) to {targets[-1]:.1f} (its best, {best:.1f}, "
+          f"and a quarter more), {episodes} episodes each", flush=True)
 
-        # each target: a line and a csv row
-        results, rows = [], []
-        for g in targets:
-            res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy,
-                           until_goal=to_goal)
-            results.append((float(g), res))
-            print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "")
-                  + f": {summarize(res)}", flush=True)
-            rows.append(dict(target=f"{g:.2f}", target_normalized=score(d.normalize_score(g)),
-                             eval_return=f"{res['returns'].mean():.2f}",
-                             eval_return_std=f"{res['returns'].std():.2f}",
-                             normalized_score=score(res["normalized"].mean()),
-                             normalized_score_std=score(res["normalized"].std()),
-                             success_rate=(f"{res['success'].mean():.3f}" if "success" in res
-                                           else ""),
-                             episodes=episodes))
+    # each target: a line and a csv row
+    results, rows = [], []
+    for g in targets:
+        res = evaluate(act, d, episodes, float(g), seed, context, device, greedy=greedy,
+                       until_goal=to_goal)
+        results.append((float(g), res))
+        print(f"  target {g:.1f}" + (f" (normalised {norm(g):.1f})" if scored else "")
+              + f": {summarize(res)}", flush=True)
+        rows.append(dict(target=f"{g:.2f}", target_normalized=score(d.normalize_score(g)),
+                         eval_return=f"{res['returns'].mean():.2f}",
+                         eval_return_std=f"{res['returns'].std():.2f}",
+                         normalized_score=score(res["normalized"].mean()),
+                         normalized_score_std=score(res["normalized"].std()),
+                         success_rate=(f"{res['success'].mean():.3f}" if "success" in res
+                                       else ""),
+                         episodes=episodes))
 
-        # the figure: the return got against the target
-        plt = pyplot()
-        x = norm(targets)  # (8,)
-        y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
-        sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
-        hundred = "a human gamer" if d.family == "atari" else "expert"
-        unit = (f"normalised: 0 = random, 100 = {hundred}" if scored
-                else "raw, until the goal" if to_goal else "raw: no reference returns")
+    # the figure: the return got against the target
+    from matplotlib.figure import Figure
+    x = norm(targets)  # (8,)
+    y = np.array([norm(res["returns"]).mean() for _, res in results])  # (8,) mean over episodes
+    sd = np.array([norm(res["returns"]).std() for _, res in results])  # (8,)
+    hundred = "a human gamer" if d.family == "atari" else "expert"
+    unit = (f"normalised: 0 = random, 100 = {hundred}" if scored
+            else "raw, until the goal" if to_goal else "raw: no reference returns")
 
-        # both axes alike: the diagonal at 45 degrees
-        lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
-        lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))
+    # both axes alike: the diagonal at 45 degrees
+    lo, hi = min(x[0], (y - sd).min()), max(x[-1], (y + sd).max(), norm(best))
+    lim = (lo - 0.05 * (hi - lo or 1.0), hi + 0.05 * (hi - lo or 1.0))
 
-        # the return got (mean, band +-1 std), the return asked for, the data's best
-        fig, ax = plt.subplots(figsize=(5.6, 5.6))
-        ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
-        ax.plot(x, y, "o-", color="tab:blue", ms=4,
-                label=f"achieved: mean of {episodes} episodes, band ±1 std"
-                      + ("; under each, the % that reached the goal" if d.goal_reaching else ""))
-        if d.goal_reaching:
-            for xi, yi, (_, res) in zip(x, y, results):
-                ax.annotate(f"{100 * res['success'].mean():.0f}%", (xi, yi), xytext=(0, -12),
-                            textcoords="offset points", ha="center", fontsize=7, color="tab:blue")
-        ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
-        ax.axhline(norm(best), ls=":", color="tab:red",
-                   label=f"best episode in the data (return {best:.4g})")
+    # the return got (mean, band +-1 std), the return asked for, the data's best
+    fig = Figure(figsize=(5.6, 5.6))
+    ax = fig.subplots()
+    ax.fill_between(x, y - sd, y + sd, color="tab:blue", alpha=0.2, lw=0)
+    ax.plot(x, y, "o-", color="tab:blue", ms=4,
+            label=f"achieved: mean of {episodes} episodes, band ±1 std"
+                  + ("; under each, the % that reached the goal" if d.goal_reaching else ""))
+    if d.goal_reaching:
+        for xi, yi, (_, res) in zip(x, y, results):
+            ax.annotate(f"{100 * res['success'].mean():.0f}%", (xi, yi), xytext=(0, -12),
+                        textcoords="offset points", ha="center", fontsize=7, color="tab:blue")
+    ax.plot(lim, lim, "--", color="gray", label="y = x: the return asked for")
+    ax.axhline(norm(best), ls=":", color="tab:red",
+               label=f"best episode in the data (return {best:.4g})")
 
-        ax.set(xlim=lim, ylim=lim, aspect="equal",
-               xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
-        ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, "
-                     f"checkpoint at step {step}", fontsize=9)
-        # the legend under the axes (bbox_inches: kept whole)
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    ax.set(xlim=lim, ylim=lim, aspect="equal",
+           xlabel=f"target return-to-go ({unit})", ylabel=f"achieved return ({unit})")
+    ax.set_title(f"{title}: the return achieved against the return asked for\n{d.dataset_id}, "
+                 f"checkpoint at step {step}", fontsize=9)
+    # the legend under the axes (bbox_inches: kept whole)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
 
-        path = os.path.join(out, "target_sweep")  # .csv and .png, renamed into place together
-        write_atomic(path + ".csv", lambda tmp: write_csv(tmp, list(rows[0]), rows), path + ".png",
-                     lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
-        plt.close(fig)
+    path = os.path.join(out, "target_sweep")  # .csv and .png, renamed into place together
+    write_atomic(path + ".csv", lambda tmp: write_csv(tmp, list(rows[0]), rows), path + ".png",
+                 lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
-        print(f"target_sweep.png and target_sweep.csv -> {out}")
-        return results
+    print(f"target_sweep.png and target_sweep.csv -> {out}")
+    return results
 
 # ---- the run record ----
 
@@ -707,19 +724,22 @@ def free_memory(device):
     return data_lib.available_memory()
 
 
-def check_memory(model, loss, template, batch_size, device):
-    """A training step's bytes (`loss` on `batch_size` rows shaped like `template`), counted on the
-    meta device before anything is allocated; a DataError if the device has less free."""
-    batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype, device="meta")
-             for k, v in template.items()}
+def check_memory(build, loss, template, batch_size, device):
+    """A training step's bytes (`loss(build(), batch)` on `batch_size` rows shaped like `template`),
+    counted on the meta device before anything is allocated; a DataError if the device has less
+    free."""
+    with torch.device("meta"):
+        model = build()
+        batch = {k: torch.empty((batch_size, *v.shape[1:]), dtype=v.dtype)
+                 for k, v in template.items()}
 
-    # what autograd keeps (a parameter counts once, in params)
-    kept = []
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: kept.append(
-                0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t,
-            lambda t: t):
-        loss(batch)
+        # what autograd keeps (a parameter counts once, in params)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: kept.append(
+                    0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()) or t,
+                lambda t: t):
+            loss(model, batch)
 
     # the parameters 4 times (gradients, AdamW's moments), the batch twice (host, device)
     params = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1)
@@ -916,21 +936,18 @@ def save_figure(fig, path, **savefig):
 
 class StopSignal:
     """Ctrl-C or SIGTERM in training: the step (and evaluation) ends, the run saves, exit() exits
-    128 + the signal; a second signal quits at once. In --bench (saves False), which saves
-    nothing, the first signal quits."""
-    saves = True
+    128 + the signal; a second signal quits at once. saves=False (--bench's runs, which keep
+    nothing): the signals stay the caller's (analysis("bench") quits at the first)."""
+
+    def __init__(self, saves=True):
+        self.saves, self.signum, self.previous = saves, 0, {}
 
     def __enter__(self):
-        self.signum, self.previous = 0, {}
-        if threading.current_thread() is threading.main_thread():
+        if self.saves and threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.handle) for s in STOPS}
         return self
 
     def handle(self, signum, frame):
-        if not self.saves:
-            print(f"\n{signal.Signals(signum).name}: the bench stops; a bench saves nothing",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(128 + signum)
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
@@ -950,10 +967,11 @@ class StopSignal:
 class Run:
     """A run's folder (run_folder): config.json, log.csv (a row per log step and per evaluated
     target), ckpt.pt, curve.png. Run(...) writes nothing: it names the folder, refuses what must
-    not happen there and with --resume takes the run's settings from its checkpoint (self.cfg)."""
+    not happen there and with --resume takes the run's settings from its checkpoint (self.cfg).
+    saves=False: a bench's run, whose folder is thrown away (a stop does not save it)."""
 
-    def __init__(self, script, cfg, given, presets, columns=()):
-        self.script, self.ck, self.lock, self.made = script, None, None, False
+    def __init__(self, script, cfg, given, presets, columns=(), saves=True):
+        self.script, self.ck, self.lock, self.made, self.saves = script, None, None, False, saves
         self.fields = ["step", "loss", "lr", *columns, *EVAL_FIELDS]
         self.out = out = run_folder(script, cfg, presets)
         if os.path.exists(os.path.join(out, ".lock")):
@@ -1192,20 +1210,10 @@ def score(x):
     return f"{x:.2f}" if math.isfinite(x) else ""
 
 
-def pyplot():
-    """matplotlib's pyplot on Agg, imported with the stop signals held: a stop inside an import can
-    leave a module half made, and Python then aborts at its exit."""
-    with stops_held():
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    return plt
-
-
 def plot_curve(rows, path, hundred, title):
     """curve.png: the loss, and per target the normalised score (else the return), success rate
     and steps to the goal."""
-    plt = pyplot()
+    from matplotlib.figure import Figure
     evals = [r for r in rows if r["eval_return"] != ""]
     scored = any(r["normalized_score"] != "" for r in evals)
     panels = [("loss", "training loss", "mean over the log interval"),
@@ -1216,7 +1224,8 @@ def plot_curve(rows, path, hundred, title):
                    ("steps_to_goal", "steps to the goal", "the horizon if missed")]
 
     # a panel per column, a line per target
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
+    fig = Figure(figsize=(4.4 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (col, name, note) in zip(axes[0], panels):
         series = defaultdict(list)  # target -> (step, value)
         for r in rows:
@@ -1241,7 +1250,6 @@ def plot_curve(rows, path, hundred, title):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def bench_runs(script, cfg, given, presets, tokens, columns=()):
@@ -1264,12 +1272,8 @@ def bench_runs(script, cfg, given, presets, tokens, columns=()):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             quiet = contextlib.redirect_stdout(io.StringIO())
-            with Run(script, c, given, presets, columns) as run, quiet:
-                StopSignal.saves = False
-                try:
-                    yield c, run
-                finally:
-                    StopSignal.saves = True
+            with Run(script, c, given, presets, columns, saves=False) as run, quiet:
+                yield c, run
 
             # its line; the peak memory (DeMa's Table 7 "GPU memory usage")
             ms = 1e3 * run.step_s
@@ -1489,12 +1493,12 @@ def report(runs_dir="runs"):
 
 def plot_report(groups, path):
     """A subplot per dataset: each group's score against step, mean and min..max over seeds."""
-    plt = pyplot()
+    from matplotlib.figure import Figure
     datasets = sorted({key[0] for key in groups})
     cols, rows = min(3, len(datasets)), math.ceil(len(datasets) / 3)
     most = max(sum(k[0] == dataset for k in groups) for dataset in datasets)  # legend lines
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, (3.6 + 0.2 * most) * rows),
-                             squeeze=False)
+    fig = Figure(figsize=(5 * cols, (3.6 + 0.2 * most) * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
 
     # per group, the mean over seeds in a band from min to max
     for ax, dataset in zip(axes.flat, datasets):
@@ -1520,7 +1524,6 @@ def plot_report(groups, path):
     fig.suptitle("mean over seeds; band: min..max over seeds", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None):

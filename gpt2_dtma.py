@@ -688,12 +688,10 @@ def train(cfg, run, d=None):
     device, info = ev.pick_device(cfg.device), run.ck["info"] if run.ck else d.info()
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = d.sample(2, cfg.context, np.random.default_rng(0))
-    with torch.device("meta"):
-        meta = build_model(cfg, dict(info, shape=info.get("shape") or shape_of(cfg),
-                                     markov_heads=[]))
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
-                               device)
+    shape = dict(info, shape=info.get("shape") or shape_of(cfg), markov_heads=[])
+    need = ev.check_memory(lambda: build_model(cfg, shape), lambda m, b: loss_fn(m, b, cfg),
+                           d.sample(2, cfg.context, np.random.default_rng(0)), cfg.batch_size,
+                           device)
 
     # the model (a new run's: GPT-2's blocks), the optimiser and the schedule
     torch.manual_seed(cfg.seed)
@@ -714,7 +712,7 @@ def train(cfg, run, d=None):
     fwd = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
     results = None
-    with ev.StopSignal() as stop:  # Ctrl-C: end this step, save, exit 130
+    with ev.StopSignal(run.saves) as stop:  # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
             batch = d.sample(cfg.batch_size, cfg.context, rng)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -758,7 +756,6 @@ def train(cfg, run, d=None):
 def save_figure(fig, path, say=True):
     fig.tight_layout()
     ev.save_figure(fig, path, dpi=100)
-    ev.pyplot().close(fig)
     if say:
         print(f"wrote {path}")
 
@@ -788,7 +785,9 @@ def plot_gates(rows, path, heads, n_head, title):
         return
     s, g = zip(*pts)
 
-    fig, ax = ev.pyplot().subplots(figsize=(6.5, 3.8))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6.5, 3.8))
+    ax = fig.subplots()
     ax.plot(s, g, color="tab:red", label=f"Markov heads {label(heads)}")
     ax.plot(s, [1 - x for x in g], color="tab:blue", label=f"the other {n_head - len(heads)} heads")
     ax.axhline(len(heads) / n_head, ls=":", color="gray",
@@ -862,8 +861,9 @@ def markov_analysis(cfg, given):
     marked = find_markov_heads(W0, n_head, cfg.markov_r)
     shown = [next((h for h in range(n_head) if h not in marked), 0), *marked[:1]]
     cols = 1 + 2 * len(shown)
-    fig, axes = ev.pyplot().subplots(len(weights), cols, figsize=(4 * cols, 3.6 * len(weights)),
-                                   squeeze=False)
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(4 * cols, 3.6 * len(weights)))
+    axes = fig.subplots(len(weights), cols, squeeze=False)
     for row, (lab, W) in enumerate(weights.items()):
         ax = axes[row, 0]
         ax.bar(range(n_head), [x["model_ratio"] for x in tables[lab]],
@@ -933,7 +933,9 @@ def attention_maps(cfg, given):
     shown = [*heads, next((h for h in range(n_head) if h not in heads), 0)]
     ticks = range(0, 3 * cfg.context, 3 * max(1, cfg.context // 8))
 
-    fig, axes = ev.pyplot().subplots(2, len(shown), figsize=(3.6 * len(shown), 6.6), squeeze=False)
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(3.6 * len(shown), 6.6))
+    axes = fig.subplots(2, len(shown), squeeze=False)
     for r, (lab, p) in enumerate(P.items()):
         for c, h in enumerate(shown):
             heatmap(fig, axes[r, c], p[h].numpy(), xlabel="key token (R_1, s_1, a_1, R_2, ...)",
@@ -972,7 +974,9 @@ def attention_distance(cfg, given):
           f"mean of heads, layers and {len(b['mask'])} windows")
     table(["step", *range(shown)], [[step, *c[:shown].tolist()] for step, c in curves.items()])
 
-    fig, ax = ev.pyplot().subplots(figsize=(6, 3.8))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6, 3.8))
+    ax = fig.subplots()
     for step, c in curves.items():
         ax.plot(range(len(c)), c.numpy(), "o-", ms=3, label=f"step {step}")
     ax.set(xlabel="distance from s_K (tokens; 3 = one timestep)", ylabel="attention probability",
@@ -1009,7 +1013,9 @@ def importance_analysis(cfg, given, n_contexts=64):
     top = torch.topk(imp.flatten(), min(5, imp.numel())).indices.tolist()
     print("most important heads (layer, head): " + ", ".join(f"({i // N}, {i % N})" for i in top))
 
-    fig, ax = ev.pyplot().subplots(figsize=(max(6, 0.16 * L * N), 3.8))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(max(6, 0.16 * L * N), 3.8))
+    ax = fig.subplots()
     ax.bar(range(L * N), imp.flatten().numpy(),
            color=["tab:red" if i // N == 0 and i % N in model.markov_heads else "tab:blue"
                   for i in range(L * N)])
@@ -1060,7 +1066,9 @@ def text_attention(cfg, given):
     # the maps
     heads = [h for h in (*MARKOV_HEADS, 0) if h < P.shape[0]]
     toks = [enc.decode([i]) for i in ids]
-    fig, axes = ev.pyplot().subplots(1, len(heads), figsize=(3.8 * len(heads), 3.8), squeeze=False)
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(3.8 * len(heads), 3.8))
+    axes = fig.subplots(1, len(heads), squeeze=False)
 
     for ax, h in zip(axes[0], heads):
         heatmap(fig, ax, P[h].numpy(), xlabel="key token", ylabel="query token",
@@ -1458,13 +1466,11 @@ def main(argv=None):
         cfg = paper_settings(cfg, given)
         ev.check_flags(cfg, "bench", "gif", "target_sweep", *ANALYSES)
 
-        # an analysis of a run's checkpoint, or --bench
-        if cfg.bench:
-            return bench(cfg, given)
-        if cfg.gif or cfg.target_sweep:
-            return (gif if cfg.gif else target_sweep)(cfg, given)
-        if name := next((name for name in ANALYSES if getattr(cfg, name)), None):
-            return ANALYSES[name](cfg, given)
+        # --bench, or an analysis of a run's checkpoint: a stop anywhere in it is one sentence
+        tools = dict(bench=bench, gif=gif, target_sweep=target_sweep, **ANALYSES)
+        if name := next((name for name in tools if getattr(cfg, name)), None):
+            with ev.analysis(name):
+                return tools[name](cfg, given)
 
         # train (--resume: the run's own settings, from its checkpoint, in run.cfg)
         with ev.Run(SCRIPT, cfg, given, PRESETS, columns=LOG_COLUMNS) as run:

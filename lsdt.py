@@ -802,11 +802,8 @@ def train(cfg, run, d=None):
           f"{'(R, s, a)' if cfg.action_tokens else '(R, s)'} tokens" + (goal if d.goal_dim else ""))
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = get_batch(d, 2, cfg, np.random.default_rng(0))
-    with torch.device("meta"):
-        meta = build_model(cfg, info)
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
-                               device)
+    need = ev.check_memory(lambda: build_model(cfg, info), lambda m, b: loss_fn(m, b, cfg),
+                           get_batch(d, 2, cfg, np.random.default_rng(0)), cfg.batch_size, device)
 
     # the model, the optimiser (both codes: AdamW on every parameter) and the schedule
     torch.manual_seed(cfg.seed)
@@ -820,7 +817,7 @@ def train(cfg, run, d=None):
     fwd = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
     results = None
-    with ev.StopSignal() as stop:  # Ctrl-C: end this step, save, exit 130
+    with ev.StopSignal(run.saves) as stop:  # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
             batch = get_batch(d, cfg.batch_size, cfg, rng)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -895,7 +892,7 @@ def plot_mixing(cfg, given):
         return
 
     # a panel a map
-    plt = ev.pyplot()
+    from matplotlib.figure import Figure
     mixer = model.blocks[0].mixer
     n = 3 if model.action_tokens else 2
     real = int(b["mask"][index].sum().item()) * n
@@ -906,7 +903,8 @@ def plot_mixing(cfg, given):
             "hfm": ("LSDT-weight's branch weights", "A_att (conv: 1 - A_att)", "channel")
             if weighted else ("HFM weights", "A", "channel (attention | conv)")}
 
-    fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 4.8), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(maps), 4.8))
+    axes = fig.subplots(1, len(maps), squeeze=False)
     for ax, (name, m) in zip(axes[0], maps.items()):
         m = m[-real:, -real:] if name != "hfm" else m[-real:]  # drop the left padding
         im = ax.imshow(m.float().numpy(), cmap="viridis",
@@ -933,7 +931,6 @@ def plot_mixing(cfg, given):
     fig.tight_layout()
     path = os.path.join(out, "mixing.png")
     ev.save_figure(fig, path, dpi=100)
-    plt.close(fig)
     print(f"mixing maps: {path}")
 
 
@@ -957,8 +954,9 @@ def plot_paths(cfg, given):
                            for i in range(cfg.eval_episodes)])
 
     # the paths over the goals
-    plt = ev.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 6))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6, 6))
+    ax = fig.subplots()
     ax.scatter(*data_goals[:, :2].T, s=4, c="lightgrey", label="goals in the dataset")
     for path, ok in zip(res["positions"], res["success"]):
         ax.plot(*path.T, color="tab:green" if ok else "tab:red", lw=1, alpha=0.8)
@@ -975,7 +973,6 @@ def plot_paths(cfg, given):
     fig.tight_layout()
     path = os.path.join(out, "paths.png")
     ev.save_figure(fig, path, dpi=100)
-    plt.close(fig)
     print(f"paths: {path} ({ev.summarize(res)})")
 
 
@@ -1048,13 +1045,11 @@ def main(argv=None):
         cfg = paper_settings(cfg, given)
         ev.check_flags(cfg, "bench", "gif", "target_sweep", *ANALYSES)
 
-        # an analysis of a run's checkpoint, or --bench
-        if cfg.bench:
-            return bench(cfg, given)
-        if cfg.gif or cfg.target_sweep:
-            return (gif if cfg.gif else target_sweep)(cfg, given)
-        if name := next((name for name in ANALYSES if getattr(cfg, name)), None):
-            return ANALYSES[name](cfg, given)
+        # --bench, or an analysis of a run's checkpoint: a stop anywhere in it is one sentence
+        tools = dict(bench=bench, gif=gif, target_sweep=target_sweep, **ANALYSES)
+        if name := next((name for name in tools if getattr(cfg, name)), None):
+            with ev.analysis(name):
+                return tools[name](cfg, given)
 
         # train (--resume: the run's own settings, from its checkpoint, in run.cfg)
         with ev.Run(SCRIPT, cfg, given, PRESETS, columns=LOG_COLUMNS) as run:

@@ -694,11 +694,9 @@ def train(cfg, run, d=None):
     device, info = ev.pick_device(cfg.device), d.info()
 
     # one step's memory, from shapes alone, before anything is allocated
-    template = d.sample(2, cfg.context, np.random.default_rng(0))
-    with torch.device("meta"):
-        meta = build_model(cfg, info)
-        need = ev.check_memory(meta, lambda b: loss_fn(meta, b, cfg), template, cfg.batch_size,
-                               device)
+    need = ev.check_memory(lambda: build_model(cfg, info), lambda m, b: loss_fn(m, b, cfg),
+                           d.sample(2, cfg.context, np.random.default_rng(0)), cfg.batch_size,
+                           device)
 
     # the model, the optimiser (Table 6's betas) and the schedule
     torch.manual_seed(cfg.seed)
@@ -712,7 +710,7 @@ def train(cfg, run, d=None):
     fwd = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
     results = None
-    with ev.StopSignal() as stop:  # Ctrl-C: end this step, save, exit 130
+    with ev.StopSignal(run.saves) as stop:  # Ctrl-C: end this step, save, exit 130
         while step < cfg.steps and not stop.signum:
             batch = d.sample(cfg.batch_size, cfg.context, rng)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -811,13 +809,11 @@ def main(argv=None):
         cfg = paper_settings(cfg, given)
         ev.check_flags(cfg, "bench", "gif", "target_sweep", *ANALYSES)
 
-        # an analysis of a run's checkpoint, or --bench
-        if cfg.bench:
-            return bench(cfg, given)
-        if cfg.gif or cfg.target_sweep:
-            return (gif if cfg.gif else target_sweep)(cfg, given)
-        if name := next((name for name in ANALYSES if getattr(cfg, name)), None):
-            return ANALYSES[name](cfg, given)
+        # --bench, or an analysis of a run's checkpoint: a stop anywhere in it is one sentence
+        tools = dict(bench=bench, gif=gif, target_sweep=target_sweep, **ANALYSES)
+        if name := next((name for name in tools if getattr(cfg, name)), None):
+            with ev.analysis(name):
+                return tools[name](cfg, given)
 
         # train (--resume: the run's own settings, from its checkpoint, in run.cfg)
         with ev.Run(SCRIPT, cfg, given, PRESETS, columns=LOG_COLUMNS) as run:

@@ -211,7 +211,10 @@ def test_a_negative_number_of_any_spelling_is_a_flags_value(capsys):
         "error: unrecognized arguments: --no-such-flag -1e-3 (see python dt.py --help)"
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. a stopped analysis keeps the previous files (written whole, renamed together) and says what it wrote
+# 2. a stopped analysis keeps the previous files (written whole, renamed together) and says so
+
+
+STOPS = "stops; an analysis writes nothing half-made (each file whole, or its previous copy kept)"
 
 
 def test_an_interrupted_gif_keeps_the_previous_one(tiny_breakout, tmp_path, monkeypatch, capsys):
@@ -226,18 +229,17 @@ def test_an_interrupted_gif_keeps_the_previous_one(tiny_breakout, tmp_path, monk
             f.write(b"GIF89a, half of it")
         raise KeyboardInterrupt
     monkeypatch.setattr(Image.Image, "save", cut)
-    with pytest.raises(SystemExit) as e, evaluate.one_sentence_errors():
+    with pytest.raises(SystemExit) as e, evaluate.one_sentence_errors(), evaluate.analysis("gif"):
         evaluate.episode_gif(lambda batch, live: np.zeros((len(live), d.act_dim)), d, 90.0, 0, 4, "cpu",
                              str(tmp_path), "a title")
-    assert e.value.code == 130 and capsys.readouterr().err.strip() == \
-        f"stopped: episode.gif in {tmp_path} not written (any previous copy kept)"
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == f"SIGINT: --gif {STOPS}"
     assert os.listdir(tmp_path) == ["episode.gif"] and (tmp_path / "episode.gif").read_bytes() == b"the previous gif"
 
 
 def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(tiny_hopper, tmp_path, monkeypatch,
                                                                                 capsys):
-    """Ctrl-C in the figure's write, SIGTERM in an evaluation: the previous csv and png kept, no .tmp; a Ctrl-C that
-    comes while they are renamed waits until both are in place."""
+    """Ctrl-C in the figure's write, SIGTERM in an evaluation (exit 143): the previous csv and png kept, no .tmp; a
+    Ctrl-C that comes while they are renamed waits until both are in place."""
     import dt
     from matplotlib.figure import Figure
     out = tmp_path / "run"
@@ -245,7 +247,7 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     (out / "target_sweep.csv").write_text("the previous table")
     (out / "target_sweep.png").write_bytes(b"the previous figure")
     before = files(out)
-    pair, sweep = "target_sweep.png and target_sweep.csv", ["--out", str(out), "--target-sweep"]
+    sweep = ["--out", str(out), "--target-sweep"]
     capsys.readouterr()
 
     def interrupted(self, fname, **kwargs):
@@ -255,7 +257,7 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     with monkeypatch.context() as m:
         m.setattr(Figure, "savefig", interrupted)
         err = one_sentence(capsys, dt.main, sweep, code=130)
-    assert err == f"stopped: {pair} in {out} not written (any previous copy kept)" and files(out) == before
+    assert err == f"SIGINT: --target-sweep {STOPS}" and files(out) == before
 
     real = evaluate.evaluate
 
@@ -266,10 +268,10 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     try:
         with monkeypatch.context() as m:
             m.setattr(evaluate, "evaluate", terminated)
-            err = one_sentence(capsys, dt.main, sweep, code=130)
+            err = one_sentence(capsys, dt.main, sweep, code=143)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert err == f"stopped: {pair} in {out} not written (any previous copy kept)" and files(out) == before
+    assert err == f"SIGTERM: --target-sweep {STOPS}" and files(out) == before
 
     real_replace = os.replace
 
@@ -280,33 +282,15 @@ def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(
     monkeypatch.setattr(os, "replace", replace)
     err = one_sentence(capsys, dt.main, sweep, code=130)
     after = files(out)
-    assert err == f"stopped: {pair} in {out} written" and set(after) == set(before)
+    assert err == f"SIGINT: --target-sweep {STOPS}" and set(after) == set(before)
     assert after["target_sweep.csv"].startswith(b"target,") and after["target_sweep.png"].startswith(b"\x89PNG")
-
-
-def test_a_stop_inside_the_figure_imports_waits_until_they_are_done(monkeypatch):
-    """A KeyboardInterrupt inside an import can leave a module half made (the interpreter then aborts at its exit):
-    Ctrl-C or SIGTERM in pyplot()'s imports is acted on once they are done."""
-    import matplotlib
-    real, done = matplotlib.use, []
-
-    def use(*args, **kwargs):
-        signal.raise_signal(signal.SIGINT)  # (to this thread: delivered at once)
-        done.append(real(*args, **kwargs))
-    monkeypatch.setattr(matplotlib, "use", use)
-    # Ctrl-C as an analysis sets it (whatever handler an earlier test in this process left)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            evaluate.pyplot()
-        assert done == [None] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def test_save_figure_renames_a_whole_figure_into_place(tmp_path, monkeypatch):
     """The other analyses' figures: a stop in the write keeps the previous file, and no .tmp."""
-    fig, ax = evaluate.pyplot().subplots()
+    from matplotlib.figure import Figure
+    fig = Figure()
+    ax = fig.subplots()
     ax.plot([0, 1])
     path = tmp_path / "figure.png"
     path.write_bytes(b"the previous figure")
@@ -458,21 +442,6 @@ def test_offline_a_class_is_told_the_make_and_random_weights(minari_tmp, tmp_pat
         G.find_weights("gpt2")
     assert str(e.value).endswith("pass --init PATH to a local model.safetensors, or train from random weights "
                                  "with --init random"), str(e.value)
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stopped_bench_says_it_saves_nothing(sig, monkeypatch, capsys):
-    """A bench's runs are thrown away: its stop is not training's "stopping after this step ... to save"."""
-    import dt
-    real = evaluate.Run.log
-
-    def stopped(self, step, *args, **kwargs):
-        real(self, step, *args, **kwargs)
-        signal.raise_signal(sig)  # (to this thread: delivered at once)
-    monkeypatch.setattr(evaluate.Run, "log", stopped)
-    err = one_sentence(capsys, dt.main, ["--bench", *TINY_DT], code=128 + sig)
-    assert err == f"{signal.Signals(sig).name}: the bench stops; a bench saves nothing"
-    assert evaluate.StopSignal.saves
 
 
 def test_an_atari_run_says_the_papers_atari_row_in_its_help_and_first_line(tiny_breakout, capsys):

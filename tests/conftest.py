@@ -116,5 +116,8 @@ def tiny_breakout(make_dataset):
 
 
 def pytest_configure(config):
+    # the quick tier, `python -m pytest -q -m "not slow"`, leaves these out
+    config.addinivalue_line("markers", "slow: runs a whole script (a subprocess, a training "
+                                       "main(), a make) or takes seconds on 2 cores")
     config.addinivalue_line("filterwarnings", "ignore::UserWarning:minari.*")  # metadata advice for test datasets
     config.option.reportchars = (config.option.reportchars or "") + "s"       # say why a test was skipped

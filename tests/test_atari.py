@@ -22,6 +22,7 @@ def expected_stack(frames, u):
     return np.stack([frames[v] if v >= 0 else np.zeros_like(frames[0]) for v in range(u - 3, u + 1)])
 
 
+@pytest.mark.slow
 def test_frames_are_stacked_when_a_batch_is_drawn_with_zeros_before_the_episode(tiny_breakout):
     d = data.load_data(tiny_breakout)
     assert d.family == "atari" and d.discrete and d.n_actions == 4 and d.obs_shape == (4, 84, 84)
@@ -42,6 +43,7 @@ def test_frames_are_stacked_when_a_batch_is_drawn_with_zeros_before_the_episode(
     assert (frames[:4] != frames[0]).any(), "the test needs frames that differ"
 
 
+@pytest.mark.slow
 def test_evaluation_feeds_the_windows_training_cuts_from_the_same_episode(tiny_breakout):
     """evaluate() keeps only a ring of recent steps per env; the contexts it hands the policy at every step must equal
     the windows gather_windows cuts from a dataset made of that very episode (frames, actions, timesteps, mask)."""
@@ -70,6 +72,7 @@ def test_evaluation_feeds_the_windows_training_cuts_from_the_same_episode(tiny_b
         assert seen[t]["actions"][-1].item() == 0
 
 
+@pytest.mark.slow
 def test_batched_atari_evaluation_equals_the_sequential_reference(tiny_breakout):
     """Sampled actions from a policy that reads the stacked frames and the last action: the batched, ring-buffered
     path and the one-episode-at-a-time reference (its own stacking, from lists) play the same games."""
@@ -154,6 +157,7 @@ def test_atari_model_is_causal_and_blind_to_padding(return_token):
         assert torch.allclose(model(**pad)[:, 2:], ref[:, 2:], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dt_picks_its_atari_model_from_the_data_and_its_paper_settings(tiny_breakout, tmp_path, capsys):
     """On Atari data dt.py builds AtariDecisionTransformer with the official code's settings under the flags, trains
     with cross-entropy, evaluates in ALE and names the run 'default' when no flag changes them."""
@@ -177,11 +181,13 @@ def test_dt_picks_its_atari_model_from_the_data_and_its_paper_settings(tiny_brea
     assert ck["info"]["discrete"] and ck["info"]["act_dim"] == 4 and "embed_state.0.weight" in ck["model"]
 
 
+@pytest.mark.slow
 def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
     interrupt_resume_equals_straight("dt", ["--dataset", tiny_breakout, *TINY_DT, "--steps", 60, "--eval-every", 30,
                                             "--log-every", 10, "--seed", 2], 60, tmp_path)
 
 
+@pytest.mark.slow
 def test_gif_films_the_game_in_colour(tiny_breakout, tmp_path, capsys):
     from PIL import Image
     out = tmp_path / "run"
@@ -216,6 +222,7 @@ def test_an_atari_env_that_cannot_be_made_is_one_sentence_before_any_folder(tiny
     assert "pip install ale-py" in err and not out.exists()
 
 
+@pytest.mark.slow
 def test_raw_rgb_frames_get_the_eval_envs_transform(make_dataset):
     """Minari's atari/* layout: 210x160 RGB screens of ALE/<Game>-v5. Loading makes them 84x84 grayscale with the
     same wrappers the eval env gets, so a dataset frame equals the eval env's observation of the same screen."""
@@ -263,6 +270,7 @@ def test_patch_state_encoder_is_starformers_patch_embedding_by_hand(capsys):
     assert "--state-encoder" in err
 
 
+@pytest.mark.slow
 def test_analyses_into_a_folder_that_cannot_be_written_are_one_sentence(tiny_breakout, tiny_hopper, tmp_path,
                                                                         capsys, monkeypatch):
     """--gif, lsdt.py --plot-mixing and dema.py --attention into a read-only run folder: one sentence, exit 1, the run
@@ -296,6 +304,7 @@ def test_analyses_into_a_folder_that_cannot_be_written_are_one_sentence(tiny_bre
     assert "could not write" in err and "attention_episode.npz" in err
 
 
+@pytest.mark.slow
 def test_dt_bench_on_atari_frames(tmp_path, capsys, monkeypatch):
     """--bench with an Atari name times DT's Atari model on synthetic 84x84 frames (DeMa's Table 7 compares the two
     there; eager only here: compiling takes a minute) and writes nothing."""

@@ -102,6 +102,7 @@ def test_convert_refuses_what_it_cannot_convert(tmp_path, minari_tmp):
     assert not os.path.exists(minari_tmp / "d4rl" / "hopper" / "wide-v0")   # nothing half-written is left
 
 
+@pytest.mark.slow
 def test_convert_cli(tmp_path, monkeypatch, capsys):
     path = write_d4rl(tmp_path / "hopper_tiny.hdf5", next_obs=False)
     env = dict(os.environ, MINARI_DATASETS_PATH=str(tmp_path / "minari"), HF_HUB_OFFLINE="1")
@@ -117,6 +118,7 @@ def test_convert_cli(tmp_path, monkeypatch, capsys):
     assert err.startswith("error: dataset 'd4rl/hopper/cli-v0' already exists")
 
 
+@pytest.mark.slow
 def test_converted_file_trains_and_finds_its_paper_rows(tmp_path, minari_tmp, capsys):
     """The D4RL rows end to end: convert a file, train a model file on it for 2 steps, evaluate in Hopper-v5; the
     per-dataset paper settings of lsdt.py and dema.py recognise the converted id as hopper-medium-replay."""
@@ -198,6 +200,7 @@ def check_episodes(dataset_id, want):
         assert e.terminations.tolist() == [False] * (len(w["actions"]) - 1) + [True] and not e.truncations.any()
 
 
+@pytest.mark.slow
 def test_dqn_replay_whole_episodes_lossless_with_the_papers_env(tmp_path, minari_tmp, capsys):
     import json
     import minari
@@ -231,6 +234,7 @@ def test_dqn_replay_whole_episodes_lossless_with_the_papers_env(tmp_path, minari
     assert os.path.isfile(minari_tmp / "dqn" / "namespace_metadata.json")
 
 
+@pytest.mark.slow
 def test_dqn_replay_buffers_and_steps(tmp_path, minari_tmp, capsys):
     folder = tmp_path / "replay_logs"
     episodes, windows = write_dqn_replay(folder)
@@ -264,6 +268,7 @@ def test_dqn_replay_buffers_and_steps(tmp_path, minari_tmp, capsys):
     check_episodes("dqn/breakout/all-v0", want)
 
 
+@pytest.mark.slow
 def test_dqn_replay_without_blank_rows_or_add_count(tmp_path, minari_tmp):
     """Rows in time order with no add_count file, and episodes with no blank rows before them: a first step that is a
     NOOP of reward 0 (as every third episode's is here) has a real frame, so it is kept."""
@@ -298,6 +303,7 @@ def npy_header(shape, descr="|u1"):
     return f.getvalue()
 
 
+@pytest.mark.slow
 def test_dqn_replay_bad_input_one_sentence_nothing_written(tmp_path, minari_tmp, capsys):
     good = tmp_path / "good"
     write_dqn_replay(good, buffers=2)
@@ -451,6 +457,7 @@ KILLS = dict(SIGKILL=("os.kill(os.getpid(), signal.SIGKILL)", "pass"),
 
 
 @pytest.mark.parametrize("sig", list(KILLS))
+@pytest.mark.slow
 def test_killed_write_leaves_no_dataset_and_is_cleaned(tmp_path, minari_tmp, capsys, sig):
     import minari
     path = write_d4rl(tmp_path / "hopper_medium-v2.hdf5")
@@ -480,6 +487,7 @@ def test_killed_write_leaves_no_dataset_and_is_cleaned(tmp_path, minari_tmp, cap
         assert list(minari.list_local_datasets()) == ["d4rl/hopper/killed-v0"]
 
 
+@pytest.mark.slow
 def test_a_stop_signal_at_any_moment_is_one_of_two_outcomes(tmp_path, minari_tmp):
     """Ctrl-C or SIGTERM at moments spread over a whole `python data.py mix` (from data.py's first line, where it
     holds the signals for main(), to its exit): either exit 130 / 143 with one sentence and nothing left, or the
@@ -535,6 +543,7 @@ def test_a_stop_signal_at_any_moment_is_one_of_two_outcomes(tmp_path, minari_tmp
     assert {0, 130, 143} <= set(seen), seen
 
 
+@pytest.mark.slow
 def test_a_live_write_is_not_cleaned(tmp_path, minari_tmp):
     """A partial folder whose lock a live process holds (another command writing) is left alone."""
     import fcntl

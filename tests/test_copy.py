@@ -145,6 +145,7 @@ def block(script):
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_model_block_runs_alone_in_an_empty_file(name, tmp_path):
     script = name.split(":")[0]
     path = tmp_path / "model.py"

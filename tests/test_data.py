@@ -151,6 +151,7 @@ def _cli(args, tmp_path):
                           env=env, cwd=tmp_path, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_messages_unknown_and_offline(tmp_path):
     r = _cli(["--env", "hoper-medium"], tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -199,6 +200,7 @@ def test_damaged_dataset_says_damaged_not_missing(tiny_hopper, minari_path, tmp_
     assert e.value.code == 1 and err.startswith("error: ") and "damaged" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_malformed_episodes_say_damaged_and_the_run_leaves_no_folder(make_dataset, minari_path, tmp_path, capsys):
     """An episode with no steps, or with fewer observations than actions + 1: 'damaged', one sentence, and a model
     script stops before it makes its run folder."""
@@ -346,6 +348,7 @@ def test_synthetic_data():
         d.make_env()
 
 
+@pytest.mark.slow
 def test_cli_help_info_and_shortcut(tiny_hopper, capsys):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), "--help"], capture_output=True, text=True,
                        timeout=120)
@@ -358,6 +361,7 @@ def test_cli_help_info_and_shortcut(tiny_hopper, capsys):
 
 # ---- python data.py mix: D4RL's medium-expert recipe from Minari's own datasets ---------------------------------
 
+@pytest.mark.slow
 def test_mix_concatenates_datasets_of_one_environment(make_dataset, minari_path, tiny_hopper, tiny_maze, tmp_path,
                                                       capsys):
     import gymnasium as gym
@@ -412,6 +416,7 @@ def test_adroit_short_names_resolve_without_data():
             data.resolve(name)
 
 
+@pytest.mark.slow
 def test_adroit_unknown_name_is_one_sentence(tmp_path):
     r = _cli(["--env", "hammer-clone"], tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -449,6 +454,7 @@ def test_adroit_loads_with_d4rl_refs_unscaled_returns_and_best_return_target(tin
     assert own.ref_source == "dataset metadata" and (own.ref_min, own.ref_max) == (-50.0, 3000.0)
 
 
+@pytest.mark.slow
 def test_adroit_trains_and_evaluates_with_lsdt_and_dt(tiny_pen, tmp_path, capsys):
     import csv
     import json

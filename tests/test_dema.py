@@ -421,6 +421,7 @@ def fit_one_batch(model, b, cfg, lr, steps):
     return loss.item()
 
 
+@pytest.mark.slow
 def test_overfits_one_batch():
     b = random_window(B=4, seed=1, dtype=torch.float32)
     b["mask"][0, :2] = 0
@@ -508,6 +509,7 @@ def final_line(capsys):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_cli_run_writes_outputs(tiny_hopper, tmp_path, capsys):
     run_cli(["--dataset", tiny_hopper, "--steps", 10, "--eval-every", 5], tmp_path)
     line = final_line(capsys)
@@ -522,12 +524,14 @@ def test_cli_run_writes_outputs(tiny_hopper, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra", [["--context", 2], ["--context", 1], ["--token-layout", "bl3d", "--context", 2]])
+@pytest.mark.slow
 def test_short_contexts_draw_the_attention_figure(extra, tiny_hopper, tmp_path, capsys):
     """--context <= 2 used to crash the end-of-run figure (distance 6 of a 6-token window)."""
     run_cli(["--dataset", tiny_hopper, "--steps", 2, "--eval-every", 2, "--eval-episodes", 1, *extra], tmp_path)
     assert os.path.getsize(tmp_path / "attention.png") > 0 and "hidden attention ->" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_rnn_mode_and_maze(tiny_hopper, tiny_maze, tmp_path, capsys):
     run_cli(["--dataset", tiny_hopper, "--mode", "rnn", "--rnn-max-len", 50, "--batch-size", 2, "--scan-chunk", 16,
              "--steps", 3, "--eval-every", 1000, "--target-return", 500], tmp_path / "rnn")
@@ -538,6 +542,7 @@ def test_cli_rnn_mode_and_maze(tiny_hopper, tiny_maze, tmp_path, capsys):
     assert rows and rows[0]["success_rate"] != ""
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_weights(tiny_hopper, tmp_path, capsys):
     common = ["--dataset", tiny_hopper, "--eval-every", 1000, "--eval-episodes", 1, "--seed", 3,
               "--target-return", 500, "--rtg-shift", "--timestep-embedding"]
@@ -576,6 +581,7 @@ def test_bad_input_is_one_sentence(tiny_hopper, tmp_path, capsys):
     assert "unknown environment" in one_sentence(capsys, [*TINY, "--env", "no-such-env", "--out", tmp_path / "y"])
 
 
+@pytest.mark.slow
 def test_analyses_read_the_checkpoint(tiny_hopper, tmp_path, capsys):
     """--attention (Fig. 4) and --s6-ablation (Fig. 5) on a tiny run: they never train, and the episode's attention
     rows are the model's own: nothing on the window's padding, whose length shrinks step by step."""
@@ -691,6 +697,7 @@ def test_atari_recurrent_step_equals_full_forward(kw):
     assert torch.allclose(torch.stack(steps, 1), full, atol=1e-12, rtol=0)
 
 
+@pytest.mark.slow
 def test_atari_rnn_evaluation_plays_the_transformer_game(tiny_breakout):
     """In the env: RNN-like evaluation (the current step only, states carried) and transformer-like evaluation over a
     window holding the whole episode draw from the same logits at every step, so they play the same games."""
@@ -766,6 +773,7 @@ def test_cross_entropy_by_hand():
     assert abs(shifted - nll([1.0, -2.0, 4.0], 1)) < 1e-6
 
 
+@pytest.mark.slow
 def test_atari_overfits_one_batch():
     b = atari_window(B=4, K=4, seed=3, dtype=torch.float32)
     loss = fit_one_batch(tiny_atari(dtype=torch.float32).train(), b, tiny_cfg(dropout=0.0), lr=3e-3, steps=200)
@@ -814,6 +822,7 @@ def test_atari_paper_settings_schedule_and_weight_decay(tiny_breakout):
     assert len(dema.param_groups(mujoco, dema.Config())) == 1                  # the gym code decays everything
 
 
+@pytest.mark.slow
 def test_cli_atari_both_modes(tiny_breakout, tmp_path, capsys):
     run_cli(["--dataset", tiny_breakout, "--steps", 6, "--eval-every", 6, "--eval-episodes", 1], tmp_path / "tr")
     assert final_line(capsys).endswith("episodes=1")
@@ -829,6 +838,7 @@ def test_cli_atari_both_modes(tiny_breakout, tmp_path, capsys):
     assert (config["mode"], config["inner_it"], config["residual"]) == ("rnn", 2, "post")
 
 
+@pytest.mark.slow
 def test_cpu_preset_rnn_on_atari_is_laptop_sized(tiny_breakout, tmp_path, capsys):
     """--preset cpu --mode rnn on Atari: 4 trajectories of at most 100 steps, said with the memory before the first
     step, a step in seconds (32 trajectories of up to 1000 steps needed 17.5 GB and minutes a step)."""
@@ -844,12 +854,14 @@ def test_cpu_preset_rnn_on_atari_is_laptop_sized(tiny_breakout, tmp_path, capsys
     assert (config["batch_size"], config["rnn_max_len"], config["inner_it"]) == (4, 100, 200)
 
 
+@pytest.mark.slow
 def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
     from test_harness import interrupt_resume_equals_straight
     interrupt_resume_equals_straight("dema", ["--dataset", tiny_breakout, *TINY, "--steps", 40, "--eval-every", 20,
                                               "--log-every", 10, "--seed", 2, "--eval-episodes", 1], 40, tmp_path)
 
 
+@pytest.mark.slow
 def test_rnn_resume_between_two_draws_is_exact(tiny_breakout, tmp_path, capsys):
     """--inner-it 3: steps 3..5 train on one batch; a run stopped at step 4 draws that batch again on resuming."""
     from test_harness import assert_same_weights
@@ -864,6 +876,7 @@ def test_rnn_resume_between_two_draws_is_exact(tiny_breakout, tmp_path, capsys):
     assert_same_weights(a["model"], b["model"])
 
 
+@pytest.mark.slow
 def test_bench_on_atari_frames(tmp_path, capsys, monkeypatch):
     """--bench with an Atari name times train() on synthetic 84x84 frames (eager only here: compiling takes a
     minute) and writes nothing."""

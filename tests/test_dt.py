@@ -53,6 +53,7 @@ def test_left_padding_is_ignored():
     assert torch.isfinite(base).all()
 
 
+@pytest.mark.slow
 def test_overfits_one_batch():
     model, b = tiny_model(), random_batch(B=4, seed=1)
     model.train()
@@ -98,6 +99,7 @@ def final_line(capsys):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_cli_run_writes_outputs(tiny_hopper, tmp_path, capsys):
     run_cli(["--dataset", tiny_hopper, "--steps", "10", "--eval-every", "5"], tmp_path)
     line = final_line(capsys)
@@ -112,6 +114,7 @@ def test_cli_run_writes_outputs(tiny_hopper, tmp_path, capsys):
     assert json.load(open(tmp_path / "config.json"))["steps"] == 10
 
 
+@pytest.mark.slow
 def test_cli_maze_reports_success(tiny_maze, tmp_path, capsys):
     run_cli(["--dataset", tiny_maze, "--steps", "5", "--eval-every", "5"], tmp_path)
     final_line(capsys)
@@ -119,6 +122,7 @@ def test_cli_maze_reports_success(tiny_maze, tmp_path, capsys):
     assert rows and rows[0]["success_rate"] != "" and float(rows[0]["steps_to_goal"]) <= 40
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_weights(tiny_hopper, tmp_path, capsys):
     common = ["--dataset", tiny_hopper, "--eval-every", "1000", "--eval-episodes", "1", "--seed", "3"]
     run_cli(common + ["--steps", "20"], tmp_path / "straight")
@@ -133,6 +137,7 @@ def test_resume_gives_identical_weights(tiny_hopper, tmp_path, capsys):
         assert torch.equal(a["optimizer"]["state"][k]["exp_avg"], b["optimizer"]["state"][k]["exp_avg"])
 
 
+@pytest.mark.slow
 def test_resume_with_another_model_is_one_sentence(tiny_hopper, tmp_path, capsys):
     run_cli(["--dataset", tiny_hopper, "--steps", "2", "--eval-every", "1000", "--eval-episodes", "1"], tmp_path)
     with pytest.raises(SystemExit) as e:
@@ -169,6 +174,7 @@ def test_bc_has_no_return_token_and_ignores_returns():
         assert torch.allclose(predict(bc, q)[:, :t + 1], predict(bc, b)[:, :t + 1], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_top_fraction_trains_on_the_best_episodes(tiny_hopper, tmp_path, capsys, monkeypatch):
     import data
     seen = []

@@ -46,6 +46,7 @@ def test_batched_equals_sequential_hopper(tiny_hopper):
     assert "success" not in b and "positions" not in b                # goal-reaching data only
 
 
+@pytest.mark.slow
 def test_batched_equals_sequential_maze(tiny_maze):
     d = data.load_data(tiny_maze)
     act = probe_policy(d.act_dim, seed=1)
@@ -136,6 +137,7 @@ def test_delayed_rewards_in_the_data_and_in_evaluation(tiny_hopper):
     assert np.array_equal(p["lengths"], s["lengths"]) and np.allclose(p["returns"], s["returns"], atol=1e-9)
 
 
+@pytest.mark.slow
 def test_delayed_reward_flag_names_the_run_and_trains(tiny_hopper, tmp_path, capsys):
     import dt
     out = tmp_path / "run"
@@ -183,6 +185,7 @@ def eval_rows(out):
         return [r for r in csv.DictReader(f) if r["eval_return"] != ""]
 
 
+@pytest.mark.slow
 def test_progress_line_names_its_score_and_log_says_which_evaluations_were_greedy(tiny_breakout, tiny_hopper,
                                                                                   tmp_path, capsys, monkeypatch):
     """Atari's "last eval" is gamer-normalised, with the return beside it; --resume with --greedy is recorded per
@@ -218,6 +221,7 @@ def files(folder):
     return {f: (folder / f).read_bytes() for f in sorted(os.listdir(folder)) if f != ".lock"}
 
 
+@pytest.mark.slow
 def test_target_sweep_evaluates_eight_targets_from_the_checkpoint_and_never_trains(tiny_hopper, tmp_path, capsys):
     """8 targets evenly spaced from the tiny data's lowest episode return to 1.25 x its best (the returns summed here
     from Minari's own episodes), 2 episodes each, as evaluate() plays them with the run's seed + 10_000; the run's
@@ -249,6 +253,7 @@ def test_target_sweep_evaluates_eight_targets_from_the_checkpoint_and_never_trai
     assert Image.open(out / "target_sweep.png").size[0] >= 600
 
 
+@pytest.mark.slow
 def test_target_sweep_needs_a_model_that_reads_a_return_to_go(tiny_hopper, tmp_path, capsys):
     """StARformer without --reward-input rtg, and DT's behaviour cloning, read no return-to-go: one sentence, exit 1,
     nothing written."""
@@ -272,6 +277,7 @@ def test_target_sweep_needs_a_model_that_reads_a_return_to_go(tiny_hopper, tmp_p
 @pytest.mark.parametrize("script, extra", [("dt", []), ("gpt2_dtma", []), ("lsdt", []),
                                            ("starformer", ["--reward-input", "rtg"]), ("dema", []),
                                            ("dema", ["--mode", "rnn"])])
+@pytest.mark.slow
 def test_every_return_conditioned_file_sweeps_its_run(script, extra, tiny_hopper, tmp_path, capsys, monkeypatch):
     """Each file's --target-sweep (an analysis: it names no trained setting, and excludes --gif) hands its run's
     policy, data, folder, --eval-episodes and evaluation seed (--seed + 10_000) to evaluate.target_sweep, with the

@@ -394,6 +394,7 @@ def test_left_padding_equals_the_shorter_window():
     assert torch.allclose(fwd(m, b)[0][:, 2:], fwd(m, short)[0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_overfits_a_tiny_batch():
     m = small_dt(n_layer=1)
     b = rand_batch(B=8, K=4, seed=3)
@@ -558,6 +559,7 @@ def log(folder):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_cli_train_resume_and_analyses(tiny_hopper, tmp_path, capsys):
     full, part = tmp_path / "full", tmp_path / "part"
     out = cli(capsys, "--dataset", tiny_hopper, *TINY_RUN, "--steps", 6, "--eval-every", 3, "--keep-ckpt-at", 3,
@@ -592,6 +594,7 @@ def test_cli_train_resume_and_analyses(tiny_hopper, tmp_path, capsys):
     assert (full / "ckpt.pt").read_bytes() == before                            # never retrained
 
 
+@pytest.mark.slow
 def test_cli_maze_reports_steps_to_goal_and_gpt2_p(tiny_maze, tmp_path, capsys):
     out = cli(capsys, "--dataset", tiny_maze, *TINY_RUN, "--steps", 2, "--eval-every", 2, "--markov-penalty", "0.1",
               "--out", tmp_path / "m").out
@@ -612,6 +615,7 @@ def test_default_context_is_the_papers_per_task():
     assert G.Config().context is None                               # so the variant name leaves it out unless given
 
 
+@pytest.mark.slow
 def test_fewer_than_11_random_heads_log_no_g_markov(tiny_hopper, tmp_path, capsys):
     """The paper's Markov heads 1, 5, 10 do not exist with 8 heads: no G_Markov, no gates.png (and --markov-penalty
     is refused, below)."""
@@ -621,6 +625,7 @@ def test_fewer_than_11_random_heads_log_no_g_markov(tiny_hopper, tmp_path, capsy
     assert all(r["g_markov"] == "" for r in log(tmp_path / "r")) and not (tmp_path / "r" / "gates.png").exists()
 
 
+@pytest.mark.slow
 def test_markov_heads_of_another_checkpoint_come_from_its_weights(tiny_hopper, tmp_path, capsys):
     sd = hf_tiny_state(4)
     W = sd["transformer.h.0.attn.c_attn.weight"]                     # Conv1D (C, 3C): head h's query columns 4h..
@@ -673,6 +678,7 @@ def test_cli_bad_input_is_one_sentence(args, words, capsys, tiny_hopper, tmp_pat
     assert not (tmp_path / "run").exists() or words == "unknown environment"
 
 
+@pytest.mark.slow
 def test_cli_init_from_local_checkpoint_keeps_the_pretrained_blocks(tiny_hopper, tmp_path, capsys):
     folder = write_hf_folder(str(tmp_path / "ckpt"), hf_tiny_state(4))
     cli(capsys, "--dataset", tiny_hopper, "--init", folder, "--n-layer", 1, "--batch-size", 4, "--context", 4,
@@ -684,6 +690,7 @@ def test_cli_init_from_local_checkpoint_keeps_the_pretrained_blocks(tiny_hopper,
     assert "blocks.1.mlp.c_fc.weight" not in ck["model"]
 
 
+@pytest.mark.slow
 def test_sample_and_text_attention_plumbing_with_a_stand_in_tokenizer(tmp_path, monkeypatch, capsys):
     """The real tokenizer needs its BPE files (network); a stand-in checks everything around it."""
     class Enc:
@@ -700,6 +707,7 @@ def test_sample_and_text_attention_plumbing_with_a_stand_in_tokenizer(tmp_path, 
     assert "| head | init CxC (i)" in out and "fine-tuned" not in out and (tmp_path / "m" / "markov_heads.png").exists()
 
 
+@pytest.mark.slow
 def test_analyses_rebuild_the_runs_exact_starting_point(tiny_hopper, tmp_path, capsys):
     """With lr 1e-12 training changes nothing that shows, so 'before fine-tuning' (rebuilt from the seed) must equal
     'after'."""
@@ -879,6 +887,7 @@ def test_init_gptj_is_one_sentence_before_any_work(tmp_path, capsys, monkeypatch
 
 
 @pytest.mark.parametrize("n_head", [4, 8])
+@pytest.mark.slow
 def test_markov_analysis_on_clip_layer0_heads(tmp_path, capsys, n_head):
     """--markov --init <CLIP> tests the config's n_head layer-0 heads of width 64 / n_head; the ratios equal Def. 4.1
     computed here in numpy from transformers' own q_proj and k_proj; [P-old] Tab. 8 is printed beside 8 heads."""
@@ -901,6 +910,7 @@ def test_markov_analysis_on_clip_layer0_heads(tmp_path, capsys, n_head):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_cli_clip_dt_from_the_hub_name_offline(tiny_hopper, tmp_path, capsys, monkeypatch):
     """--init clip finds openai/clip-vit-base-patch32 in the Hugging Face cache (a tiny one planted there), trains
     CLIP-DT in a run folder named after the init, keeps CLIP's blocks and QuickGELU in the checkpoint, and --markov on

@@ -109,6 +109,7 @@ def test_bad_flags_are_one_sentence_before_any_work(script, tiny_hopper, tmp_pat
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_cli_errors_have_no_traceback(script, tmp_path):
     """The real command line (a subprocess): --help is usage with exit 0; a bad value is one line on stderr, exit 1."""
     p = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True)
@@ -121,6 +122,7 @@ def test_cli_errors_have_no_traceback(script, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # run identity: the variant names the flags that change training; config.json records the dataset used
 
+@pytest.mark.slow
 def test_run_folder_names_the_variant(tiny_maze, tmp_path, monkeypatch, capsys):
     import dt
     monkeypatch.chdir(tmp_path)
@@ -166,6 +168,7 @@ def test_cpu_preset_has_a_maze_setting_under_the_flags(script, capsys):
 # never overwrite, never share
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_a_finished_run_is_not_replaced(script, tiny_hopper, tmp_path, capsys):
     m = module(script)
     args = flags(script, tmp_path / "run", "--steps", 4, "--eval-every", 4, dataset=tiny_hopper)
@@ -179,6 +182,7 @@ def test_a_finished_run_is_not_replaced(script, tiny_hopper, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_resume_refuses_other_settings_by_name(script, tiny_hopper, tmp_path, capsys):
     m = module(script)
     args = flags(script, tmp_path, "--steps", 2, "--eval-every", 2, dataset=tiny_hopper)
@@ -194,6 +198,7 @@ def test_resume_refuses_other_settings_by_name(script, tiny_hopper, tmp_path, ca
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_a_folder_in_use_is_refused(script, tiny_hopper, tmp_path, capsys):
     m = module(script)
     (tmp_path / "run").mkdir()
@@ -240,6 +245,7 @@ def interrupt_resume_equals_straight(script, args, steps, tmp_path):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_two_processes_on_one_folder(script, tiny_hopper, tmp_path):
     """A second process on a folder in use refuses; a killed run's lock is released by the OS."""
     args = flags(script, tmp_path, "--steps", 100_000, "--eval-every", 20, "--log-every", 10, dataset=tiny_hopper)
@@ -268,6 +274,7 @@ DELAYS = {"dt": (0.05, 0.6, 1.3), "gpt2_dtma": (0.3, 1.0), "lsdt": (0.3, 1.0), "
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_sigint_at_arbitrary_moments_then_resume_is_bit_identical(script, tiny_hopper, tmp_path):
     steps = 160
     common = ["--steps", steps, "--eval-every", 60, "--log-every", 20, "--seed", 1]
@@ -307,6 +314,7 @@ def test_sigint_at_arbitrary_moments_then_resume_is_bit_identical(script, tiny_h
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_kill_9_loses_no_logged_step(script, tiny_hopper, tmp_path):
     """SIGKILL at any instant: log.csv covers every step of the checkpoint, and the resumed run's log is whole."""
     common = ["--steps", 200, "--eval-every", 40, "--log-every", 10]
@@ -331,6 +339,7 @@ def test_kill_9_loses_no_logged_step(script, tiny_hopper, tmp_path):
 # I/O failures: one sentence, nothing lost
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_damaged_checkpoints_are_one_sentence(script, tiny_hopper, tmp_path, capsys):
     m = module(script)
     args = flags(script, tmp_path, "--steps", 2, "--eval-every", 2, dataset=tiny_hopper)
@@ -362,6 +371,7 @@ def test_unwritable_out_is_one_sentence(script, tiny_hopper, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_full_disk_keeps_the_previous_checkpoint(script, tiny_hopper, tmp_path, capsys, monkeypatch):
     m = module(script)
     saves, real_save, real_usage = [], torch.save, evaluate.shutil.disk_usage
@@ -403,6 +413,7 @@ def test_non_finite_loss_stops_with_the_step(script, tiny_hopper, tmp_path, caps
 # ---------------------------------------------------------------------------------------------------------------
 # analyses read the checkpoint and never retrain
 
+@pytest.mark.slow
 def test_analysis_reads_the_run_and_never_trains(tiny_hopper, tmp_path, capsys):
     import dt
     err = one_sentence_exit_1(capsys, dt.main, ["--out", str(tmp_path / "none"), "--bench-eval"])
@@ -418,6 +429,7 @@ def test_analysis_reads_the_run_and_never_trains(tiny_hopper, tmp_path, capsys):
 # --compile, --amp, --bench
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_compile_matches_eager(script, tiny_hopper, tmp_path, capsys):
     m = module(script)
     args = ["--steps", 3, "--eval-every", 3, *zero_dropout(script)]
@@ -429,6 +441,7 @@ def test_compile_matches_eager(script, tiny_hopper, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_amp_runs_and_loss_stays_fp32(script, tiny_hopper, tmp_path, capsys):
     m = module(script)
     m.main(flags(script, tmp_path, "--steps", 3, "--eval-every", 3, "--log-every", 1, "--amp", dataset=tiny_hopper))
@@ -437,6 +450,7 @@ def test_amp_runs_and_loss_stays_fp32(script, tiny_hopper, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_bench_times_train_and_writes_nothing(script, capsys, monkeypatch, tmp_path):
     m = module(script)
     monkeypatch.setattr(torch, "compile", lambda model: model)   # the compile itself is tested above
@@ -508,6 +522,7 @@ def test_out_never_writes_into_a_folder_that_is_not_its_run(script, tiny_hopper,
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_resume_cannot_shorten_a_run(script, tiny_hopper, tmp_path, capsys):
     m = module(script)
     m.main(flags(script, tmp_path, "--steps", 4, "--eval-every", 4, dataset=tiny_hopper))
@@ -567,6 +582,7 @@ def test_an_allocation_failure_is_one_sentence(tiny_hopper, tmp_path, capsys, mo
 # --gif: an episode you can watch, from the run's checkpoint
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.slow
 def test_gif_renders_one_episode_and_changes_nothing_else(script, tiny_hopper, tiny_maze, tmp_path, capsys):
     """A frame after reset, one every ceil(horizon / 150) steps and the last; 240 x 240; the run's files untouched.
     Skipped, with the reason, where MuJoCo finds no offscreen OpenGL."""

@@ -71,6 +71,7 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_failed_write_ends_the_command_before_hdf5_is_finalised(tmp_path, minari_tmp):
     """HDF5 can crash where it closes or finalises a file whose write failed: `python data.py` says its sentence
     and exits 1 without finalising anything, whatever the error's type."""
@@ -236,6 +237,7 @@ def test_an_interrupted_gif_keeps_the_previous_one(tiny_breakout, tmp_path, monk
     assert os.listdir(tmp_path) == ["episode.gif"] and (tmp_path / "episode.gif").read_bytes() == b"the previous gif"
 
 
+@pytest.mark.slow
 def test_a_stopped_sweep_keeps_the_previous_pair_and_sigterm_stops_it_as_ctrl_c(tiny_hopper, tmp_path, monkeypatch,
                                                                                 capsys):
     """Ctrl-C in the figure's write, SIGTERM in an evaluation (exit 143): the previous csv and png kept, no .tmp; a
@@ -351,6 +353,7 @@ def test_evaluations_too_large_for_memory_are_refused_before_any_work(tiny_hoppe
 # 4. the maze sweep in one unit: returns to the goal, as the data's episodes end there
 
 
+@pytest.mark.slow
 def test_the_maze_sweep_compares_returns_to_the_goal(minari_tmp, tmp_path, monkeypatch):
     """A made sparse PointMaze (each episode ends at its goal with return 1) swept with the planner's controller: each
     episode ends at its first goal, its return 1 as the data's; the success rate per target in the csv."""

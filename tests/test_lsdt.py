@@ -250,6 +250,7 @@ def test_left_padding_is_the_shorter_window(name):
 
 
 @pytest.mark.parametrize("routing", ["split", "res", "weight"])
+@pytest.mark.slow
 def test_overfits_a_tiny_batch(routing):
     torch.manual_seed(6)
     cfg = make_cfg(dropout=0.0, attn_dropout=0.0, conv_dropout=0.0, routing=routing)
@@ -589,6 +590,7 @@ def run_main(argv, capsys):
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_hopper_then_plot_mixing_reads_the_checkpoint(tiny_hopper, tmp_path, capsys):
     """The real command line in a subprocess: files, checkpoint, the final line; then --plot-mixing on the run."""
     import subprocess
@@ -615,6 +617,7 @@ def test_cli_hopper_then_plot_mixing_reads_the_checkpoint(tiny_hopper, tmp_path,
     assert e.value.code == 1 and "no checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_maze_goal_state_and_ablation(tiny_maze, tmp_path, capsys):
     base = ["--dataset", tiny_maze, "--steps", "10", "--eval-every", "10", "--eval-episodes", "2",
             "--conv-ratio", "0.25", "--kernel", "3", *SMALL]
@@ -629,6 +632,7 @@ def test_cli_maze_goal_state_and_ablation(tiny_maze, tmp_path, capsys):
     assert w.shape == (32, 4)
 
 
+@pytest.mark.slow
 def test_plot_paths_reads_the_checkpoint(tiny_maze, tiny_hopper, tmp_path, capsys):
     """--plot-paths (Fig. 8): rollouts of the trained run drawn over the goals; the checkpoint stays as it was."""
     run_main(["--dataset", tiny_maze, "--steps", "2", "--eval-every", "2", "--eval-episodes", "1", *SMALL,
@@ -645,6 +649,7 @@ def test_plot_paths_reads_the_checkpoint(tiny_maze, tiny_hopper, tmp_path, capsy
     assert e.value.code == 1 and "not a goal-reaching maze dataset" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_paper_row_under_flags_and_resume_keeps_it(make_dataset, tmp_path, capsys):
     """A dataset with a paper row (pointmaze umaze: K=20, 2 heads, k_m 3, batch 256, lr 2e-4): the flags given win,
     even --context 10 (the Config default); the row fills the rest; --resume does not lay the row again."""
@@ -668,6 +673,7 @@ def test_paper_row_under_flags_and_resume_keeps_it(make_dataset, tmp_path, capsy
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 6
 
 
+@pytest.mark.slow
 def test_cli_resume_after_sigint_matches_uninterrupted(tiny_maze, tmp_path, capsys, monkeypatch):
     """DC_h on a maze: Ctrl-C inside a step (the harness finishes the step, saves, exits 130), then --resume."""
     import data
@@ -739,6 +745,7 @@ def test_variant_names_the_configuration_trained():
     assert name(*mr, "--routing", "split") == "cpu_context20_conv-ratio1"              # the default, given
 
 
+@pytest.mark.slow
 def test_cli_routing_res_run_and_resume_refuses_another_routing(tiny_hopper, tmp_path, capsys):
     """--routing res trains on the tiny dataset into its own variant; --resume keeps it, and refuses another routing
     in one sentence that names the flag."""

@@ -52,6 +52,7 @@ def test_planner_on_a_hand_drawn_maze():
     assert [umaze[c] for c in walk(umaze, (1, 1), (3, 1))] == [6, 5, 4, 3, 2, 1, 0]
 
 
+@pytest.mark.slow
 def test_make_a_tiny_pointmaze_that_dt_trains_on(minari_tmp, tmp_path, capsys):
     import minari
     import dt

@@ -70,6 +70,7 @@ def made_breakout(minari_path):
     return dataset_id, buffers, behaviour
 
 
+@pytest.mark.slow
 def test_a_tiny_make_loads_lossless_and_its_controller_outscores_random_play(made_breakout):
     dataset_id, buffers, behaviour = made_breakout
     assert sum(len(b.actions) for b in buffers) == 300                 # --steps: the last episode cut there
@@ -102,6 +103,7 @@ def test_a_tiny_make_loads_lossless_and_its_controller_outscores_random_play(mad
     assert f"(eps 0, 1 episode): {controller:.0f} to {controller:.0f}" in behaviour
 
 
+@pytest.mark.slow
 def test_dt_trains_and_evaluates_on_a_made_breakout(made_breakout, tmp_path, capsys):
     out = tmp_path / "run"
     dt.main(["--dataset", made_breakout[0], *TINY_DT, "--steps", "2", "--eval-every", "2", "--out", str(out)])

@@ -89,6 +89,7 @@ def tiny(monkeypatch, tmp_path):
     return tmp_path, made
 
 
+@pytest.mark.slow
 def test_tiny_makes_load_and_dt_trains_on_one(tiny, capsys):
     import dt
     tmp_path, made = tiny
@@ -144,6 +145,7 @@ def test_tiny_makes_load_and_dt_trains_on_one(tiny, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("final: ")
 
 
+@pytest.mark.slow
 def test_tiny_halfcheetah_makes_load_and_dt_trains_on_one(tiny, capsys):
     import dt
     tmp_path, made = tiny
@@ -167,6 +169,7 @@ def test_tiny_halfcheetah_makes_load_and_dt_trains_on_one(tiny, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("final: ")
 
 
+@pytest.mark.slow
 def test_a_level_not_reached_is_one_sentence(tiny, monkeypatch, capsys):
     monkeypatch.setattr(data, "LEVELS", {"medium": 1 / 3, "expert": 1.0})
     with pytest.raises(SystemExit) as e:
@@ -179,6 +182,7 @@ def test_a_level_not_reached_is_one_sentence(tiny, monkeypatch, capsys):
         (tiny[0] / "minari" / "made").rglob("*.hdf5"))
 
 
+@pytest.mark.slow
 def test_training_stops_at_the_level(tiny, monkeypatch, capsys):
     data.main(["make", "hopper-medium", "--steps", "100"])
     assert "at ARS iteration 1 of 1 run(s), " in capsys.readouterr().out

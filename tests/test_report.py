@@ -130,6 +130,7 @@ def test_atari_rows_are_said_to_be_gamer_normalised(tmp_path):
     assert table_row(text, HOPPER, "dt", "default")[3:5] == ["20.0 ± 0.0", "30.0 ± 0.0"]
 
 
+@pytest.mark.slow
 def test_report_cli(runs):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "report", runs], capture_output=True,
                        text=True, timeout=120)

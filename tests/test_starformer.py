@@ -280,6 +280,7 @@ def test_image_variant_shapes_and_causality():
 # ---------------------------------------------------------------------------------------------------------------
 # learning
 
+@pytest.mark.slow
 def test_overfits_a_tiny_batch():
     torch.manual_seed(0)
     model = sf.StARformer(tiny_cfg(n_embd=32, step_embd=8), 5, 2)
@@ -380,6 +381,7 @@ def log_rows(out):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_cli_run_writes_outputs(tiny_hopper, tmp_path, capsys):
     run_cli(["--dataset", tiny_hopper, "--steps", "10", "--eval-every", "5"], tmp_path)
     line = final_line(capsys)
@@ -394,6 +396,7 @@ def test_cli_run_writes_outputs(tiny_hopper, tmp_path, capsys):
     assert cfg["steps"] == 10 and cfg["target_return"] is None and cfg["reward_input"] == "reward"
 
 
+@pytest.mark.slow
 def test_cli_rtg_run_evaluates_its_target(tiny_hopper, tmp_path, capsys):
     """Table 2 through the command line: the evaluation rows carry --target-return."""
     run_cli(["--dataset", tiny_hopper, "--steps", "5", "--eval-every", "5", "--reward-input", "rtg",
@@ -402,6 +405,7 @@ def test_cli_rtg_run_evaluates_its_target(tiny_hopper, tmp_path, capsys):
     assert [r["target"] for r in log_rows(tmp_path) if r["eval_return"]] == ["1234"]
 
 
+@pytest.mark.slow
 def test_cli_maze_reports_success(tiny_maze, tmp_path, capsys):
     run_cli(["--dataset", tiny_maze, "--steps", "5", "--eval-every", "5"], tmp_path)
     final_line(capsys)
@@ -409,6 +413,7 @@ def test_cli_maze_reports_success(tiny_maze, tmp_path, capsys):
     assert rows and rows[0]["success_rate"] != "" and float(rows[0]["steps_to_goal"]) <= 40
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_weights(tiny_hopper, tmp_path, capsys):
     common = ["--dataset", tiny_hopper, "--eval-every", "1000", "--eval-episodes", "1", "--seed", "3",
               "--dropout", "0.1"]           # dropout on: the torch RNG state must be restored too
@@ -665,6 +670,7 @@ TINY_ATARI = [*TINY, "--eval-episodes", "1", "--dropout", "0.1"]
 @pytest.mark.parametrize("extra", [[], ["--reward-input", "rtg"],
                                    ["--state-token", "patch", "--connection", "fusion"],
                                    ["--state-token", "none", "--connection", "stack", "--no-reward-token"]])
+@pytest.mark.slow
 def test_cli_atari_run(extra, tiny_breakout, tmp_path, capsys):
     """Train a few steps on real Breakout frames with cross-entropy, evaluate one episode in ALE, the final line."""
     out = tmp_path / "run"
@@ -690,6 +696,7 @@ def test_greedy_reaches_the_rollouts(tiny_breakout, monkeypatch):
     assert seen == [False, True]
 
 
+@pytest.mark.slow
 def test_atari_resume_refuses_another_ablation(tiny_breakout, tmp_path, capsys):
     args = ["--dataset", tiny_breakout, *TINY_ATARI, "--steps", "2", "--eval-every", "2", "--out", str(tmp_path)]
     sf.main(args)
@@ -705,6 +712,7 @@ def test_atari_resume_refuses_another_ablation(tiny_breakout, tmp_path, capsys):
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 4
 
 
+@pytest.mark.slow
 def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
     from test_harness import interrupt_resume_equals_straight
     interrupt_resume_equals_straight("starformer", ["--dataset", tiny_breakout, *TINY_ATARI, "--steps", 60,
@@ -712,6 +720,7 @@ def test_atari_interrupt_then_resume_is_bit_identical(tiny_breakout, tmp_path):
                                                     "--connection", "fusion"], 60, tmp_path)
 
 
+@pytest.mark.slow
 def test_atari_gif_reads_the_run(tiny_breakout, tmp_path, capsys):
     from PIL import Image
     out = tmp_path / "run"

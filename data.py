@@ -38,8 +38,6 @@ import shutil
 import signal
 import socket
 import sys
-import time
-import warnings
 from dataclasses import dataclass, field, replace
 
 # the command line: signals wait for main() (in numpy's and torch's threads too)
@@ -92,6 +90,23 @@ ATARI_GAMER_SCORES = {"Breakout": (1.7, 30.5), "Qbert": (163.9, 13455.0), "Pong"
                       "Frostbite": (65.0, 4335.0), "Assault": (222.0, 742.0),
                       "Gopher": (258.0, 2412.0)}
 FRAME_STACK = 4  # frames in an Atari state (DQN's, every paper's)
+
+# What `python data.py make NAME` makes offline (below the fence) -> what it stands in for; a
+# missing dataset's message names the make. Hopper's ARS reaches expert in a make's minutes,
+# HalfCheetah's medium only (make's LOCOMOTION).
+MAKE_NAMES = {f"pointmaze-{maze}{dense}": f"D4RL/pointmaze/{maze}{dense}-v2"
+              for maze in ("umaze", "medium", "large") for dense in ("", "-dense")}
+MAKE_NAMES["breakout-mixed"] = "1% of DQN-replay Breakout (the DT paper's data)"
+for _robot, _levels in (("hopper", ("medium", "medium-replay", "expert", "medium-expert")),
+                        ("halfcheetah", ("medium", "medium-replay"))):
+    for _level in _levels:
+        MAKE_NAMES[f"{_robot}-{_level}"] = (f"mujoco/{_robot}/{_level}-v0" if "-" not in _level
+                                            else f"D4RL's {_robot}-{_level}-v2")
+
+
+def _made_id(name):
+    """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
+    return "made/" + name.replace("-", "/", 1) + "-v0"
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -754,6 +769,9 @@ def synthetic_like(name, length=200):
 # ==================================================================================================
 # Dataset tools: below this line nothing is used by the model files or evaluate.py.
 # ==================================================================================================
+# the tools' own imports (what stands above runs without them)
+import time
+import warnings
 
 # ---- D4RL HDF5 -> local Minari dataset (convert-d4rl) ----
 
@@ -1244,9 +1262,6 @@ def mix(sources, dataset_id):
 # PointMaze by the method of Minari's D4RL/pointmaze sets (d4rl-minari-dataset-generation, after
 # D4RL's maze2d; make's help sums it up).
 
-MAKE_NAMES = {f"pointmaze-{maze}{dense}": f"D4RL/pointmaze/{maze}{dense}-v2"
-              for maze in ("umaze", "medium", "large") for dense in ("", "-dense")}
-MAKE_NAMES["breakout-mixed"] = "1% of DQN-replay Breakout (the DT paper's data)"
 MAZE_ENVS = {"umaze": "UMaze", "medium": "Medium", "large": "Large"}  # PointMaze_<name>-v3
 MAZE_EVAL_GOALS = {"umaze": (1, 1), "medium": (6, 6), "large": (7, 9)}  # Minari's eval goal cells
 MAZE_STEPS = {"umaze": 200_000, "medium": 300_000, "large": 400_000}  # default --steps
@@ -1323,11 +1338,6 @@ def _check_make(env, steps, halves=1):
                         f"{gb(free)} free there; {fix}, or set MINARI_DATASETS_PATH to a folder "
                         f"with room")
     print(f"{halves * steps:,} steps: {cost}", flush=True)
-
-
-def _made_id(name):
-    """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
-    return "made/" + name.replace("-", "/", 1) + "-v0"
 
 
 def maze_steps(maze_map, goal):
@@ -1587,12 +1597,6 @@ NOT_MADE = {"walker2d-": "Walker2d's medium", "halfcheetah-expert": "HalfCheetah
             "halfcheetah-medium-expert": "HalfCheetah's expert"}
 LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
 ARS_RESTART, ARS_EVAL_EPISODES, LOCOMOTION_STEPS = 200, 5, 300_000
-for _robot, _s in LOCOMOTION.items():
-    MAKE_NAMES[f"{_robot}-medium"] = f"mujoco/{_robot}/medium-v0"
-    MAKE_NAMES[f"{_robot}-medium-replay"] = f"D4RL's {_robot}-medium-replay-v2"
-    if "expert" in _s["iterations"]:
-        MAKE_NAMES[f"{_robot}-expert"] = f"mujoco/{_robot}/expert-v0"
-        MAKE_NAMES[f"{_robot}-medium-expert"] = f"D4RL's {_robot}-medium-expert-v2"
 LOCOMOTION_HELP = (
     "hopper-*, halfcheetah-*: ARS trains a linear policy in the v5 robot to a third of D4RL's "
     "expert\nreturn (expert: all, or the best in "

@@ -38,6 +38,8 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
+import urllib.parse
 from dataclasses import dataclass, field, replace
 
 # the command line: signals wait for main() (in numpy's and torch's threads too)
@@ -485,14 +487,11 @@ def _open_minari(dataset_id, download):
 
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:
-            if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
-                socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not in a minute
-            minari.load_dataset(dataset_id, download=True)
-        except Exception as e:  # httpx's, huggingface_hub's, socket's, ...
-            raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
-                            f"({'no network' if isinstance(e, OSError) else type(e).__name__}); "
-                            f"with a network run `minari download {dataset_id}`, or copy it there "
-                            f"and set MINARI_DATASETS_PATH{_stand_in(dataset_id)}") from None
+            _download(dataset_id)
+        except DataError:
+            raise
+        except Exception as e:  # httpx's, huggingface_hub's, socket's, minari's ValueError, ...
+            raise _download_failure(e, dataset_id, where) from None
 
     # there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
     try:
@@ -502,6 +501,102 @@ def _open_minari(dataset_id, download):
         detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
+
+
+def _remote():
+    """-> (Minari's remote, as MINARI_REMOTE names it, the server it downloads from): the
+    Hugging Face endpoint (HF_ENDPOINT, e.g. a mirror) for an hf:// remote."""
+    from huggingface_hub import constants
+    from minari.storage.remotes import DEFAULT_REMOTE
+    remote = os.environ.get("MINARI_REMOTE", DEFAULT_REMOTE)
+    return remote, constants.ENDPOINT if remote.startswith("hf://") else remote
+
+
+def _download(dataset_id):
+    """minari.download_dataset into a hidden folder of the datasets folder, the dataset's data/
+    moved into place when complete: a failure or a stop half-way leaves no folder that the next
+    run takes for the dataset (it downloads again)."""
+    import minari
+    from huggingface_hub import constants
+    root = dataset_folder("")
+    try:
+        staging = tempfile.mkdtemp(prefix=".data.py-download-", dir=root)
+    except OSError as e:
+        raise DataError(f"cannot download into {root} ({e.strerror}); set MINARI_DATASETS_PATH "
+                        f"to a folder you can write") from None
+    try:
+        # no route to the remote's host: fail now, not after a minute of retries
+        remote, server = _remote()
+        host = urllib.parse.urlparse(server).hostname
+        if remote.startswith("hf://") and host and not constants.HF_HUB_OFFLINE:
+            socket.getaddrinfo(host, 443)
+
+        # into the hidden folder (minari reads MINARI_DATASETS_PATH at each call), quietly: its
+        # lines name that folder (huggingface_hub's progress bars stay, on stderr)
+        old = os.environ.get("MINARI_DATASETS_PATH")
+        os.environ["MINARI_DATASETS_PATH"] = staging
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                minari.download_dataset(dataset_id)
+        finally:
+            if old is None:
+                del os.environ["MINARI_DATASETS_PATH"]
+            else:
+                os.environ["MINARI_DATASETS_PATH"] = old
+
+        # into place in one rename (a download that finished first is kept)
+        target = os.path.join(dataset_folder(dataset_id), "data")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.exists(target):
+            os.rename(os.path.join(staging, dataset_id, "data"), target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def download_failure(e, server):
+    """-> (why a download from `server` failed, in words; whether it lacks what was asked for):
+    huggingface_hub's errors and their causes (httpx's, socket's), minari's ValueError."""
+    from huggingface_hub.errors import (HfHubHTTPError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError)
+    chain = [e]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 20:
+        chain.append(cause)
+
+    # minari's "Couldn't find any version for dataset ... in the remote Farama server", ...
+    if any(isinstance(c, (RepositoryNotFoundError, RemoteEntryNotFoundError)) for c in chain) or (
+            isinstance(e, ValueError) and "in the remote" in str(e)):
+        return f"{server} does not hold it", True
+    if http := next((c for c in chain if isinstance(c, HfHubHTTPError) and c.response is not None),
+                    None):
+        return f"{server} answered HTTP {http.response.status_code}", False
+    if any(isinstance(c, socket.gaierror) for c in chain):
+        return "no network", False
+    if any(type(c).__name__ in ("ConnectError", "ConnectTimeout") for c in chain):
+        return f"{server} cannot be reached", False
+    if any(type(c).__name__ in ("RemoteProtocolError", "ReadError", "ReadTimeout") for c in chain):
+        return f"the connection to {server} broke off in a file", False
+
+    # minari's own: the files not listed (its "The data path ... doesn't exist"), a version, ...
+    if isinstance(e, ValueError) and "data path" in str(e):
+        return f"{server} did not list the files", False
+    if isinstance(e, ValueError) and str(e):
+        return "minari: " + str(e).splitlines()[0].split(". ")[0][:160], False
+    return f"{type(e).__name__} from {server}", False
+
+
+def _download_failure(e, dataset_id, where):
+    """The DataError for a failed download of a dataset, with its cause."""
+    from huggingface_hub import constants
+    remote, server = _remote()
+    why, missing = ("HF_HUB_OFFLINE is set", False) if constants.HF_HUB_OFFLINE else (
+        download_failure(e, server))
+    if missing:
+        return DataError(f"dataset '{dataset_id}' is not in {where} and not on Minari's remote "
+                         f"({remote} at {server}); check the id (`minari list remote` lists the "
+                         f"remote's){_stand_in(dataset_id)}")
+    return DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
+                     f"({why}); with a network run `minari download {dataset_id}`, or copy it "
+                     f"there and set MINARI_DATASETS_PATH{_stand_in(dataset_id)}")
 
 
 def _stand_in(dataset_id):

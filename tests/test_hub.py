@@ -171,14 +171,17 @@ def hopper_dataset_files(tmp):
 
 
 def checkpoint_files(tmp, clip=False):
-    """A tiny GPT-2 (or CLIP text tower) saved by transformers: {config.json, model.safetensors: bytes}."""
+    """A tiny GPT-2 (or CLIP) saved by transformers: {config.json, model.safetensors: bytes}."""
     import torch
     import transformers
     torch.manual_seed(0)
-    if clip:
-        cfg = transformers.CLIPTextConfig(vocab_size=99, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, max_position_embeddings=77)
-        model = transformers.CLIPTextModel(cfg)
+    if clip:   # the whole CLIPModel, as openai/clip-vit-base-patch32 holds it (text_config inside its config.json)
+        text = dict(vocab_size=99, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=77)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32,
+                      patch_size=16)
+        model = transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision,
+                                                               projection_dim=16))
     else:
         cfg = transformers.GPT2Config(vocab_size=99, n_positions=64, n_embd=32, n_layer=2, n_head=4)
         model = transformers.GPT2LMHeadModel(cfg)
@@ -376,3 +379,28 @@ def test_download_failures_leave_nothing_and_the_next_run_finishes(hub, home):
     # the server back: the next run finishes the job
     rc, out, err = run(home, "gpt2_dtma.py")
     assert rc == 0 and "downloading GPT-2 small" in out and "final: normalized_score=" in out, err
+
+
+# ---- in-process (the quick tier): the network check asks the endpoint's host --------------------------------
+
+def test_the_network_check_asks_the_mirror_not_huggingface_co(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    import data
+    asked = []
+
+    def getaddrinfo(host, *args, **kwargs):   # no network at all: the check fails at once, and says which host
+        asked.append(host)
+        raise data.socket.gaierror(-2, "Name or service not known")
+    monkeypatch.setattr(data.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub-mirror.example.org")
+    monkeypatch.setenv("MINARI_REMOTE", "hf://farama-minari")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
+    monkeypatch.setattr("minari.download_dataset", lambda *a, **kw: pytest.fail("went on to the download"))
+    with pytest.raises(data.DataError) as e:
+        data.load_data("hopper-medium")
+    assert asked == ["hub-mirror.example.org"]
+    assert "could not be downloaded (no network); with a network run `minari download mujoco/hopper/medium-v0`" in str(e.value)
+    assert os.listdir(tmp_path) == []                                      # the hidden download folder is gone

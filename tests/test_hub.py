@@ -368,12 +368,15 @@ def test_download_failures_leave_nothing_and_the_next_run_finishes(hub, home):
     assert not (home["root"] / "minari" / DATASET / "data").exists()
 
     # the weights (the dataset downloaded on the way: the failures above left nothing in its way): a model id the
-    # Hub does not hold, then broken bodies
+    # Hub does not hold, refused, then broken bodies
     clip = hub.repos.pop(("models", "openai/clip-vit-base-patch32"))
     line = fails(home, "gpt2_dtma.py", "--init", "clip")
     assert f"({hub.url} does not hold openai/clip-vit-base-patch32)" in line, line
     assert (home["root"] / "minari" / DATASET / "data" / "main_data.hdf5").exists()
     hub.repos[("models", "openai/clip-vit-base-patch32")] = clip
+    hub.stop()
+    assert f"({hub.url} cannot be reached)" in fails(home, "gpt2_dtma.py")
+    hub.start()
     broken_bodies(hub, home, "model.safetensors", "gpt2_dtma.py")
 
     # the server back: the next run finishes the job

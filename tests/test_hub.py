@@ -9,7 +9,7 @@ LocalHub answers what the clients were seen to request (its `requests` log; the 
     GET  /api/{models,datasets}/R/revision/main           repo_info: {"id", "sha", "siblings"}
     GET  /api/{models,datasets}/R/tree/SHA?recursive=true snapshot_download's listing: [{"type", "path", "size"}]
     HEAD /[datasets/]R/resolve/REV/PATH                  hf_hub_download's metadata: X-Repo-Commit, ETag, size
-    GET  /[datasets/]R/resolve/REV/PATH                  the body (Range honoured: an interrupted blob resumes)
+    GET  /[datasets/]R/resolve/REV/PATH                  the body (from an offset with Range)
 404s carry X-Error-Code (RepoNotFound, EntryNotFound), as the Hub's do.
 """
 import hashlib

@@ -38,8 +38,8 @@ import shutil
 import signal
 import socket
 import sys
-import time
-import warnings
+import tempfile
+import urllib.parse
 from dataclasses import dataclass, field, replace
 
 # the command line: signals wait for main() (in numpy's and torch's threads too)
@@ -92,6 +92,23 @@ ATARI_GAMER_SCORES = {"Breakout": (1.7, 30.5), "Qbert": (163.9, 13455.0), "Pong"
                       "Frostbite": (65.0, 4335.0), "Assault": (222.0, 742.0),
                       "Gopher": (258.0, 2412.0)}
 FRAME_STACK = 4  # frames in an Atari state (DQN's, every paper's)
+
+# What `python data.py make NAME` makes offline (below the fence) -> what it stands in for; a
+# missing dataset's message names the make. Hopper's ARS reaches expert in a make's minutes,
+# HalfCheetah's medium only (make's LOCOMOTION).
+MAKE_NAMES = {f"pointmaze-{maze}{dense}": f"D4RL/pointmaze/{maze}{dense}-v2"
+              for maze in ("umaze", "medium", "large") for dense in ("", "-dense")}
+MAKE_NAMES["breakout-mixed"] = "1% of DQN-replay Breakout (the DT paper's data)"
+for _robot, _levels in (("hopper", ("medium", "medium-replay", "expert", "medium-expert")),
+                        ("halfcheetah", ("medium", "medium-replay"))):
+    for _level in _levels:
+        MAKE_NAMES[f"{_robot}-{_level}"] = (f"mujoco/{_robot}/{_level}-v0" if "-" not in _level
+                                            else f"D4RL's {_robot}-{_level}-v2")
+
+
+def _made_id(name):
+    """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
+    return "made/" + name.replace("-", "/", 1) + "-v0"
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -470,14 +487,11 @@ def _open_minari(dataset_id, download):
 
         print(f"downloading {dataset_id} (once) into {where} ...", flush=True)
         try:
-            if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
-                socket.getaddrinfo("huggingface.co", 443)  # no network: fail now, not in a minute
-            minari.load_dataset(dataset_id, download=True)
-        except Exception as e:  # httpx's, huggingface_hub's, socket's, ...
-            raise DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
-                            f"({'no network' if isinstance(e, OSError) else type(e).__name__}); "
-                            f"with a network run `minari download {dataset_id}`, or copy it there "
-                            f"and set MINARI_DATASETS_PATH{_stand_in(dataset_id)}") from None
+            _download(dataset_id)
+        except DataError:
+            raise
+        except Exception as e:  # httpx's, huggingface_hub's, socket's, minari's ValueError, ...
+            raise _download_failure(e, dataset_id, where) from None
 
     # there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
     try:
@@ -487,6 +501,102 @@ def _open_minari(dataset_id, download):
         detail = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # its first sentence
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         raise damaged(dataset_id, type(e).__name__ + (": " + detail if detail else "")) from None
+
+
+def _remote():
+    """-> (Minari's remote, as MINARI_REMOTE names it, the server it downloads from): the
+    Hugging Face endpoint (HF_ENDPOINT, e.g. a mirror) for an hf:// remote."""
+    from huggingface_hub import constants
+    from minari.storage.remotes import DEFAULT_REMOTE
+    remote = os.environ.get("MINARI_REMOTE", DEFAULT_REMOTE)
+    return remote, constants.ENDPOINT if remote.startswith("hf://") else remote
+
+
+def _download(dataset_id):
+    """minari.download_dataset into a hidden folder of the datasets folder, the dataset's data/
+    moved into place when complete: a failure or a stop half-way leaves no folder that the next
+    run takes for the dataset (it downloads again)."""
+    import minari
+    from huggingface_hub import constants
+    root = dataset_folder("")
+    try:
+        staging = tempfile.mkdtemp(prefix=".data.py-download-", dir=root)
+    except OSError as e:
+        raise DataError(f"cannot download into {root} ({e.strerror}); set MINARI_DATASETS_PATH "
+                        f"to a folder you can write") from None
+    try:
+        # no route to the remote's host: fail now, not after a minute of retries
+        remote, server = _remote()
+        host = urllib.parse.urlparse(server).hostname
+        if remote.startswith("hf://") and host and not constants.HF_HUB_OFFLINE:
+            socket.getaddrinfo(host, 443)
+
+        # into the hidden folder (minari reads MINARI_DATASETS_PATH at each call), quietly: its
+        # lines name that folder (huggingface_hub's progress bars stay, on stderr)
+        old = os.environ.get("MINARI_DATASETS_PATH")
+        os.environ["MINARI_DATASETS_PATH"] = staging
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                minari.download_dataset(dataset_id)
+        finally:
+            if old is None:
+                del os.environ["MINARI_DATASETS_PATH"]
+            else:
+                os.environ["MINARI_DATASETS_PATH"] = old
+
+        # into place in one rename (a download that finished first is kept)
+        target = os.path.join(dataset_folder(dataset_id), "data")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.exists(target):
+            os.rename(os.path.join(staging, dataset_id, "data"), target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def download_failure(e, server):
+    """-> (why a download from `server` failed, in words; whether it lacks what was asked for):
+    huggingface_hub's errors and their causes (httpx's, socket's), minari's ValueError."""
+    from huggingface_hub.errors import (HfHubHTTPError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError)
+    chain = [e]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 20:
+        chain.append(cause)
+
+    # minari's "Couldn't find any version for dataset ... in the remote Farama server", ...
+    if any(isinstance(c, (RepositoryNotFoundError, RemoteEntryNotFoundError)) for c in chain) or (
+            isinstance(e, ValueError) and "in the remote" in str(e)):
+        return f"{server} does not hold it", True
+    if http := next((c for c in chain if isinstance(c, HfHubHTTPError) and c.response is not None),
+                    None):
+        return f"{server} answered HTTP {http.response.status_code}", False
+    if any(isinstance(c, socket.gaierror) for c in chain):
+        return "no network", False
+    if any(type(c).__name__ in ("ConnectError", "ConnectTimeout") for c in chain):
+        return f"{server} cannot be reached", False
+    if any(type(c).__name__ in ("RemoteProtocolError", "ReadError", "ReadTimeout") for c in chain):
+        return f"the connection to {server} broke off in a file", False
+
+    # minari's own: the files not listed (its "The data path ... doesn't exist"), a version, ...
+    if isinstance(e, ValueError) and "data path" in str(e):
+        return f"{server} did not list the files", False
+    if isinstance(e, ValueError) and str(e):
+        return "minari: " + str(e).splitlines()[0].split(". ")[0][:160], False
+    return f"{type(e).__name__} from {server}", False
+
+
+def _download_failure(e, dataset_id, where):
+    """The DataError for a failed download of a dataset, with its cause."""
+    from huggingface_hub import constants
+    remote, server = _remote()
+    why, missing = ("HF_HUB_OFFLINE is set", False) if constants.HF_HUB_OFFLINE else (
+        download_failure(e, server))
+    if missing:
+        return DataError(f"dataset '{dataset_id}' is not in {where} and not on Minari's remote "
+                         f"({remote} at {server}); check the id (`minari list remote` lists the "
+                         f"remote's){_stand_in(dataset_id)}")
+    return DataError(f"dataset '{dataset_id}' is not in {where} and could not be downloaded "
+                     f"({why}); with a network run `minari download {dataset_id}`, or copy it "
+                     f"there and set MINARI_DATASETS_PATH{_stand_in(dataset_id)}")
 
 
 def _stand_in(dataset_id):
@@ -754,6 +864,9 @@ def synthetic_like(name, length=200):
 # ==================================================================================================
 # Dataset tools: below this line nothing is used by the model files or evaluate.py.
 # ==================================================================================================
+# the tools' own imports (what stands above runs without them)
+import time
+import warnings
 
 # ---- D4RL HDF5 -> local Minari dataset (convert-d4rl) ----
 
@@ -1244,9 +1357,6 @@ def mix(sources, dataset_id):
 # PointMaze by the method of Minari's D4RL/pointmaze sets (d4rl-minari-dataset-generation, after
 # D4RL's maze2d; make's help sums it up).
 
-MAKE_NAMES = {f"pointmaze-{maze}{dense}": f"D4RL/pointmaze/{maze}{dense}-v2"
-              for maze in ("umaze", "medium", "large") for dense in ("", "-dense")}
-MAKE_NAMES["breakout-mixed"] = "1% of DQN-replay Breakout (the DT paper's data)"
 MAZE_ENVS = {"umaze": "UMaze", "medium": "Medium", "large": "Large"}  # PointMaze_<name>-v3
 MAZE_EVAL_GOALS = {"umaze": (1, 1), "medium": (6, 6), "large": (7, 9)}  # Minari's eval goal cells
 MAZE_STEPS = {"umaze": 200_000, "medium": 300_000, "large": 400_000}  # default --steps
@@ -1323,11 +1433,6 @@ def _check_make(env, steps, halves=1):
                         f"{gb(free)} free there; {fix}, or set MINARI_DATASETS_PATH to a folder "
                         f"with room")
     print(f"{halves * steps:,} steps: {cost}", flush=True)
-
-
-def _made_id(name):
-    """make's default id: pointmaze-medium-dense -> made/pointmaze/medium-dense-v0."""
-    return "made/" + name.replace("-", "/", 1) + "-v0"
 
 
 def maze_steps(maze_map, goal):
@@ -1587,12 +1692,6 @@ NOT_MADE = {"walker2d-": "Walker2d's medium", "halfcheetah-expert": "HalfCheetah
             "halfcheetah-medium-expert": "HalfCheetah's expert"}
 LEVELS = {"medium": 1 / 3, "expert": 1.0}  # the eval return that stops training, normalised
 ARS_RESTART, ARS_EVAL_EPISODES, LOCOMOTION_STEPS = 200, 5, 300_000
-for _robot, _s in LOCOMOTION.items():
-    MAKE_NAMES[f"{_robot}-medium"] = f"mujoco/{_robot}/medium-v0"
-    MAKE_NAMES[f"{_robot}-medium-replay"] = f"D4RL's {_robot}-medium-replay-v2"
-    if "expert" in _s["iterations"]:
-        MAKE_NAMES[f"{_robot}-expert"] = f"mujoco/{_robot}/expert-v0"
-        MAKE_NAMES[f"{_robot}-medium-expert"] = f"D4RL's {_robot}-medium-expert-v2"
 LOCOMOTION_HELP = (
     "hopper-*, halfcheetah-*: ARS trains a linear policy in the v5 robot to a third of D4RL's "
     "expert\nreturn (expert: all, or the best in "

@@ -595,9 +595,10 @@ def build_model(cfg, info):
 
 
 def shape_of(cfg):
-    """A new run's blocks, no weight read: --init's config (random: GPT-2 small's), --n-layer."""
+    """A new run's blocks, no weight read: --init's config (a hub name's downloaded first; random:
+    GPT-2 small's), --n-layer."""
     g = (GPT2Config(n_embd=cfg.n_embd or 768, n_head=cfg.n_head or 12) if cfg.init == "random"
-         else config_of(cfg.init, allow_download=False))
+         else config_of(cfg.init))
     return dict(n_embd=g.n_embd, n_head=g.n_head, n_layer=cfg.n_layer or g.n_layer,
                 eps=g.layer_norm_epsilon, activation=g.activation)
 
@@ -1092,7 +1093,7 @@ ANALYSES = {"markov": markov_analysis, "attention_maps": attention_maps,
 CLIP_TEXT = GPT2Config(vocab_size=49408, n_positions=77, n_embd=512, n_layer=12, n_head=8,
                        activation="quick_gelu")
 # --init's hub names (a key or a repo): cached under each repo, fetched from the first
-HUB = {"gpt2": dict(repos=("gpt2", "openai-community/gpt2"), what="GPT-2 small",
+HUB = {"gpt2": dict(repos=("openai-community/gpt2", "gpt2"), what="GPT-2 small",
                     config=GPT2Config()),
        "clip": dict(repos=("openai/clip-vit-base-patch32",), what="CLIP ViT-B/32",
                     config=CLIP_TEXT)}
@@ -1120,16 +1121,18 @@ def find_weights(init="gpt2", allow_download=True):
         repo = h["repos"][0]
         print(f"downloading {h['what']} ({repo}) once into the Hugging Face cache", flush=True)
 
+        # (HF_ENDPOINT: a mirror's)
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
+        endpoint = huggingface_hub.constants.ENDPOINT
         try:
             if not offline:  # no network: fail now, not after retries
-                host = urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT).hostname
-                socket.getaddrinfo(host, 443)
+                socket.getaddrinfo(urllib.parse.urlparse(endpoint).hostname, 443)
             hf_hub_download(repo, "config.json")
             return hf_hub_download(repo, "model.safetensors")
-        except OSError as e:  # huggingface_hub's errors (offline, HTTP) too
+        except Exception as e:  # huggingface_hub's errors (offline, HTTP), httpx's, socket's
+            why, missing = data_lib.download_failure(e, endpoint)
             why = ("HF_HUB_OFFLINE is set" if offline else
-                   "no network" if isinstance(e, socket.gaierror) else type(e).__name__)
+                   f"{endpoint} does not hold {repo}" if missing else why)
             raise CheckpointError(f"{h['what']} weights are not in the Hugging Face cache and "
                                   f"could not be downloaded ({why}); with a network run `hf "
                                   f"download {repo} model.safetensors config.json` once, pass "

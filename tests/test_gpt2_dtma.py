@@ -253,7 +253,7 @@ def test_gpt2_name_finds_hf_cache_downloads_once_and_offline_is_one_sentence(tmp
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "fresh"))
     monkeypatch.setattr(G, "hf_hub_download", download)
     assert G.load_gpt2_lm("gpt2").cfg.n_embd == 48 and G.load_gpt2_lm("gpt2").cfg.n_layer == 2
-    assert fetched == [("gpt2", "config.json"), ("gpt2", "model.safetensors")]
+    assert fetched == [("openai-community/gpt2", "config.json"), ("openai-community/gpt2", "model.safetensors")]
     # not cached and offline (huggingface_hub itself, never the network): one sentence that says what to run
     monkeypatch.setattr(G, "hf_hub_download", huggingface_hub.hf_hub_download)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
@@ -261,7 +261,7 @@ def test_gpt2_name_finds_hf_cache_downloads_once_and_offline_is_one_sentence(tmp
         G.load_gpt2_lm("gpt2")
     msg = str(e.value)
     assert "GPT-2 small weights are not in the Hugging Face cache and could not be downloaded" in msg, msg
-    assert "`hf download gpt2 model.safetensors config.json`" in msg and "\n" not in msg
+    assert "`hf download openai-community/gpt2 model.safetensors config.json`" in msg and "\n" not in msg
     assert not [f for f in (tmp_path / "empty").rglob("*") if f.is_file()]        # nothing half-written left behind
 
     def no_network(*a, **kw):   # not offline, but no network: one sentence at once, not after huggingface_hub's retries

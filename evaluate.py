@@ -514,10 +514,19 @@ BENCH_MODES = [("eager", False, False), ("compiled", True, False), ("compiled + 
 FAMILIES = ("mazes", "atari")  # a preset's entries for one family of datasets
 
 
+class Given(set):
+    """parse_flags' fields that the flags or a named --preset set (not the paper's rows,
+    presets[""], which a model file's paper_settings may replace); .typed: the flags' alone, the
+    only settings that may differ from a run's own (load_run)."""
+
+    def __init__(self, fields, typed):
+        super().__init__(fields)
+        self.typed = set(typed)
+
+
 def parse_flags(Config, presets, argv, prog, description):
-    """Config's fields as flags (--batch-size: batch_size) over --preset's settings -> (cfg, the
-    fields the flags or a named --preset set; not the paper's rows, presets[""], which a model
-    file's paper_settings may replace)."""
+    """Config's fields as flags (--batch-size: batch_size) over --preset's settings -> (cfg, Given:
+    the fields the flags or a named --preset set)."""
     argv = None if argv is None else [str(a) for a in argv]
 
     # --help's defaults: those of the data and preset on the command line (Atari: the paper's row)
@@ -566,7 +575,8 @@ def parse_flags(Config, presets, argv, prog, description):
     named = preset_values({k: v for k, v in presets.items() if k}, preset, name, chosen)
     cfg = Config(**values)
     check_values(cfg)  # before a model file's paper_settings reads them
-    return cfg, set(given) | set(named) | ({"env"} if values.get("dataset") else set())
+    typed = set(given) | ({"env"} if values.get("dataset") else set())
+    return cfg, Given(typed | set(named), typed)
 
 
 def family_setting(presets, preset, dataset, chosen=None):
@@ -767,21 +777,26 @@ def read_checkpoint(path, script):
 
 
 def load_run(script, cfg, given, presets):
-    """cfg's run, read only (--resume, the analyses) -> (its settings under the flags given, its
-    checkpoint); a DataError at a flag given that changes what is trained, the data or the seed,
-    or that shortens the run."""
+    """cfg's run, read only (--resume, the analyses) -> (its settings under the flags typed, its
+    checkpoint); a DataError at a flag typed that changes what is trained (the preset too), the
+    data or the seed, or that shortens the run. A restated preset's values are not typed: the
+    run keeps its own (given: parse_flags' Given; a plain set, all typed)."""
     path = os.path.join(run_folder(script, cfg, presets), "ckpt.pt")
     if not os.path.exists(path):
         raise DataError(f"no checkpoint at {path}; train the run first, or pass --out <run folder>")
     ck = read_checkpoint(path, script)
 
-    # the flags given now against the run's own
+    # the flags typed now against the run's own
+    given = getattr(given, "typed", given)
     names = {f.name: f for f in dataclasses.fields(cfg)}
     saved = {k: v for k, v in ck["config"].items() if k in names}
-    differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here"
-              for k in sorted(given & set(saved))
-              if (not names[k].metadata["run"] or k == "seed") and k != "preset"
-              and getattr(cfg, k) != saved[k]]
+    differ = []
+    for k in sorted(given & set(saved)):
+        there, here = saved[k], getattr(cfg, k)
+        if (not names[k].metadata["run"] or k == "seed") and here != there:
+            # ("": no --preset)
+            differ.append(f"--{k.replace('_', '-')} {there if there != '' else 'none'} there, "
+                          f"{here if here != '' else 'none'} here")
 
     # the data, where --env or --dataset is given
     if given & {"env", "dataset"} and resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
@@ -1022,7 +1037,9 @@ class Run:
             torch.set_rng_state(ck["torch_rng"])
             if ck.get("cuda_rng") is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state_all(ck["cuda_rng"])
-            print(f"resumed from {self.out}/ckpt.pt at step {step} of {cfg.steps}")
+            print(f"resumed from {self.out}/ckpt.pt at step {step} of {cfg.steps}" + (
+                "; the run is finished, so its checkpoint is evaluated and nothing is written"
+                if step >= cfg.steps else ""))
 
         # the run's first lines
         print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} "

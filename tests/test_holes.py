@@ -1,0 +1,53 @@
+"""Issue 54, the holes a hostile user found: restating a run's preset on --resume changes nothing; report keeps
+the user's files; make's refusal hints name counts that every later check accepts; make says which policies it
+used; an --out without a checkpoint is said, not replaced by GPT-2's weights; --bench refuses run flags."""
+import os
+import re
+
+import pytest
+import torch
+
+import dt
+import evaluate
+from test_evaluate import files
+from test_harness import one_sentence_exit_1
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. --resume --preset NAME on a run made with that preset: the run's own settings, not the preset's
+
+TINY_CPU = ["--preset", "cpu", "--steps", "4", "--eval-every", "2", "--eval-episodes", "1"]
+SMALLER = ["--n-embd", "16", "--n-layer", "1", "--context", "4", "--batch-size", "8", "--warmup-steps", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [[], SMALLER], ids=["preset-model", "smaller-model"])
+def test_restating_a_finished_runs_preset_changes_nothing(model, tiny_hopper, tmp_path, capsys):
+    """--preset cpu's own values (6000 steps, an evaluation every 2000, 10 episodes, the cosine's end; its model)
+    are not typed, so they neither replace the run's nor are refused: the finished run stays at step 4, its files
+    byte for byte."""
+    out = tmp_path / "run"
+    dt.main(["--dataset", tiny_hopper, *TINY_CPU, *model, "--out", str(out)])
+    before = files(out)
+    capsys.readouterr()
+
+    dt.main(["--out", str(out), "--resume", "--preset", "cpu"])
+    said = capsys.readouterr().out
+    assert f"resumed from {out}/ckpt.pt at step 4 of 4; the run is finished" in said, said
+    assert "episodes=1" in said                                            # its own --eval-episodes, not 10
+    assert files(out) == before
+
+    # a flag typed still counts: --steps 6 continues it
+    dt.main(["--out", str(out), "--resume", "--preset", "cpu", "--steps", "6"])
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 6
+
+
+def test_resume_with_another_preset_is_refused_by_name(tiny_hopper, tmp_path, capsys, monkeypatch):
+    """The preset typed is checked against the run's, as any flag that changes what is trained."""
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg, _ = dt.parse_flags(["--dataset", tiny_hopper, *TINY_CPU[2:]])                     # no preset
+    torch.save(dict(dict.fromkeys(evaluate.CKPT_KEYS), script="dt", step=4, dataset_id=tiny_hopper,
+                    config=vars(cfg) | dict(out=str(out))), out / "ckpt.pt")
+    monkeypatch.setattr(dt.data_lib, "load_data", lambda *a, **k: pytest.fail("loaded data before refusing"))
+    err = one_sentence_exit_1(capsys, dt.main, ["--out", str(out), "--resume", "--preset", "cpu"])
+    assert "(--preset none there, cpu here)" in err, err

@@ -21,6 +21,7 @@ import copy
 import csv
 import dataclasses
 import errno
+import hashlib
 import io
 import json
 import math
@@ -1424,13 +1425,48 @@ def _mean_std(values, scale=1.0):
     return f"{v.mean():.1f} ± {v.std():.1f}"
 
 
+REPORT_MARK = "written by python evaluate.py report, which replaces this file while it is unchanged"
+
+
+def report_mark(text):
+    """report.md's last line, after `text`: the mark and text's hash."""
+    return f"<!-- {REPORT_MARK}: sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]} -->\n"
+
+
+def replaceable(path):
+    """Whether report() may write `path`: nothing there, or its own report.md (its last line the
+    mark and the hash of the lines above) or report.png (the mark in its PNG text), unchanged."""
+    if not os.path.lexists(path):
+        return True
+    try:
+        if path.endswith(".png"):
+            with stops_held():  # (as pyplot's)
+                from PIL import Image
+            with Image.open(path) as img:
+                return img.format == "PNG" and img.text.get("Comment") == REPORT_MARK
+        with open(path, encoding="utf-8", newline="") as f:
+            *lines, last = f.read().splitlines(keepends=True)
+        return last == report_mark("".join(lines))
+    except (OSError, ValueError):  # a folder, not UTF-8 or a PNG, empty
+        return False
+
+
 def report(runs_dir="runs"):
     """The markdown table over the seeds of every run (a folder with config.json and log.csv)
     under runs_dir, grouped by (dataset_id, script, variant) whatever the folder names, printed and
-    written to report.md, with report.png there. -> the table's text."""
+    written to report.md, with report.png there, replacing only the report it wrote there before.
+    -> the table's text."""
     if not os.path.isdir(runs_dir):
         raise DataError(
             f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
+
+    # a report.md or report.png it did not write (or that was changed since) is kept
+    if foreign := [os.path.join(runs_dir, name) for name in ("report.md", "report.png")
+                   if not replaceable(os.path.join(runs_dir, name))]:
+        were, them = ("were", "them") if len(foreign) > 1 else ("was", "it")
+        raise DataError(f"{' and '.join(foreign)} {were} not written by evaluate.py report, or "
+                        f"{were} changed since, so the report keeps {them}; move or rename {them}, "
+                        f"then run the report again")
 
     # each folder under runs_dir (itself too) with a run's file
     runs = [read_run(root) for root, _, files in sorted(os.walk(runs_dir))
@@ -1493,8 +1529,8 @@ def report(runs_dir="runs"):
     text = "\n".join(lines)
     print(text, flush=True)
     try:
-        with open(os.path.join(runs_dir, "report.md"), "w") as f:
-            f.write(text + "\n")
+        with open(os.path.join(runs_dir, "report.md"), "w", encoding="utf-8", newline="") as f:
+            f.write(text + "\n" + report_mark(text + "\n"))
         if groups:
             plot_report(groups, os.path.join(runs_dir, "report.png"))
     except OSError as e:
@@ -1536,7 +1572,7 @@ def plot_report(groups, path):
         ax.axis("off")
     fig.suptitle("mean over seeds; band: min..max over seeds", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Comment": REPORT_MARK})
     plt.close(fig)
 
 

@@ -51,3 +51,41 @@ def test_resume_with_another_preset_is_refused_by_name(tiny_hopper, tmp_path, ca
     monkeypatch.setattr(dt.data_lib, "load_data", lambda *a, **k: pytest.fail("loaded data before refusing"))
     err = one_sentence_exit_1(capsys, dt.main, ["--out", str(out), "--resume", "--preset", "cpu"])
     assert "(--preset none there, cpu here)" in err, err
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. report replaces only the report.md and report.png it wrote, unchanged
+
+
+def test_report_replaces_its_own_report_and_keeps_any_other_file(tmp_path, capsys):
+    """Its own report again (a seed added: the new table); a user's report.md, its own report edited, or a
+    report.png it did not draw: one sentence, exit 1, the file byte for byte, nothing else written."""
+    from test_report import HOPPER, hopper_evals, write_run
+    root = tmp_path / "runs"
+    write_run(str(root), "dt", HOPPER, "default", 0, 200, hopper_evals([10, 20], (100, 200)))
+    evaluate.main(["report", str(root)])
+    write_run(str(root), "dt", HOPPER, "default", 1, 200, hopper_evals([10, 40], (100, 200)))
+    evaluate.main(["report", str(root)])
+    text = (root / "report.md").read_text()
+    assert "| 2 | 200 | 3600.0 | 30.0 ± 10.0 |" in text and capsys.readouterr().out.count("| dataset |") == 2
+
+    # the user's notes, and the report with a line added by hand
+    ours = (root / "report.md").read_bytes()
+    for theirs in (b"# my notes on these runs\n", ours.replace(b"\n<!--", b"\nseed 1 was run twice\n<!--"), b""):
+        (root / "report.md").write_bytes(theirs)
+        err = one_sentence_exit_1(capsys, evaluate.main, ["report", str(root)])
+        assert err == (f"error: {root}/report.md was not written by evaluate.py report, or was changed since, so "
+                       f"the report keeps it; move or rename it, then run the report again")
+        assert (root / "report.md").read_bytes() == theirs and capsys.readouterr().out == ""
+
+    # the user's own figure under the report's name (a PNG without its mark), beside the user's notes
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.figure().savefig(root / "report.png")
+    figure = (root / "report.png").read_bytes()
+    err = one_sentence_exit_1(capsys, evaluate.main, ["report", str(root)])
+    assert f"{root}/report.md and {root}/report.png were not written by evaluate.py report" in err, err
+    (root / "report.md").unlink()
+    assert "report.png was not written" in one_sentence_exit_1(capsys, evaluate.main, ["report", str(root)])
+    assert (root / "report.png").read_bytes() == figure and not (root / "report.md").exists()
+    assert sorted(os.listdir(root)) == ["dt", "report.png"]

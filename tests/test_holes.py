@@ -9,6 +9,7 @@ import torch
 
 import dt
 import evaluate
+from test_convert import minari_tmp  # noqa: F401 (a fixture)
 from test_evaluate import files
 from test_harness import one_sentence_exit_1
 
@@ -89,3 +90,55 @@ def test_report_replaces_its_own_report_and_keeps_any_other_file(tmp_path, capsy
     assert "report.png was not written" in one_sentence_exit_1(capsys, evaluate.main, ["report", str(root)])
     assert (root / "report.png").read_bytes() == figure and not (root / "report.md").exists()
     assert sorted(os.listdir(root)) == ["dt", "report.png"]
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. make's refusal hints: the --steps a refusal names passes every later check, the write's too
+
+
+def refused_steps(capsys, argv, kind):
+    import data
+    err = one_sentence_exit_1(capsys, data.main, argv)
+    fit = re.fullmatch(rf"error: --steps [\d,]+ would {kind} .*; use --steps ([\d,]+) or fewer(, or set "
+                       rf"MINARI_DATASETS_PATH to a folder with room)?", err)
+    assert fit, err
+    return fit[1].replace(",", "")
+
+
+def disk_of(monkeypatch, free):
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 ** 40, 2 ** 40 - free, free))
+
+
+@pytest.mark.slow
+def test_the_disk_hint_is_a_make_that_the_write_accepts(minari_tmp, monkeypatch, capsys):
+    """2 MB free: the --steps that the refusal names makes hopper-medium-replay whole, its write's own check (with
+    each episode's arrays, which the first estimate used to leave out) passed. ARS stops at its first update (the
+    level lowered), so the data holds the short episodes of an untrained policy."""
+    import data
+    disk_of(monkeypatch, 2 * 2 ** 20)
+    steps = refused_steps(capsys, ["make", "hopper-medium-replay", "--steps", "1000000"], "write about")
+    monkeypatch.setattr(data, "LEVELS", {"medium": -1.0, "expert": -1.0})
+    folder = data.make("hopper-medium-replay", steps=int(steps))
+    said = capsys.readouterr().out
+    assert os.path.isdir(folder) and f"{int(steps):,} steps" in said, said
+    assert not any(name.startswith(data.PARTIAL_PREFIX) for name in os.listdir(minari_tmp))
+
+
+def test_the_memory_hint_passes_the_disk_check_and_a_little_less_memory(minari_tmp, monkeypatch, capsys):
+    """The memory refusal's --steps fits the disk too (the hint is the most that both allow), and still fits when
+    the memory free has moved down by 1% (the edge itself would not)."""
+    import data
+    monkeypatch.setattr(data, "ars", lambda *args, **settings: pytest.fail("reached ARS"))
+    disk_of(monkeypatch, 30 * 2 ** 20)
+    monkeypatch.setattr(data, "available_memory", lambda: 2 ** 30)
+    steps = refused_steps(capsys, ["make", "hopper-medium", "--steps", "100000000"], "take about")
+    monkeypatch.setattr(data, "available_memory", lambda: int(0.99 * 2 ** 30))
+    with pytest.raises(pytest.fail.Exception, match="reached ARS"):    # both checks passed
+        data.main(["make", "hopper-medium", "--steps", steps])
+
+    # the memory alone short: its hint is at most the memory's edge, below it by HINT_ROOM
+    disk_of(monkeypatch, 2 ** 40)
+    monkeypatch.setattr(data, "available_memory", lambda: 2 ** 26)
+    steps = int(refused_steps(capsys, ["make", "hopper-medium", "--steps", "100000000"], "take about"))
+    edge = 2 ** 26 // (8 * 11 + 4 * 3 + 128)                              # float64 states, float32 actions, lists
+    assert 0.9 * edge < steps <= 0.95 * edge, (steps, edge)

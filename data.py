@@ -1734,12 +1734,16 @@ def _make_locomotion(name, seed, steps, halves=1):
     # (in the order of the policies, as a learner's replay)
     buffers = [r[k] for k in range(len(policies)) for r in rounds if k < len(r)]
 
+    # the behaviour line; medium-replay: the policies the data holds (--steps can end the first
+    # round early)
     norm = lambda r: f"{r:.1f} (normalised {100 * (r - low) / (high - low):.1f})"
-    returns = [sum(e.rewards) for e in buffers]
+    returns, used = [sum(e.rewards) for e in buffers], len(rounds[0])
+    whose = (f"its {used} polic{'y' if used == 1 else 'ies'}" if used == len(policies) else
+             f"the first {used} of its {len(policies)} policies")
     behaviour = (f"mean return {norm(np.mean(returns))}, best {norm(max(returns))}; the policy's "
                  f"eval return {norm(score)}, at ARS iteration {it} of {runs} run(s), {seen:,} "
-                 f"training steps" + (f", the data from its {len(policies)} policies"
-                                     if level == "medium-replay" else "")
+                 f"training steps" + (f", the data from {whose}, an episode of each in "
+                                     f"turn" if level == "medium-replay" else "")
                  + f", {time.time() - t0:.0f} s")
     write_kwargs = dict(
         env=env.spec, eval_env=env.spec, observation_space=env.observation_space,

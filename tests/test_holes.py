@@ -142,3 +142,25 @@ def test_the_memory_hint_passes_the_disk_check_and_a_little_less_memory(minari_t
     steps = int(refused_steps(capsys, ["make", "hopper-medium", "--steps", "100000000"], "take about"))
     edge = 2 ** 26 // (8 * 11 + 4 * 3 + 128)                              # float64 states, float32 actions, lists
     assert 0.9 * edge < steps <= 0.95 * edge, (steps, edge)
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. make hopper-medium-replay says how many of the run's policies its data holds
+
+
+def test_medium_replay_says_which_policies_its_data_holds(minari_tmp, monkeypatch, capsys):
+    """Five policies, the fifth the first at the level (four that fall at once, then M = 0, which stands): 12
+    steps hold the episodes of the first one or two, and the line says so, not 'its 5 policies'."""
+    import data
+    import numpy as np
+
+    def five(rollout, shape, rng, **settings):
+        for k in range(10):
+            yield np.full(shape, 5.0 if k < 4 else 0.0), np.zeros(shape[1]), np.ones(shape[1]), []
+    monkeypatch.setattr(data, "ars", five)
+    low, high = data.D4RL_REF_SCORES["Hopper"]
+    monkeypatch.setattr(data, "LEVELS", {"medium": (80 - low) / (high - low), "expert": 1.0})  # a return of 80
+    data.main(["make", "hopper-medium-replay", "--steps", "12"])
+    out = capsys.readouterr().out
+    said = re.search(r"at ARS iteration 5 of 1 run\(s\), 0 training steps, the data from the first (\d) of its 5 "
+                     r"policies, an episode of each in turn", out)
+    assert said and f": {said[1]} episodes, 12 steps" in out, out

@@ -164,3 +164,19 @@ def test_medium_replay_says_which_policies_its_data_holds(minari_tmp, monkeypatc
     said = re.search(r"at ARS iteration 5 of 1 run\(s\), 0 training steps, the data from the first (\d) of its 5 "
                      r"policies, an episode of each in turn", out)
     assert said and f": {said[1]} episodes, 12 steps" in out, out
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. gpt2_dtma.py --markov with an --out that holds no checkpoint: said, as --importance says it
+
+
+@pytest.mark.parametrize("made", [False, True], ids=["missing", "empty"])
+def test_markov_with_an_out_and_no_checkpoint_is_said_not_gpt2s_weights(made, tmp_path, monkeypatch, capsys):
+    import gpt2_dtma as G
+    out = tmp_path / "run"
+    if made:
+        out.mkdir()
+    monkeypatch.setattr(G, "load_checkpoint", lambda *a, **k: pytest.fail("fell back to GPT-2's weights"))
+    for analysis in ("--markov", "--importance"):
+        err = one_sentence_exit_1(capsys, G.main, ["--out", str(out), analysis])
+        assert err == f"error: no checkpoint at {out}/ckpt.pt; train the run first, or pass --out <run folder>"
+    assert os.path.isdir(out) == made and (not made or os.listdir(out) == [])

@@ -636,6 +636,10 @@ def check_flags(cfg, *one_of):
     if len(chosen := [name for name in one_of if getattr(cfg, name)]) > 1:
         raise DataError(
             f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+    if cfg.bench and (run := [f for f in ("resume", "out") if getattr(cfg, f)]):
+        raise DataError(f"--bench times training on synthetic data in a temporary folder, so it "
+                        f"takes no {' or '.join('--' + f for f in run)}; drop "
+                        f"{'them' if len(run) > 1 else 'it'}")
 
     # the machine: the device, the data's name, the output folder
     kind, _, index = cfg.device.partition(":")

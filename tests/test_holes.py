@@ -180,3 +180,19 @@ def test_markov_with_an_out_and_no_checkpoint_is_said_not_gpt2s_weights(made, tm
         err = one_sentence_exit_1(capsys, G.main, ["--out", str(out), analysis])
         assert err == f"error: no checkpoint at {out}/ckpt.pt; train the run first, or pass --out <run folder>"
     assert os.path.isdir(out) == made and (not made or os.listdir(out) == [])
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. --bench with a run's flags: said before any work, in every model file
+
+
+@pytest.mark.parametrize("script", ["dt", "gpt2_dtma", "lsdt", "starformer", "dema"])
+def test_bench_with_resume_or_out_is_one_sentence_before_any_work(script, tmp_path, monkeypatch, capsys):
+    import importlib
+    m = importlib.import_module(script)
+    monkeypatch.setattr(evaluate, "bench_runs", lambda *a, **k: pytest.fail("the bench ran"))
+    for run, flags in (("--resume", ["--resume"]), ("--out", ["--out", str(tmp_path / "run")]),
+                       ("--resume or --out", ["--resume", "--out", str(tmp_path / "run")])):
+        err = one_sentence_exit_1(capsys, m.main, ["--bench", *flags])
+        assert err == (f"error: --bench times training on synthetic data in a temporary folder, so it takes no "
+                       f"{run}; drop {'them' if ' or ' in run else 'it'}")
+    assert os.listdir(tmp_path) == []

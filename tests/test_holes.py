@@ -181,6 +181,12 @@ def test_markov_with_an_out_and_no_checkpoint_is_said_not_gpt2s_weights(made, tm
         assert err == f"error: no checkpoint at {out}/ckpt.pt; train the run first, or pass --out <run folder>"
     assert os.path.isdir(out) == made and (not made or os.listdir(out) == [])
 
+    # --init named: its weights alone, --out the figure's folder (as before)
+    def read(init):
+        raise G.data_lib.DataError(f"read {init}")
+    monkeypatch.setattr(G, "load_checkpoint", read)
+    assert one_sentence_exit_1(capsys, G.main, ["--out", str(out), "--markov", "--init", "gpt2"]) == "error: read gpt2"
+
 # ---------------------------------------------------------------------------------------------------------------
 # 6. --bench with a run's flags: said before any work, in every model file
 

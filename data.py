@@ -1298,7 +1298,7 @@ def _check_make(env, steps, episode_steps, halves=1):
     """make's cost before any work: `halves` times `steps` times a step's memory (observation,
     action, 128 bytes of list entries) and time (a random step of `env`), and Minari's file of
     them (_file_bytes, as the write's check counts it) in episodes of `episode_steps` on average;
-    a DataError if it cannot fit, naming a --steps that every check accepts."""
+    a DataError if it cannot fit, naming the most --steps that both memory and disk allow."""
     import gymnasium as gym
     t0 = time.time()
     env.reset()

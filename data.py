@@ -1294,6 +1294,11 @@ def make(name, dataset_id=None, seed=0, steps=None):
     return folder
 
 
+# the fewest steps a make's episodes average, for its disk estimate before any work: HalfCheetah's
+# time limit (it never falls); the others about half the least average their makes gave
+EPISODE_STEPS = dict(pointmaze=40, breakout=100, hopper=40, halfcheetah=1000)
+
+
 def _check_make(env, steps, episode_steps, halves=1):
     """make's cost before any work: `halves` times `steps` times a step's memory (observation,
     action, 128 bytes of list entries) and time (a random step of `env`), and Minari's file of
@@ -1342,11 +1347,6 @@ def _check_make(env, steps, episode_steps, halves=1):
                         + (f"use --steps {lo:,} or fewer" if lo else "free some space")
                         + ", or set MINARI_DATASETS_PATH to a folder with room")
     print(f"{halves * steps:,} steps: {cost}", flush=True)
-
-
-# the fewest steps a make's episodes average, for its disk estimate before any work: HalfCheetah's
-# time limit (it never falls); the others about half the least average their makes gave
-EPISODE_STEPS = dict(pointmaze=40, breakout=100, hopper=40, halfcheetah=1000)
 
 
 def _made_id(name):

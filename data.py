@@ -1404,10 +1404,16 @@ def make(name, dataset_id=None, seed=0, steps=None):
     return folder
 
 
-def _check_make(env, steps, halves=1):
+# the fewest steps a make's episodes average, for its disk estimate before any work: HalfCheetah's
+# time limit (it never falls); the others about half the least average their makes gave
+EPISODE_STEPS = dict(pointmaze=40, breakout=100, hopper=40, halfcheetah=1000)
+
+
+def _check_make(env, steps, episode_steps, halves=1):
     """make's cost before any work: `halves` times `steps` times a step's memory (observation,
-    action, 128 bytes of list entries) and time (a random step of `env`); a DataError if it cannot
-    fit."""
+    action, 128 bytes of list entries) and time (a random step of `env`), and Minari's file of
+    them (_file_bytes, as the write's check counts it) in episodes of `episode_steps` on average;
+    a DataError if it cannot fit, naming the most --steps that both memory and disk allow."""
     import gymnasium as gym
     t0 = time.time()
     env.reset()
@@ -1415,23 +1421,41 @@ def _check_make(env, steps, halves=1):
         env.step(env.action_space.sample())
     seconds = (time.time() - t0) / 100 * halves * steps
 
-    spaces = env.observation_space, env.action_space
-    step = sum(gym.spaces.flatten(s, s.sample()).nbytes for s in spaces)
-    need, what = halves * steps * (step + 128), f"--steps {steps:,}" + " twice" * (halves > 1)
-    cost = f"about {gb(need)} of memory and {duration(seconds)} of env steps"
-    if need > (free := available_memory() or need):
-        raise DataError(f"{what} would take {cost}, more than the {gb(free)} free; use "
-                        f"--steps {int(steps * free / need):,} or fewer")
+    # a step's bytes; an episode's arrays (each observation key, the action, reward and two flags)
+    space = env.observation_space
+    obs, act = (gym.spaces.flatten(s, s.sample()).nbytes for s in (space, env.action_space))
+    arrays = (len(space.spaces) if isinstance(space, gym.spaces.Dict) else 1) + 4
 
-    # the disk: the arrays, a reward and two flags a step, in Minari's uncompressed file
+    def memory(n):
+        return halves * n * (obs + act + 128)
+
+    def disk(n):  # the arrays, a reward and two flags a step, an episode's last observation
+        episodes = -(-n // episode_steps)
+        return _file_bytes(halves * (n * (obs + act + 10) + episodes * obs),
+                           halves * episodes * arrays)
+
+    # the most steps both allow (a hint leaves HINT_ROOM of each: they move between runs)
     root = dataset_folder("")  # (the datasets folder)
-    disk = int(1.1 * halves * steps * (step + 10)) + DISK_MARGIN
-    if disk > (free := shutil.disk_usage(root).free):
-        fit = int(steps * (free - DISK_MARGIN) / (disk - DISK_MARGIN))
-        fix = f"use --steps {fit:,} or fewer" if fit > 0 else "free some space"
-        raise DataError(f"{what} would write about {gb(disk)} to {root}, more than the "
-                        f"{gb(free)} free there; {fix}, or set MINARI_DATASETS_PATH to a folder "
-                        f"with room")
+    ram, room = available_memory(), shutil.disk_usage(root).free
+    lo, hi = 0, steps  # (fit(lo), not fit(hi))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ((ram is None or memory(mid) <= (1 - HINT_ROOM) * ram)
+                and disk(mid) <= (1 - HINT_ROOM) * room):
+            lo = mid
+        else:
+            hi = mid
+
+    what, need = f"--steps {steps:,}" + " twice" * (halves > 1), memory(steps)
+    cost = f"about {gb(need)} of memory and {duration(seconds)} of env steps"
+    if need > (ram or need):
+        raise DataError(f"{what} would take {cost}, more than the {gb(ram)} free; "
+                        + (f"use --steps {lo:,} or fewer" if lo else "free some memory"))
+    if disk(steps) > room:
+        raise DataError(f"{what} would write about {gb(disk(steps))} to {root}, more than the "
+                        f"{gb(room)} free there; "
+                        + (f"use --steps {lo:,} or fewer" if lo else "free some space")
+                        + ", or set MINARI_DATASETS_PATH to a folder with room")
     print(f"{halves * steps:,} steps: {cost}", flush=True)
 
 
@@ -1512,7 +1536,7 @@ def _make_pointmaze(name, seed, steps):
 
     env = gym.make(env_id, continuing_task=True, reset_target=True, max_episode_steps=steps)
     maze, plans, rng = env.unwrapped.maze, {}, np.random.default_rng(seed)
-    _check_make(env, steps)
+    _check_make(env, steps, EPISODE_STEPS["pointmaze"])
 
     def noisy(obs):  # the behaviour policy: the expert plus N(0, 0.5^2) on each action, clipped
         action = _waypoint_action(obs, maze, plans) + 0.5 * rng.standard_normal(2)
@@ -1601,7 +1625,7 @@ def _make_breakout(seed=0, steps=None):
     ale = env.unwrapped.ale
     rng = np.random.default_rng(seed)
     if steps:
-        _check_make(env, steps)
+        _check_make(env, steps, EPISODE_STEPS["breakout"])
 
     # episodes at each eps in turn
     buffers, returns, total, t0 = [], {eps: [] for eps in BREAKOUT_EPS}, 0, time.time()
@@ -1748,7 +1772,7 @@ def _make_locomotion(name, seed, steps, halves=1):
     (low, high), steps = D4RL_REF_SCORES[settings["env"].split("-")[0]], steps or LOCOMOTION_STEPS
     env, noise_rng = gym.make(settings["env"]), np.random.default_rng([seed, 0])
     shape = env.action_space.shape + env.observation_space.shape                      # (p, n)
-    _check_make(env, steps, halves)
+    _check_make(env, steps, EPISODE_STEPS[robot], halves)
     env.reset(seed=seed)
 
     def rollout(M, mu, std, alive=settings["alive"], noise=0.0, limit=None):
@@ -1809,12 +1833,16 @@ def _make_locomotion(name, seed, steps, halves=1):
     # (in the order of the policies, as a learner's replay)
     buffers = [r[k] for k in range(len(policies)) for r in rounds if k < len(r)]
 
+    # the behaviour line; medium-replay: the policies the data holds (--steps can end the first
+    # round early)
     norm = lambda r: f"{r:.1f} (normalised {100 * (r - low) / (high - low):.1f})"
-    returns = [sum(e.rewards) for e in buffers]
+    returns, used = [sum(e.rewards) for e in buffers], len(rounds[0])
+    whose = (f"its {used} polic{'y' if used == 1 else 'ies'}" if used == len(policies) else
+             f"the first {used} of its {len(policies)} policies")
     behaviour = (f"mean return {norm(np.mean(returns))}, best {norm(max(returns))}; the policy's "
                  f"eval return {norm(score)}, at ARS iteration {it} of {runs} run(s), {seen:,} "
-                 f"training steps" + (f", the data from its {len(policies)} policies"
-                                     if level == "medium-replay" else "")
+                 f"training steps" + (f", the data from {whose}, an episode of each in "
+                                     f"turn" if level == "medium-replay" else "")
                  + f", {time.time() - t0:.0f} s")
     write_kwargs = dict(
         env=env.spec, eval_env=env.spec, observation_space=env.observation_space,
@@ -1838,6 +1866,7 @@ PARTIAL_PREFIX = ".data.py-partial-"
 STOP = dict(signals=[], in_place=False, hold=False, hdf5=False)
 DISK_MARGIN = 2 ** 20  # bytes kept free beyond a dataset's estimate (metadata, the lock)
 HDF5_ARRAY_BYTES = 4096  # an array's headers and chunk index in Minari's file, with a margin
+HINT_ROOM = 0.05  # the share of the free memory and disk a refusal's --steps leaves
 
 
 def _new_dataset_folder(dataset_id):
@@ -1902,9 +1931,15 @@ def _clean_partial(root):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _file_bytes(nbytes, arrays):
+    """Bytes of Minari's uncompressed file (the most the disk holds at once: _gzip_hdf5 replaces
+    it) of `arrays` arrays of `nbytes` in all: a tenth more, HDF5_ARRAY_BYTES an array and
+    DISK_MARGIN; make's first estimate and the write's check alike."""
+    return int(1.1 * nbytes) + HDF5_ARRAY_BYTES * arrays + DISK_MARGIN
+
+
 def _disk_need(buffers):
-    """Bytes of Minari's uncompressed file of `buffers` (the most the disk holds at once:
-    _gzip_hdf5 replaces it): their arrays and a tenth, HDF5_ARRAY_BYTES an array, DISK_MARGIN."""
+    """_file_bytes of `buffers`."""
     def size(x):  # -> (bytes, arrays); an episode's list holds entries of one shape
         if isinstance(x, dict):
             return tuple(map(sum, zip((0, 0), *map(size, x.values()))))
@@ -1912,7 +1947,7 @@ def _disk_need(buffers):
 
     keys = ("observations", "actions", "rewards", "terminations", "truncations", "infos")
     nbytes, arrays = map(sum, zip((0, 0), *(size(getattr(b, k)) for b in buffers for k in keys)))
-    return int(1.1 * nbytes) + HDF5_ARRAY_BYTES * arrays + DISK_MARGIN
+    return _file_bytes(nbytes, arrays)
 
 
 def _gzip_hdf5(path):

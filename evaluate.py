@@ -21,6 +21,7 @@ import copy
 import csv
 import dataclasses
 import errno
+import hashlib
 import io
 import json
 import math
@@ -531,10 +532,19 @@ BENCH_MODES = [("eager", False, False), ("compiled", True, False), ("compiled + 
 FAMILIES = ("mazes", "atari")  # a preset's entries for one family of datasets
 
 
+class Given(set):
+    """parse_flags' fields that the flags or a named --preset set (not the paper's rows,
+    presets[""], which a model file's paper_settings may replace); .typed: the flags' alone, the
+    only settings that may differ from a run's own (load_run)."""
+
+    def __init__(self, fields, typed):
+        super().__init__(fields)
+        self.typed = set(typed)
+
+
 def parse_flags(Config, presets, argv, prog, description):
-    """Config's fields as flags (--batch-size: batch_size) over --preset's settings -> (cfg, the
-    fields the flags or a named --preset set; not the paper's rows, presets[""], which a model
-    file's paper_settings may replace)."""
+    """Config's fields as flags (--batch-size: batch_size) over --preset's settings -> (cfg, Given:
+    the fields the flags or a named --preset set)."""
     argv = None if argv is None else [str(a) for a in argv]
 
     # --help's defaults: those of the data and preset on the command line (Atari: the paper's row)
@@ -583,7 +593,8 @@ def parse_flags(Config, presets, argv, prog, description):
     named = preset_values({k: v for k, v in presets.items() if k}, preset, name, chosen)
     cfg = Config(**values)
     check_values(cfg)  # before a model file's paper_settings reads them
-    return cfg, set(given) | set(named) | ({"env"} if values.get("dataset") else set())
+    typed = set(given) | ({"env"} if values.get("dataset") else set())
+    return cfg, Given(typed | set(named), typed)
 
 
 def family_setting(presets, preset, dataset, chosen=None):
@@ -642,6 +653,10 @@ def check_flags(cfg, *one_of):
     if len(chosen := [name for name in one_of if getattr(cfg, name)]) > 1:
         raise DataError(
             f"choose one of {', '.join('--' + c.replace('_', '-') for c in chosen)} per command")
+    if cfg.bench and (run := [f for f in ("resume", "out") if getattr(cfg, f)]):
+        raise DataError(f"--bench times training on synthetic data in a temporary folder, so it "
+                        f"takes no {' or '.join('--' + f for f in run)}; drop "
+                        f"{'them' if len(run) > 1 else 'it'}")
 
     # the machine: the device, the data's name, the output folder
     kind, _, index = cfg.device.partition(":")
@@ -787,21 +802,26 @@ def read_checkpoint(path, script):
 
 
 def load_run(script, cfg, given, presets):
-    """cfg's run, read only (--resume, the analyses) -> (its settings under the flags given, its
-    checkpoint); a DataError at a flag given that changes what is trained, the data or the seed,
-    or that shortens the run."""
+    """cfg's run, read only (--resume, the analyses) -> (its settings under the flags typed, its
+    checkpoint); a DataError at a flag typed that changes what is trained (the preset too), the
+    data or the seed, or that shortens the run. A restated preset's values are not typed: the
+    run keeps its own (given: parse_flags' Given; a plain set, all typed)."""
     path = os.path.join(run_folder(script, cfg, presets), "ckpt.pt")
     if not os.path.exists(path):
         raise DataError(f"no checkpoint at {path}; train the run first, or pass --out <run folder>")
     ck = read_checkpoint(path, script)
 
-    # the flags given now against the run's own
+    # the flags typed now against the run's own
+    given = getattr(given, "typed", given)
     names = {f.name: f for f in dataclasses.fields(cfg)}
     saved = {k: v for k, v in ck["config"].items() if k in names}
-    differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here"
-              for k in sorted(given & set(saved))
-              if (names[k].metadata["in_name"] or k == "seed") and k != "preset"
-              and getattr(cfg, k) != saved[k]]
+    differ = []
+    for k in sorted(given & set(saved)):
+        there, here = saved[k], getattr(cfg, k)
+        if (names[k].metadata["in_name"] or k == "seed") and here != there:
+            # ("": no --preset)
+            differ.append(f"--{k.replace('_', '-')} {there if there != '' else 'none'} there, "
+                          f"{here if here != '' else 'none'} here")
 
     # the data, where --env or --dataset is given
     if given & {"env", "dataset"} and resolve(cfg.dataset or cfg.env) != ck["dataset_id"]:
@@ -1040,7 +1060,9 @@ class Run:
             torch.set_rng_state(ck["torch_rng"])
             if ck.get("cuda_rng") is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state_all(ck["cuda_rng"])
-            print(f"resumed from {self.out}/ckpt.pt at step {step} of {cfg.steps}")
+            print(f"resumed from {self.out}/ckpt.pt at step {step} of {cfg.steps}" + (
+                "; the run is finished, so its checkpoint is evaluated and nothing is written"
+                if step >= cfg.steps else ""))
 
         # the run's first lines
         print(f"data: {d.dataset_id}, {len(d.episodes)} episodes, {len(d.flat['rewards']):,} "
@@ -1411,13 +1433,47 @@ def _mean_std(values, scale=1.0):
     return f"{v.mean():.1f} ± {v.std():.1f}"
 
 
+REPORT_MARK = "written by python evaluate.py report, which replaces this file while it is unchanged"
+
+
+def report_mark(text):
+    """report.md's last line, after `text`: the mark and text's hash."""
+    return f"<!-- {REPORT_MARK}: sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]} -->\n"
+
+
+def replaceable(path):
+    """Whether report() may write `path`: nothing there, or its own report.md (its last line the
+    mark and the hash of the lines above) or report.png (the mark in its PNG text), unchanged."""
+    if not os.path.lexists(path):
+        return True
+    try:
+        if path.endswith(".png"):
+            from PIL import Image
+            with Image.open(path) as img:
+                return img.format == "PNG" and img.text.get("Comment") == REPORT_MARK
+        with open(path, encoding="utf-8", newline="") as f:
+            *lines, last = f.read().splitlines(keepends=True)
+        return last == report_mark("".join(lines))
+    except (OSError, ValueError):  # a folder, not UTF-8 or a PNG, empty
+        return False
+
+
 def report(runs_dir="runs"):
     """The markdown table over the seeds of every run (a folder with config.json and log.csv)
     under runs_dir, grouped by (dataset_id, script, variant) whatever the folder names, printed and
-    written to report.md, with report.png there. -> the table's text."""
+    written to report.md, with report.png there, replacing only the report it wrote there before.
+    -> the table's text."""
     if not os.path.isdir(runs_dir):
         raise DataError(
             f"{runs_dir} is not a folder; pass the folder that holds the runs (default: runs)")
+
+    # a report.md or report.png it did not write (or that was changed since) is kept
+    if foreign := [os.path.join(runs_dir, name) for name in ("report.md", "report.png")
+                   if not replaceable(os.path.join(runs_dir, name))]:
+        were, them = ("were", "them") if len(foreign) > 1 else ("was", "it")
+        raise DataError(f"{' and '.join(foreign)} {were} not written by evaluate.py report, or "
+                        f"{were} changed since, so the report keeps {them}; move or rename {them}, "
+                        f"then run the report again")
 
     # each folder under runs_dir (itself too) with a run's file
     runs = [read_run(root) for root, _, files in sorted(os.walk(runs_dir))
@@ -1480,8 +1536,8 @@ def report(runs_dir="runs"):
     text = "\n".join(lines)
     print(text, flush=True)
     try:
-        with open(os.path.join(runs_dir, "report.md"), "w") as f:
-            f.write(text + "\n")
+        with open(os.path.join(runs_dir, "report.md"), "w", encoding="utf-8", newline="") as f:
+            f.write(text + "\n" + report_mark(text + "\n"))
         if groups:
             plot_report(groups, os.path.join(runs_dir, "report.png"))
     except OSError as e:
@@ -1523,7 +1579,7 @@ def plot_report(groups, path):
         ax.axis("off")
     fig.suptitle("mean over seeds; band: min..max over seeds", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Comment": REPORT_MARK})
 
 
 def main(argv=None):

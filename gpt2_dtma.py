@@ -810,7 +810,10 @@ def start_model(cfg, info, device="cpu"):
 def markov_analysis(cfg, given):
     """--markov: Def. 4.1 on the layer-0 heads at the start and after fine-tuning (Tab. 1, [P-old]
     Tabs. 2, 8); Fig. 3."""
-    ran = os.path.exists(os.path.join(ev.run_folder(SCRIPT, cfg, PRESETS), "ckpt.pt"))
+    # the run's, if there is one: an --out given holds one, unless --init names the weights alone
+    # (--out: the figure's folder)
+    ran = ("out" in given and "init" not in given) or os.path.exists(
+        os.path.join(ev.run_folder(SCRIPT, cfg, PRESETS), "ckpt.pt"))
     if ran:
         cfg, model, d, out = load_model(cfg, given)
 

@@ -125,17 +125,18 @@ def test_a_make_too_large_for_the_disk_is_refused_before_it_collects(name, playe
 
 
 def test_medium_expert_checks_the_disk_for_both_halves_before_it_trains(minari_tmp, monkeypatch, capsys):
-    """3 MB free: one 10,000-step hopper half fits (about 2.2 MB with the margin), the two halves do not (3.4 MB)."""
+    """3 MB free: one 2,500-step hopper half fits (about 2.6 MB with the margin and episodes of 40 steps), the two
+    halves do not (4.2 MB)."""
     import shutil
     monkeypatch.setattr(data, "ars", lambda *args, **settings: no_work())
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 ** 30, 2 ** 30 - 3 * 2 ** 20, 3 * 2 ** 20))
     with pytest.raises(pytest.fail.Exception):                             # a half alone gets to ARS
-        data.main(["make", "hopper-medium", "--steps", "10000"])
-    err = one_sentence(capsys, data.main, ["make", "hopper-medium-expert", "--steps", "10000"])
-    fit = re.fullmatch(rf"error: --steps 10,000 twice would write about [\d.]+ MB to {minari_tmp}, more than the 3 MB "
+        data.main(["make", "hopper-medium", "--steps", "2500"])
+    err = one_sentence(capsys, data.main, ["make", "hopper-medium-expert", "--steps", "2500"])
+    fit = re.fullmatch(rf"error: --steps 2,500 twice would write about [\d.]+ MB to {minari_tmp}, more than the 3 MB "
                        rf"free there; use --steps ([\d,]+) or fewer, or set MINARI_DATASETS_PATH to a folder with "
                        rf"room", err)
-    assert fit and 5_000 < int(fit[1].replace(",", "")) < 10_000, err
+    assert fit and 1_000 < int(fit[1].replace(",", "")) < 2_500, err
     assert not os.path.exists(minari_tmp / "made" / "hopper" / "medium-expert-v0")
 
 
@@ -328,7 +329,7 @@ def test_a_make_too_large_for_memory_is_refused_before_it_collects(name, player,
 def test_make_counts_a_steps_memory_from_the_spaces(capsys):
     """PointMaze: 8 float64 observation entries, 2 float32 action entries and 128 bytes of list entries a step."""
     env = data._robotics().make("PointMaze_UMaze-v3")
-    data._check_make(env, 2 ** 20)
+    data._check_make(env, 2 ** 20, data.EPISODE_STEPS["pointmaze"])
     assert capsys.readouterr().out.startswith(f"{2 ** 20:,} steps: about {(8 * 8 + 2 * 4 + 128):.3g} MB of memory "
                                               f"and ")
 

@@ -101,7 +101,7 @@ def test_tiny_makes_load_and_dt_trains_on_one(tiny, capsys):
     data.main(["make", "hopper-medium-expert", "--steps", "300"])
     out = capsys.readouterr().out
     assert out.count("at ARS iteration 1 of 1 run(s), ") == 5     # medium-expert: two of them
-    assert "training steps, the data from its 1 policies" in out
+    assert "training steps, the data from its 1 policy, an episode of each in turn" in out
 
     # each: Minari's metadata, D4RL's reference returns, Hopper-v5, whole or cut episodes, loaded
     made = {name: minari.load_dataset(f"made/hopper/{name}-v0")

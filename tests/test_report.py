@@ -98,7 +98,7 @@ def test_report_numbers_by_hand(runs):
     assert f"- dt/{hop}/default/seed3: in progress at step 150 of 300" in below
     assert f"- dt/{hop}/cpu/seed2: no evaluation yet" in below
     assert any(l.startswith(f"- dt/{hop}/cpu/seed3: unreadable") for l in below) and len(below) == 3
-    assert open(os.path.join(runs, "report.md")).read() == text + "\n"
+    assert open(os.path.join(runs, "report.md")).read() == text + "\n" + evaluate.report_mark(text + "\n")
     with open(os.path.join(runs, "report.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -135,7 +135,8 @@ def test_report_cli(runs):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "report", runs], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == open(os.path.join(runs, "report.md")).read() and "46.7 ± 6.2" in r.stdout
+    assert r.stdout + evaluate.report_mark(r.stdout) == open(os.path.join(runs, "report.md")).read()
+    assert "46.7 ± 6.2" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "usage: evaluate.py" in r.stdout and "report" in r.stdout

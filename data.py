@@ -491,7 +491,7 @@ def _open_minari(dataset_id, download):
         except DataError:
             raise
         except Exception as e:  # httpx's, huggingface_hub's, socket's, minari's ValueError, ...
-            raise _download_failure(e, dataset_id, where) from None
+            raise _dataset_download_error(e, dataset_id, where) from None
 
     # there but unreadable: h5py's OSError, json's ValueError, a missing key, ...
     try:
@@ -555,9 +555,13 @@ def _download(dataset_id):
 
 def download_failure(e, server):
     """-> (why a download from `server` failed, in words; whether it lacks what was asked for):
-    huggingface_hub's errors and their causes (httpx's, socket's), minari's ValueError."""
+    HF_HUB_OFFLINE, huggingface_hub's errors and their causes (httpx's, socket's), minari's
+    ValueError."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import (HfHubHTTPError, RemoteEntryNotFoundError,
                                         RepositoryNotFoundError)
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set", False
     chain = [e]
     while (cause := chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 20:
         chain.append(cause)
@@ -584,12 +588,10 @@ def download_failure(e, server):
     return f"{type(e).__name__} from {server}", False
 
 
-def _download_failure(e, dataset_id, where):
+def _dataset_download_error(e, dataset_id, where):
     """The DataError for a failed download of a dataset, with its cause."""
-    from huggingface_hub import constants
     remote, server = _remote()
-    why, missing = ("HF_HUB_OFFLINE is set", False) if constants.HF_HUB_OFFLINE else (
-        download_failure(e, server))
+    why, missing = download_failure(e, server)
     if missing:
         return DataError(f"dataset '{dataset_id}' is not in {where} and not on Minari's remote "
                          f"({remote} at {server}); check the id (`minari list remote` lists the "

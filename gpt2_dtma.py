@@ -1134,8 +1134,7 @@ def find_weights(init="gpt2", allow_download=True):
             return hf_hub_download(repo, "model.safetensors")
         except Exception as e:  # huggingface_hub's errors (offline, HTTP), httpx's, socket's
             why, missing = data_lib.download_failure(e, endpoint)
-            why = ("HF_HUB_OFFLINE is set" if offline else
-                   f"{endpoint} does not hold {repo}" if missing else why)
+            why = f"{endpoint} does not hold {repo}" if missing else why
             raise CheckpointError(f"{h['what']} weights are not in the Hugging Face cache and "
                                   f"could not be downloaded ({why}); with a network run `hf "
                                   f"download {repo} model.safetensors config.json` once, pass "

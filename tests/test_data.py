@@ -171,7 +171,8 @@ def test_download_failure_is_one_sentence(monkeypatch, tmp_path):
         raise FileNotFoundError(dataset_id)
     monkeypatch.setattr(minari, "load_dataset", fake_load)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(data.DataError, match="could not be downloaded.*minari download mujoco/walker2d/expert-v0"):
+    with pytest.raises(data.DataError, match=r"could not be downloaded \(HF_HUB_OFFLINE is set\).*minari download "
+                       "mujoco/walker2d/expert-v0"):
         data.load_data("walker2d-expert")
 
 

@@ -12,6 +12,7 @@ LocalHub answers what the clients were seen to request (its `requests` log; the 
     GET  /[datasets/]R/resolve/REV/PATH                  the body (from an offset with Range)
 404s carry X-Error-Code (RepoNotFound, EntryNotFound), as the Hub's do.
 """
+import contextlib
 import hashlib
 import http.server
 import json
@@ -21,7 +22,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 
 import numpy as np
@@ -96,9 +96,11 @@ class LocalHub:
                 return h.wfile.write(body)
             h.wfile.write(body[:len(body) // 2])
             h.wfile.flush()
-            if callable(cut):   # a Ctrl-C half-way: the child is told, the body stalls
+            if callable(cut):   # a Ctrl-C half-way: the child is told, the body stalls until it has gone
                 cut()
-                time.sleep(2)
+                h.connection.settimeout(60)
+                with contextlib.suppress(OSError):
+                    h.connection.recv(1)   # b"" once the child has closed its end (a reset: OSError)
             h.close_connection = True
 
         what = next((w for p, w in self.faults if p.search(path)), None)

@@ -251,8 +251,9 @@ def run(home, script, *args, interrupt=None):
     home["runs"] += 1
     out = home["root"] / f"run{home['runs']}"
     cmd = [sys.executable, os.path.join(ROOT, script), "--env", "hopper-medium", *SHORT, "--out", str(out), *args]
+    # (SIGINT at its default: a shell's background job, pytest's included, starts with it ignored)
     p = subprocess.Popen(cmd, env=home["env"], cwd=home["root"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if interrupt:
         hub, pattern = interrupt
         hub.fault(pattern, lambda: os.kill(p.pid, signal.SIGINT))

@@ -10,11 +10,15 @@
                    AtariPreprocessing env in the spec, stored lossless, int64 actions), as convert-dqn-replay writes
 """
 import os
+import signal
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # belt and braces: nothing in the suite may reach the network
+# A shell's background job (`pytest &`, a CI script's) starts with SIGINT ignored, and an ignored signal is
+# inherited across exec: with Python's own handler here, every child a test starts takes Ctrl-C as from a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -84,16 +84,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, attn_mask):
+    def forward(self, x, attn_mask, rows=slice(None)):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for z in (q, k, v))  # (B, nh, T, hs)
+        q = q[:, rows]  # (B, Tq, C): the queries asked for
+        q, k, v = (z.view(B, z.shape[1], self.n_head, C // self.n_head).transpose(1, 2)
+                   for z in (q, k, v))  # (B, nh, Tq, hs), (B, nh, T, hs) x 2
 
         # softmax(q k^T / sqrt(hs)) v
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, :, rows],
+                                           dropout_p=dropout)
+        y = y.transpose(1, 2).contiguous().view(B, q.shape[2], C)  # (B, Tq, C)
         return self.resid_drop(self.c_proj(y))
 
 
@@ -111,8 +113,8 @@ class Block(nn.Module):
                                  nn.GELU() if gelu else nn.ReLU(),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
 
-    def forward(self, x, attn_mask):
-        x = x + self.attn(self.ln_1(x), attn_mask)
+    def forward(self, x, attn_mask, rows=slice(None)):
+        x = x[:, rows] + self.attn(self.ln_1(x), attn_mask, rows)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -177,14 +179,14 @@ class DecisionTransformer(nn.Module):
         x = torch.stack(tokens, dim=2).reshape(B, n * K, -1)  # (B, nK, C)
         x = self.drop(self.embed_ln(x))  # (B, nK, C)
 
-        # causal attention over the 3K tokens
+        # causal attention over the 3K tokens; the last block computes the s_t tokens alone (the
+        # only ones read below): the same outputs, for less work
         attn_mask = causal_padding_mask(mask, n)  # (B, 1, nK, nK)
-        for block in self.blocks:
+        for block in self.blocks[:-1]:
             x = block(x, attn_mask)
-        x = self.ln_f(x).reshape(B, K, n, -1)  # (B, K, n, C)
-
         # Sec. 3 / Alg. 1: a_t predicted from the s_t token
-        return self.predict_action(x[:, :, n - 2])  # (B, K, act)
+        x = self.blocks[-1](x, attn_mask, rows=slice(n - 2, None, n))  # (B, K, C)
+        return self.predict_action(self.ln_f(x))  # (B, K, act)
 
 
 def causal_padding_mask(mask, n):
@@ -281,10 +283,10 @@ class AtariDecisionTransformer(nn.Module):
 
         # causal attention, then the logits for a_t from the s_t token
         attn_mask = causal_padding_mask(mask, n)  # (B, 1, nK, nK)
-        for block in self.blocks:
+        for block in self.blocks[:-1]:
             x = block(x, attn_mask)
-        x = self.ln_f(x).reshape(B, K, n, -1)  # (B, K, n, C)
-        return self.head(x[:, :, n - 2])  # (B, K, |A|)
+        x = self.blocks[-1](x, attn_mask, rows=slice(n - 2, None, n))  # (B, K, C): s_t tokens
+        return self.head(self.ln_f(x))  # (B, K, |A|)
 
 # <<< model: end
 
@@ -488,7 +490,7 @@ def train(cfg, run, d=None):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, info).to(device)
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, cfg.beta2),
-                            weight_decay=cfg.weight_decay)
+                            weight_decay=cfg.weight_decay, fused=True)  # one kernel, not a loop
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     rng = np.random.default_rng(cfg.seed)  # draws the training windows
 

@@ -190,3 +190,35 @@ def test_top_fraction_trains_on_the_best_episodes(tiny_hopper, tmp_path, capsys,
     assert torch.equal(ck["state_mean"], torch.from_numpy(full.state_mean))   # statistics of the whole dataset
     assert "embed_return.weight" not in ck["model"]
     assert json.load(open(tmp_path / "config.json"))["variant"] == "batch-size8_context4_warmup-steps5_n-embd16_n-layer1_no-return-token_top-fraction0.3"
+
+
+@pytest.mark.parametrize("atari", [False, True])
+@pytest.mark.parametrize("return_token", [True, False])
+def test_last_block_on_the_state_tokens_equals_the_whole_block(atari, return_token, monkeypatch):
+    """The last block computes only the s_t tokens; against the block run on every token and the
+    s_t rows taken after: the same actions and the same gradients, left padding included."""
+    torch.manual_seed(0)
+    cfg = dt.DTConfig(n_embd=16, n_layer=2, n_head=2, context=4, dropout=0.0, return_token=return_token)
+    if atari:
+        model = dt.AtariDecisionTransformer(cfg, n_actions=4, max_ep_len=50)
+        b = dict(states=torch.randint(0, 256, (3, 4, 4, 84, 84), dtype=torch.uint8),
+                 actions=torch.randint(0, 4, (3, 4)), rtg=torch.randn(3, 4, 1),
+                 timesteps=torch.arange(4).repeat(3, 1), mask=torch.ones(3, 4))
+    else:
+        model = dt.DecisionTransformer(cfg, 4, 2, max_ep_len=50)
+        b = random_batch(B=3, K=4)
+    b["mask"][0, :2] = 0
+
+    def out_and_grads():
+        model.zero_grad()
+        y = model(**b)
+        (y.square().sum() if not atari else y.logsumexp(-1).sum()).backward()
+        return y.detach(), [p.grad.clone() for p in model.parameters()]
+
+    y, g = out_and_grads()
+    whole = dt.Block.forward
+    monkeypatch.setattr(dt.Block, "forward", lambda self, x, m, rows=slice(None): whole(self, x, m)[:, rows])
+    y_ref, g_ref = out_and_grads()
+    assert y.shape == y_ref.shape == (3, 4, 4 if atari else 2)
+    assert torch.allclose(y, y_ref, atol=1e-6)
+    assert all(torch.allclose(a, r, atol=1e-6, rtol=1e-5) for a, r in zip(g, g_ref))
